@@ -1,0 +1,1 @@
+"""Chunked pure-JAX forms: parallel work inside chunks of C tokens, a scan across chunks."""

@@ -1,0 +1,76 @@
+"""The delta core in chunked WY form (SPEC 2.1), pure JAX, differentiable, any backend.
+
+Per chunk of C tokens (γ the cumulative log decay from the chunk start, Γ = exp γ):
+
+    L   = strict_tril( β_i ⟨k_i ⊙ Γ_i/Γ_j, k̃_j⟩ )            T = (I + L)^-1
+    W   = T Diag(β) (K ⊙ Γ)       U = T Diag(β) V            (one triangular solve)
+    R   = U − W S_0                                            (rows r_t = β_t u_t)
+    S_C = Γ_C ⊙ S_0 + (K̃ ⊙ Γ_C/Γ)ᵀ R
+    O   = scale · [ (Q ⊙ Γ) S_0 + tril(⟨q_i ⊙ Γ_i/Γ_j, k̃_j⟩) R ]
+
+W, U and the intra-chunk products run in parallel over all chunks; only S_0 → S_C is a scan
+over chunks.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from precond_linattn.chunked.gram import decayed_gram
+from precond_linattn.numerics import einsum
+from precond_linattn.varlen import chunk_layout, from_chunks, reset, to_chunks
+
+
+def _chunked(x, layout):
+    """[B, T, H, ...] -> [B, H, NC, C, ...] in float32."""
+    y = to_chunks(x, layout)
+    return jnp.moveaxis(y, 3, 1).astype(jnp.float32)
+
+
+def _decay_factors(gamma, like):
+    """(Γ broadcastable to rows [.., C, 1|K], Γ_C/Γ likewise, Γ_C broadcastable to S [.., K, 1])."""
+    if gamma is None:
+        ones = jnp.ones(like.shape[:-1] + (1,), jnp.float32)
+        return ones, ones, ones[..., :1, :]
+    if gamma.ndim == like.ndim - 1:  # scalar: [B,H,NC,C]
+        last = gamma[..., -1:]
+        return jnp.exp(gamma)[..., None], jnp.exp(last - gamma)[..., None], jnp.exp(last)[..., None]
+    last = gamma[..., -1:, :]
+    return jnp.exp(gamma), jnp.exp(last - gamma), jnp.exp(jnp.swapaxes(last, -1, -2))
+
+
+def delta_rule_chunked(q, k, kw, v, beta, g, scale, initial_state, cu_seqlens, chunk_size):
+    """o [B,T,H,V] and final states [N,H,K,V] (float32)."""
+    B, T, H, K = k.shape
+    layout = chunk_layout(B, T, chunk_size, cu_seqlens)
+    qc, kc, kwc, vc = (_chunked(x, layout) for x in (q, k, kw, v))
+    bc = _chunked(beta, layout)
+    gamma = None if g is None else jnp.cumsum(_chunked(g, layout), axis=3)
+    Gam, tail, Gam_C = _decay_factors(gamma, kc)
+
+    L = bc[..., :, None] * decayed_gram(kc, kwc, gamma, strict=True)
+    eye = jnp.eye(chunk_size, dtype=jnp.float32)
+    rhs = bc[..., None] * jnp.concatenate([kc * Gam, vc], axis=-1)
+    WU = jax.scipy.linalg.solve_triangular(eye + L, rhs, lower=True, unit_diagonal=True)
+    W, U = WU[..., :K], WU[..., K:]
+    kw_tail = kwc * tail
+
+    def body(S, x):
+        W_c, U_c, kwt_c, GC_c, doc, first = x
+        S = reset(S, initial_state, doc, first)
+        R = U_c - einsum("bhck,bhkv->bhcv", W_c, S)
+        S_next = GC_c * S + einsum("bhck,bhcv->bhkv", kwt_c, R)
+        return S_next, (S, R)
+
+    xs = tuple(jnp.moveaxis(a, 2, 0) for a in (W, U, kw_tail, Gam_C)) + (layout.doc.T, layout.first.T)
+    S0 = jnp.zeros((B, H, K, v.shape[-1]), jnp.float32)
+    _, (S_pre, R) = jax.lax.scan(body, S0, xs)
+    S_pre, R = jnp.moveaxis(S_pre, 0, 2), jnp.moveaxis(R, 0, 2)  # [B,H,NC,K,V], [B,H,NC,C,V]
+
+    P = decayed_gram(qc, kwc, gamma, strict=False)
+    o = scale * (einsum("bhnck,bhnkv->bhncv", qc * Gam, S_pre) + einsum("bhncd,bhndv->bhncv", P, R))
+    o = from_chunks(jnp.moveaxis(o, 1, 3), layout)
+
+    rows, chunks = layout.final_row, layout.final_chunk
+    finals = Gam_C[rows, :, chunks] * S_pre[rows, :, chunks] + einsum("nhck,nhcv->nhkv", kw_tail[rows, :, chunks],
+                                                   R[rows, :, chunks])
+    return o, finals
