@@ -3,13 +3,10 @@
 import jax.numpy as jnp
 
 from precond_linattn.chunked.delta import delta_rule_chunked
-from precond_linattn.ops.dispatch import PALLAS, choose_impl
+from precond_linattn.ops.dispatch import choose_impl, pallas_kernel
 from precond_linattn.reference.delta import delta_step, delta_rule_reference
 from precond_linattn.numerics import f32
 from precond_linattn.validation import check_array, check_cu_seqlens, check_scale, check_shape
-
-IMPLS = {"reference": delta_rule_reference, "chunked": delta_rule_chunked}
-
 
 def _check_decay(log_decay, B, T, H, K):
     if log_decay is None:
@@ -68,14 +65,16 @@ def delta_rule(q, k, v, beta, *, write_key=None, log_decay=None, scale=None, ini
     name = choose_impl("delta_rule", impl, K=K, V=V, dtype=v.dtype, decay=None if log_decay is None
                        else log_decay.ndim)
     kw = k if write_key is None else write_key
-    args = (f32(q), f32(k), f32(kw), f32(v), f32(beta), f32(log_decay), scale, f32(initial_state),
-            cu_seqlens)
-    if name == "pallas":
-        o, final = PALLAS["delta_rule"][1](*args, chunk_size=chunk_size)
-    elif name == "chunked":
-        o, final = delta_rule_chunked(*args, chunk_size)
+    if name == "pallas":  # kernels take the inputs in their own dtype
+        o, final = pallas_kernel("delta_rule")[1](q, k, kw, v, beta, log_decay, scale, initial_state,
+                                                  cu_seqlens, chunk_size)
     else:
-        o, final = delta_rule_reference(*args)
+        args = (f32(q), f32(k), f32(kw), f32(v), f32(beta), f32(log_decay), scale,
+                f32(initial_state), cu_seqlens)
+        if name == "chunked":
+            o, final = delta_rule_chunked(*args, chunk_size)
+        else:
+            o, final = delta_rule_reference(*args)
     return o.astype(v.dtype), (final if output_final_state else None)
 
 

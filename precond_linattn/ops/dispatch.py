@@ -1,23 +1,25 @@
 """Choosing an implementation: "reference", "chunked", "pallas" or "auto".
 
-"auto" takes the Pallas kernel when the default backend is a GPU and a kernel is registered
-that supports the call, else the chunked pure-JAX form.
+"auto" takes the Pallas kernel when the default backend is a GPU and a kernel registered in
+``pallas_kernels.REGISTRY`` supports the call, else the chunked pure-JAX form.
 """
-
-from collections.abc import Callable
 
 import jax
 
 from precond_linattn.validation import check_impl
 
-# op name -> (supports(**shapes) -> bool, implementation); filled by pallas_kernels when it loads
-PALLAS: dict[str, tuple[Callable[..., bool], Callable]] = {}
+
+def pallas_kernel(op: str):
+    """``(supports, kernel)`` for ``op`` from pallas_kernels, or None."""
+    import pallas_kernels
+
+    return pallas_kernels.REGISTRY.get(op)
 
 
 def choose_impl(op: str, impl: str, **call) -> str:
     """The implementation name to run ``op`` with for this call."""
     check_impl(impl)
-    kernel = PALLAS.get(op)
+    kernel = pallas_kernel(op)
     if impl == "auto":
         on_gpu = jax.default_backend() == "gpu"
         return "pallas" if on_gpu and kernel is not None and kernel[0](**call) else "chunked"
