@@ -80,3 +80,27 @@ def check_scale(name: str, value, *, minimum: float | None = None, strict: bool 
     if minimum is not None and (v <= minimum if strict else v < minimum):
         op = ">" if strict else ">="
         raise ValueError(f"{name} must be {op} {minimum}, got {float(v)}")
+
+
+def check_tensor(name: str, x, expected: Sequence[int], layout: str) -> None:
+    """``x`` is a floating array of a supported dtype with exactly the shape ``expected``."""
+    check_array(name, x, len(expected), layout)
+    check_shape(name, x, expected, layout)
+
+
+def check_decay(log_decay, B: int, T: int, H: int, K: int) -> None:
+    """log_decay is None, [B, T, H] (scalar per head) or [B, T, H, K] (per channel)."""
+    if log_decay is None:
+        return
+    if not hasattr(log_decay, "ndim") or log_decay.ndim not in (3, 4):
+        raise ValueError("log_decay must be None, [B, T, H] (scalar decay, GDN) or [B, T, H, K] "
+                         f"(per-channel decay, KDA), got {getattr(log_decay, 'shape', log_decay)}")
+    if log_decay.ndim == 3:
+        check_tensor("log_decay", log_decay, (B, T, H), "[B, T, H]")
+    else:
+        check_tensor("log_decay", log_decay, (B, T, H, K), "[B, T, H, K]")
+
+
+def check_chunk_size(chunk_size) -> None:
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")

@@ -4,15 +4,14 @@ import jax.numpy as jnp
 
 from precond_linattn.chunked.atk import atk_chunked
 from precond_linattn.numerics import f32
-from precond_linattn.ops.delta import _check_decay
 from precond_linattn.ops.dispatch import choose_impl, pallas_kernel
 from precond_linattn.reference.atk import atk_reference, atk_step_fn
-from precond_linattn.validation import check_array, check_cu_seqlens, check_scale, check_shape
+from precond_linattn.validation import (
+    check_array, check_chunk_size, check_cu_seqlens, check_decay, check_scale, check_tensor)
 
 
 def _check_squash(center, H, x, eps):
-    check_array("center", center, 1, "[H]")
-    check_shape("center", center, (H,), "[H]")
+    check_tensor("center", center, (H,), "[H]")
     check_scale("x", x, minimum=1.0)
     check_scale("eps", eps, minimum=0.0, strict=True)
 
@@ -45,16 +44,13 @@ def atk_precondition(k, log_decay, gain, center, *, x=1.5, eps=1e-6, initial_sta
     """
     check_array("k", k, 4, "[B, T, H, K]")
     B, T, H, K = k.shape
-    _check_decay(log_decay, B, T, H, K)
-    check_array("gain", gain, 3, "[B, T, H]")
-    check_shape("gain", gain, (B, T, H), "[B, T, H]")
+    check_decay(log_decay, B, T, H, K)
+    check_tensor("gain", gain, (B, T, H), "[B, T, H]")
     _check_squash(center, H, x, eps)
     N = check_cu_seqlens(cu_seqlens, B, T)
     if initial_state is not None:
-        check_array("initial_state", initial_state, 3, "[N, H, K]")
-        check_shape("initial_state", initial_state, (N, H, K), "[N, H, K]")
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        check_tensor("initial_state", initial_state, (N, H, K), "[N, H, K]")
+    check_chunk_size(chunk_size)
     if log_decay is None:
         log_decay = jnp.zeros((B, T, H), jnp.float32)
     name = choose_impl("atk_precondition", impl, K=K, dtype=k.dtype, decay=log_decay.ndim)
@@ -74,7 +70,8 @@ def atk_precondition(k, log_decay, gain, center, *, x=1.5, eps=1e-6, initial_sta
 def atk_step(k, log_decay, gain, center, A, *, x=1.5, eps=1e-6):
     """One decoding step of ``atk_precondition`` for a single token:
 
-        A_t = exp(g_t) ⊙ A_{t−1} + gain_t (k_t ⊙ k_t)      k̃_t = exp(−log(x) σ(log(A_t + eps) − c)) ⊙ k_t
+        A_t  = exp(g_t) ⊙ A_{t−1} + gain_t (k_t ⊙ k_t)
+        k̃_t = exp(−log(x) σ(log(A_t + eps) − c)) ⊙ k_t      σ(ρ) = ρ / (1 + |ρ|)
 
     k: [B, H, K]; log_decay: None, [B, H] or [B, H, K]; gain: [B, H]; center: [H];
     A: [B, H, K] float32. Returns (k̃ [B, H, K] in k's dtype, new A).
@@ -85,10 +82,8 @@ def atk_step(k, log_decay, gain, center, A, *, x=1.5, eps=1e-6):
                                   or tuple(log_decay.shape) not in ((B, H), (B, H, K))):
         raise ValueError(f"log_decay must be None, [B, H] or [B, H, K] = {(B, H)} or {(B, H, K)}, "
                          f"got {getattr(log_decay, 'shape', log_decay)}")
-    check_array("gain", gain, 2, "[B, H]")
-    check_shape("gain", gain, (B, H), "[B, H]")
-    check_array("A", A, 3, "[B, H, K]")
-    check_shape("A", A, (B, H, K), "[B, H, K]")
+    check_tensor("gain", gain, (B, H), "[B, H]")
+    check_tensor("A", A, (B, H, K), "[B, H, K]")
     _check_squash(center, H, x, eps)
     g = jnp.zeros((B, H), jnp.float32) if log_decay is None else f32(log_decay)
     A, k_write = atk_step_fn(f32(A), f32(k), g, f32(gain), f32(center), x, eps)

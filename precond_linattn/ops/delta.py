@@ -6,18 +6,9 @@ from precond_linattn.chunked.delta import delta_rule_chunked
 from precond_linattn.ops.dispatch import choose_impl, pallas_kernel
 from precond_linattn.reference.delta import delta_step, delta_rule_reference
 from precond_linattn.numerics import f32
-from precond_linattn.validation import check_array, check_cu_seqlens, check_scale, check_shape
-
-def _check_decay(log_decay, B, T, H, K):
-    if log_decay is None:
-        return
-    if not hasattr(log_decay, "ndim") or log_decay.ndim not in (3, 4):
-        raise ValueError("log_decay must be None, [B, T, H] (scalar decay, GDN) or [B, T, H, K] "
-                         f"(per-channel decay, KDA), got {getattr(log_decay, 'shape', log_decay)}")
-    check_array("log_decay", log_decay, log_decay.ndim, "[B, T, H] or [B, T, H, K]")
-    want = (B, T, H) if log_decay.ndim == 3 else (B, T, H, K)
-    check_shape("log_decay", log_decay, want, "[B, T, H]" if log_decay.ndim == 3 else "[B, T, H, K]")
-
+from precond_linattn.validation import (
+    check_array, check_chunk_size, check_cu_seqlens, check_decay, check_scale, check_shape,
+    check_tensor)
 
 def delta_rule(q, k, v, beta, *, write_key=None, log_decay=None, scale=None, initial_state=None,
                output_final_state=False, cu_seqlens=None, impl="auto", chunk_size=64):
@@ -42,23 +33,17 @@ def delta_rule(q, k, v, beta, *, write_key=None, log_decay=None, scale=None, ini
     """
     check_array("q", q, 4, "[B, T, H, K]")
     B, T, H, K = q.shape
-    check_array("k", k, 4, "[B, T, H, K]")
-    check_shape("k", k, (B, T, H, K), "[B, T, H, K]")
-    check_array("v", v, 4, "[B, T, H, V]")
-    check_shape("v", v, (B, T, H, v.shape[-1]), "[B, T, H, V]")
+    check_tensor("k", k, (B, T, H, K), "[B, T, H, K]")
+    check_tensor("v", v, (B, T, H, v.shape[-1]), "[B, T, H, V]")
     V = v.shape[-1]
-    check_array("beta", beta, 3, "[B, T, H]")
-    check_shape("beta", beta, (B, T, H), "[B, T, H]")
+    check_tensor("beta", beta, (B, T, H), "[B, T, H]")
     if write_key is not None:
-        check_array("write_key", write_key, 4, "[B, T, H, K]")
-        check_shape("write_key", write_key, (B, T, H, K), "[B, T, H, K]")
-    _check_decay(log_decay, B, T, H, K)
+        check_tensor("write_key", write_key, (B, T, H, K), "[B, T, H, K]")
+    check_decay(log_decay, B, T, H, K)
     N = check_cu_seqlens(cu_seqlens, B, T)
     if initial_state is not None:
-        check_array("initial_state", initial_state, 4, "[N, H, K, V]")
-        check_shape("initial_state", initial_state, (N, H, K, V), "[N, H, K, V]")
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        check_tensor("initial_state", initial_state, (N, H, K, V), "[N, H, K, V]")
+    check_chunk_size(chunk_size)
     if scale is None:
         scale = K ** -0.5
     check_scale("scale", scale)
@@ -88,12 +73,9 @@ def delta_rule_step(q, k, v, beta, state, *, write_key=None, log_decay=None, sca
     B, H, K = q.shape
     for name, x in (("k", k), ("write_key", write_key)):
         if x is not None:
-            check_array(name, x, 3, "[B, H, K]")
-            check_shape(name, x, (B, H, K), "[B, H, K]")
-    check_array("v", v, 3, "[B, H, V]")
-    check_shape("v", v, (B, H, v.shape[-1]), "[B, H, V]")
-    check_array("beta", beta, 2, "[B, H]")
-    check_shape("beta", beta, (B, H), "[B, H]")
+            check_tensor(name, x, (B, H, K), "[B, H, K]")
+    check_tensor("v", v, (B, H, v.shape[-1]), "[B, H, V]")
+    check_tensor("beta", beta, (B, H), "[B, H]")
     check_shape("state", state, (B, H, K, v.shape[-1]), "[B, H, K, V]")
     if log_decay is not None and tuple(log_decay.shape) not in ((B, H), (B, H, K)):
         raise ValueError(f"log_decay must be None, [B, H] or [B, H, K], got {tuple(log_decay.shape)}")

@@ -1,6 +1,7 @@
 """Exact (ridge-regression) preconditioning of SPEC 3.3 and its diagonal approximation.
 
 Reference only, O(K²) state, one sequence: q, k [T, K], v [T, V], λ > 0 (vmap for batches).
+Computed in the inputs' dtype at full precision: float32, or float64 under ``jax.enable_x64``.
 With G_t = λI + Σ_{i≤t} k_i k_iᵀ, C_t = Σ_{i≤t} v_i k_iᵀ and P_t = G_t^-1 (P_0 = I/λ):
 
     ATQ:  o_t = C_t P_t q_t
@@ -16,13 +17,18 @@ replace G_t by its diagonal, P_t = Diag(1 / (λ + Σ_{i≤t} k_i ⊙ k_i)), and 
 import jax
 import jax.numpy as jnp
 
-from precond_linattn.numerics import einsum, f32
+from precond_linattn.numerics import HIGHEST
+
+
+def _mv(M, x):
+    """M x (or a dot product) at full precision in the inputs' dtype."""
+    return jnp.dot(M, x, precision=HIGHEST)
 
 
 def _sherman_morrison(P, k):
     """(P^-1 + k kᵀ)^-1 for symmetric P."""
-    Pk = einsum("ij,j->i", P, k)
-    return P - jnp.outer(Pk, Pk) / (1.0 + einsum("i,i->", k, Pk))
+    Pk = _mv(P, k)
+    return P - jnp.outer(Pk, Pk) / (1.0 + _mv(k, Pk))
 
 
 def _diagonal(P, k):
@@ -33,8 +39,8 @@ def _diagonal(P, k):
 def _scan(step, q, k, v, lam):
     """Outputs [T, V] of ``step`` over the tokens from the state (0 [V, K], I/λ)."""
     K, V = k.shape[-1], v.shape[-1]
-    init = (jnp.zeros((V, K), jnp.float32), jnp.eye(K, dtype=jnp.float32) / lam)
-    return jax.lax.scan(step, init, (f32(q), f32(k), f32(v)))[1]
+    init = (jnp.zeros((V, K), k.dtype), jnp.eye(K, dtype=k.dtype) / lam)
+    return jax.lax.scan(step, init, (q, k, v))[1]
 
 
 def _atq(q, k, v, lam, update):
@@ -43,7 +49,7 @@ def _atq(q, k, v, lam, update):
         q_t, k_t, v_t = x
         C = C + jnp.outer(v_t, k_t)
         P = update(P, k_t)
-        return (C, P), einsum("vk,k->v", C, einsum("ij,j->i", P, q_t))
+        return (C, P), _mv(C, _mv(P, q_t))
 
     return _scan(step, q, k, v, lam)
 
@@ -52,30 +58,30 @@ def _atk(q, k, v, lam, update):
     def step(carry, x):
         S, P = carry
         q_t, k_t, v_t = x
-        Pk = einsum("ij,j->i", P, k_t)
-        k_tilde = Pk / (1.0 + einsum("i,i->", k_t, Pk))
-        S = S + jnp.outer(v_t - einsum("vk,k->v", S, k_t), k_tilde)
+        Pk = _mv(P, k_t)
+        k_tilde = Pk / (1.0 + _mv(k_t, Pk))
+        S = S + jnp.outer(v_t - _mv(S, k_t), k_tilde)
         P = update(P, k_t)
-        return (S, P), einsum("vk,k->v", S, q_t)
+        return (S, P), _mv(S, q_t)
 
     return _scan(step, q, k, v, lam)
 
 
 def exact_atq(q, k, v, lam):
-    """o_t = C_t P_t q_t with exact P_t = G_t^-1 (Sherman–Morrison); o [T, V] float32."""
+    """o_t = C_t P_t q_t with exact P_t = G_t^-1 (Sherman–Morrison); o [T, V]."""
     return _atq(q, k, v, lam, _sherman_morrison)
 
 
 def exact_atk(q, k, v, lam):
-    """o_t = S_t q_t with k̃_t = P_{t−1}k_t / (1 + k_tᵀP_{t−1}k_t), exact P; o [T, V] float32."""
+    """o_t = S_t q_t with k̃_t = P_{t−1}k_t / (1 + k_tᵀP_{t−1}k_t), exact P; o [T, V]."""
     return _atk(q, k, v, lam, _sherman_morrison)
 
 
 def diagonal_atq(q, k, v, lam):
-    """ATQ with P_t = Diag(1 / (λ + Σ_{i≤t} k_i ⊙ k_i)); o [T, V] float32."""
+    """ATQ with P_t = Diag(1 / (λ + Σ_{i≤t} k_i ⊙ k_i)); o [T, V]."""
     return _atq(q, k, v, lam, _diagonal)
 
 
 def diagonal_atk(q, k, v, lam):
-    """ATK with P_{t−1} = Diag(1 / (λ + Σ_{i<t} k_i ⊙ k_i)) in k̃_t; o [T, V] float32."""
+    """ATK with P_{t−1} = Diag(1 / (λ + Σ_{i<t} k_i ⊙ k_i)) in k̃_t; o [T, V]."""
     return _atk(q, k, v, lam, _diagonal)
