@@ -71,6 +71,6 @@ def delta_rule_chunked(q, k, kw, v, beta, g, scale, initial_state, cu_seqlens, c
     o = from_chunks(jnp.moveaxis(o, 1, 3), layout)
 
     rows, chunks = layout.final_row, layout.final_chunk
-    finals = Gam_C[rows, :, chunks] * S_pre[rows, :, chunks] + einsum("nhck,nhcv->nhkv", kw_tail[rows, :, chunks],
-                                                   R[rows, :, chunks])
+    last = (rows, slice(None), chunks)
+    finals = Gam_C[last] * S_pre[last] + einsum("nhck,nhcv->nhkv", kw_tail[last], R[last])
     return o, finals

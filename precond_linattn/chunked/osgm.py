@@ -6,7 +6,8 @@ c_t = η β_t^{2a} / n̄_t (a = 1 beta-aware, 0 beta-free) and the scalar u_t = 
     d_{t+1} = clip(p_t, d_min, d_max)        p_t = r_t d_t + u_t s_t   (the pre-clip value)
 
 Without the clip this is a delta rule with value dimension 1. Inside a chunk of C tokens
-(d_i the state before its token i = 0..C-1, d_0 the chunk start, d_C its end), with ρ_i = Π_{m<i} r_m and E_ij = ρ_i / ρ_{j+1} for j < i
+(d_i the state before its token i = 0..C-1, d_0 the chunk start, d_C its end), with
+ρ_i = Π_{m<i} r_m and E_ij = ρ_i / ρ_{j+1} for j < i
 (0 otherwise; exp of masked differences of the cumulative log r, every exponent ≤ 0 for r ≤ 1):
 
     (I + L) u = b − c ⊙ ⟨s_i, y_i⟩        L_ij = c_i E_ij ⟨s'_i, s'_j⟩   (unit lower-triangular)

@@ -1,6 +1,5 @@
 """Public delta-rule op (DeltaNet / Gated DeltaNet / KDA core with an optional write key)."""
 
-import jax.numpy as jnp
 
 from precond_linattn.chunked.delta import delta_rule_chunked
 from precond_linattn.ops.dispatch import choose_impl, pallas_kernel
@@ -9,6 +8,7 @@ from precond_linattn.numerics import f32
 from precond_linattn.validation import (
     check_array, check_chunk_size, check_cu_seqlens, check_decay, check_scale, check_shape,
     check_tensor)
+
 
 def delta_rule(q, k, v, beta, *, write_key=None, log_decay=None, scale=None, initial_state=None,
                output_final_state=False, cu_seqlens=None, impl="auto", chunk_size=64):

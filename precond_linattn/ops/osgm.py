@@ -1,7 +1,6 @@
 """Public OSGM / OSDN preconditioner op: the write key k̃ for OSDN / OSGDN / OSKDA (SPEC 3.1)."""
 
 import jax
-import jax.numpy as jnp
 
 from precond_linattn.chunked.osgm import osgm_chunked
 from precond_linattn.numerics import f32
