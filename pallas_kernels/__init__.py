@@ -4,4 +4,6 @@
 the kernel takes a call's shapes and dtypes, ``kernel`` has the op's positional arguments.
 """
 
-REGISTRY: dict = {}
+from pallas_kernels import delta_rule
+
+REGISTRY: dict = {"delta_rule": (delta_rule.supports, delta_rule.delta_rule_pallas)}

@@ -38,6 +38,25 @@ def _decay_factors(gamma, like):
     return jnp.exp(gamma), jnp.exp(last - gamma), jnp.exp(jnp.swapaxes(last, -1, -2))
 
 
+def chunk_grams(qc, kc, kwc, bc, gamma):
+    """L = strict_tril(β_i ⟨k_i ⊙ Γ_i/Γ_j, k̃_j⟩) and P = tril(⟨q_i ⊙ Γ_i/Γ_j, k̃_j⟩), [.., C, C]."""
+    L = bc[..., :, None] * decayed_gram(kc, kwc, gamma, strict=True)
+    return L, decayed_gram(qc, kwc, gamma, strict=False)
+
+
+def chunk_wy(qc, kc, kwc, vc, bc, gamma):
+    """Per-chunk WY tensors from chunk views [B, H, NC, C, ·] (float32), γ the in-chunk cumsum:
+
+    (W, U, K̃ ⊙ Γ_C/Γ, Q ⊙ Γ, P, Γ_C) with W, U = (I + L)^-1 Diag(β) [K ⊙ Γ, V]."""
+    K = kc.shape[-1]
+    Gam, tail, Gam_C = _decay_factors(gamma, kc)
+    L, P = chunk_grams(qc, kc, kwc, bc, gamma)
+    eye = jnp.eye(kc.shape[-2], dtype=jnp.float32)
+    rhs = bc[..., None] * jnp.concatenate([kc * Gam, vc], axis=-1)
+    WU = jax.scipy.linalg.solve_triangular(eye + L, rhs, lower=True, unit_diagonal=True)
+    return WU[..., :K], WU[..., K:], kwc * tail, qc * Gam, P, Gam_C
+
+
 def delta_rule_chunked(q, k, kw, v, beta, g, scale, initial_state, cu_seqlens, chunk_size):
     """o [B,T,H,V] and final states [N,H,K,V] (float32)."""
     B, T, H, K = k.shape
@@ -45,14 +64,7 @@ def delta_rule_chunked(q, k, kw, v, beta, g, scale, initial_state, cu_seqlens, c
     qc, kc, kwc, vc = (_chunked(x, layout) for x in (q, k, kw, v))
     bc = _chunked(beta, layout)
     gamma = None if g is None else jnp.cumsum(_chunked(g, layout), axis=3)
-    Gam, tail, Gam_C = _decay_factors(gamma, kc)
-
-    L = bc[..., :, None] * decayed_gram(kc, kwc, gamma, strict=True)
-    eye = jnp.eye(chunk_size, dtype=jnp.float32)
-    rhs = bc[..., None] * jnp.concatenate([kc * Gam, vc], axis=-1)
-    WU = jax.scipy.linalg.solve_triangular(eye + L, rhs, lower=True, unit_diagonal=True)
-    W, U = WU[..., :K], WU[..., K:]
-    kw_tail = kwc * tail
+    W, U, kw_tail, q_dec, P, Gam_C = chunk_wy(qc, kc, kwc, vc, bc, gamma)
 
     def body(S, x):
         W_c, U_c, kwt_c, GC_c, doc, first = x
@@ -66,8 +78,7 @@ def delta_rule_chunked(q, k, kw, v, beta, g, scale, initial_state, cu_seqlens, c
     _, (S_pre, R) = jax.lax.scan(body, S0, xs)
     S_pre, R = jnp.moveaxis(S_pre, 0, 2), jnp.moveaxis(R, 0, 2)  # [B,H,NC,K,V], [B,H,NC,C,V]
 
-    P = decayed_gram(qc, kwc, gamma, strict=False)
-    o = scale * (einsum("bhnck,bhnkv->bhncv", qc * Gam, S_pre) + einsum("bhncd,bhndv->bhncv", P, R))
+    o = scale * (einsum("bhnck,bhnkv->bhncv", q_dec, S_pre) + einsum("bhncd,bhndv->bhncv", P, R))
     o = from_chunks(jnp.moveaxis(o, 1, 3), layout)
 
     rows, chunks = layout.final_row, layout.final_chunk

@@ -1,0 +1,275 @@
+"""Device benchmark of delta_rule(impl="pallas"): exactness checks, then timings, in one run.
+
+    PYTHONPATH=. python3 benchmarks/bench_delta.py [--shape B T H D] [--budget-s 420]
+        [--sections checks,packed,time,jla,chunked,breakdown] [--check-dtypes bf16,fp32]
+        [--variants auto/64/4,tf32x3/64/4]     # kernel options precision/block_v/num_warps
+
+Checks (fresh random inputs per check; the device allocator is filled with NaN before each run so
+an unwritten output element shows): pallas vs the chunked pure-JAX form, outputs, final states
+and the gradients of every input, relative RMS error ‖a − b‖ / ‖b‖; bars bf16 6e-3 (outputs and
+final state) and 8e-3 (gradients), fp32 1e-4. Timings: median wall time of ``--reps`` calls after
+warm-up (``jax.block_until_ready``), forward and forward+backward (gradients of every input), for
+the DeltaNet, GDN and KDA cores with a separate write key; jax-linear-attention's symmetric-key
+Mosaic GPU kernels at the same shape when the ``jla`` package imports (carry its wheel, see
+benchmarks/NOTES.md). ``breakdown`` times the pieces of the pallas backward for GDN. Prints JSON
+lines as it goes and one table at the end; records go to benchmarks/RESULTS.md.
+"""
+
+import argparse
+import functools
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import precond_linattn as pla
+from pallas_kernels.delta_rule import Options, delta_rule_pallas
+
+DECAYS = {"deltanet": None, "gdn": 3, "kda": 4}
+BARS = {"bfloat16": (6e-3, 8e-3), "float32": (1e-4, 1e-4)}
+START = time.perf_counter()
+
+
+def elapsed():
+    return time.perf_counter() - START
+
+
+def make_inputs(key, B, T, H, D, decay, dtype, n_docs=None):
+    """Layer-like inputs: unit q, k; k̃ = d ⊙ k, d in [0.5, 2]; β = σ(x); g = log σ(x + 4)."""
+    ks = jax.random.split(key, 9)
+    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+    k = unit(jax.random.normal(ks[1], (B, T, H, D)))
+    x = dict(q=unit(jax.random.normal(ks[0], (B, T, H, D))), k=k,
+             kw=k * jax.random.uniform(ks[2], k.shape, minval=0.5, maxval=2.0),
+             v=jax.random.normal(ks[3], (B, T, H, D)),
+             beta=jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H))))
+    if decay is not None:
+        shape = (B, T, H) if decay == 3 else (B, T, H, D)
+        x["g"] = jax.nn.log_sigmoid(jax.random.normal(ks[5], shape) + 4.0)
+    x = {n: a if n == "g" else a.astype(dtype) for n, a in x.items()}  # gates stay float32
+    if n_docs is not None:
+        x["s0"] = jax.random.normal(ks[6], (n_docs, H, D, D), jnp.float32)
+    return x, ks[7]
+
+
+def op(impl, options=None, cu_seqlens=None):  # noqa: D103
+    """(inputs dict) -> (o, final) through the public op or the kernel with explicit options."""
+
+    def f(x):
+        args = (x["q"], x["k"], x["kw"], x["v"], x["beta"], x.get("g"))
+        if impl == "pallas" and options is not None:
+            return delta_rule_pallas(*args, x["q"].shape[-1] ** -0.5, x.get("s0"), cu_seqlens, 64,
+                                     options)
+        return pla.delta_rule(x["q"], x["k"], x["v"], x["beta"], write_key=x["kw"],
+                              log_decay=x.get("g"), initial_state=x.get("s0"),
+                              output_final_state=True, cu_seqlens=cu_seqlens, impl=impl)
+    return f
+
+
+POISON_GIB = [4.0]
+
+
+def poison():
+    """Fill and free a few GiB of device memory with NaN so that fresh buffers start as NaN."""
+    n = int(POISON_GIB[0] * 2**28)
+    jax.block_until_ready(jnp.full((n,), jnp.nan, jnp.float32)).delete()
+
+
+def rel_rms(a, b):
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    return float(jnp.sqrt(jnp.sum((a - b) ** 2) / jnp.sum(b ** 2)))
+
+
+def check(name, f_kernel, f_ref, x, key, dtype):
+    """Relative RMS errors of outputs, final state and every gradient, kernel vs reference."""
+    def values_and_grads(f):
+        def g(x):
+            (o, final), pullback = jax.vjp(f, x)
+            ko, kf = jax.random.split(key)
+            ct = (jax.random.normal(ko, o.shape, o.dtype), jax.random.normal(kf, final.shape))
+            return o, final, pullback(ct)[0]
+        compiled = jax.jit(g).lower(x).compile()
+        poison()
+        return jax.block_until_ready(compiled(x))
+    ko, kf, kg = values_and_grads(f_kernel)
+    ro, rf, rg = values_and_grads(f_ref)
+    finite = all(bool(jnp.all(jnp.isfinite(a))) for a in jax.tree.leaves((ko, kf, kg)))
+    err_o, err_f = rel_rms(ko, ro), rel_rms(kf, rf)
+    err_g = {n: rel_rms(kg[n], rg[n]) for n in rg}
+    bar_o, bar_g = BARS[jnp.dtype(dtype).name]
+    ok = finite and max(err_o, err_f) <= bar_o and max(err_g.values()) <= bar_g
+    r = dict(check=name, ok=ok, finite=finite, err_o=err_o, err_final=err_f,
+             err_grad_max=max(err_g.values()), worst_grad=max(err_g, key=err_g.get),
+             t_s=round(elapsed()))
+    print(json.dumps(r), flush=True)
+    return r
+
+
+def timeit(f, *a, reps):
+    """Median milliseconds of ``reps`` calls of a compiled function after two warm-up calls."""
+    jax.block_until_ready(f(*a))
+    jax.block_until_ready(f(*a))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*a))
+        ts.append(time.perf_counter() - t0)
+    return round(float(np.median(ts)) * 1e3, 3)
+
+
+def time_op(label, f, x, reps):
+    """Forward and forward+backward (gradients of every input) times, and the compiled
+    forward+backward's temporary + output memory."""
+    fwd = jax.jit(lambda x: f(x)[0]).lower(x).compile()
+    grad = jax.jit(jax.grad(lambda x: jnp.sum(f(x)[0].astype(jnp.float32) ** 2))).lower(x).compile()
+    m = grad.memory_analysis()
+    r = dict(op=label, fwd_ms=timeit(fwd, x, reps=reps), fwdbwd_ms=timeit(grad, x, reps=reps),
+             fwdbwd_mib=round((m.temp_size_in_bytes + m.output_size_in_bytes) / 2**20)
+             if m else None,
+             t_s=round(elapsed()))
+    print(json.dumps(r), flush=True)
+    return r
+
+
+def breakdown(core, x, reps):
+    """Time the pieces of pallas forward+backward for one core (dense rows, T a multiple of 64):
+    the forward kernel saving chunk states, prepare + its pullback (XLA), the backward kernel."""
+    from pallas_kernels import delta_rule as dr
+    from pallas_kernels.delta_bwd_triton import delta_bwd
+    from pallas_kernels.triton_common import Dots, interpret_default
+    B, T, H, D = x["q"].shape
+    nc, decay = T // 64, {None: "none", 3: "scalar", 4: "vector"}[DECAYS[core]]
+    cfg = dr._Config(64, decay, D ** -0.5, B, dr.Options(), Dots("tf32", interpret_default()))
+    g = x.get("g")
+    gamma = None
+    if g is not None:  # cumulative log decay from each chunk's start
+        gamma = jnp.cumsum(g.reshape(B, nc, 64, *g.shape[2:]), 2).reshape(g.shape)
+    flags = (jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, nc)),
+             jnp.broadcast_to((jnp.arange(nc) == 0).astype(jnp.int32), (B, nc)),
+             jnp.broadcast_to((jnp.arange(nc) == nc - 1).astype(jnp.int32), (B, nc)))
+    ins = (x["q"], x["k"], x["kw"], x["v"], x["beta"], gamma)
+    fwd = jax.jit(lambda ins: dr._forward(cfg, *ins, None, *flags, True))
+    o, final, states = fwd(ins)
+
+    def prep(ins, cts):
+        wy, pullback = jax.vjp(functools.partial(dr.prepare, cfg), *ins)
+        return pullback(jax.tree.map(lambda w, c: c.astype(w.dtype), wy, cts))
+    wy = jax.jit(functools.partial(dr.prepare, cfg))(*ins)
+    bwd = jax.jit(lambda wy, states, do, dfinal: delta_bwd(
+        *wy, states, do, dfinal, *flags, chunk=64, scale=cfg.scale, block_v=64, dots=cfg.dots,
+        num_warps=4, num_stages=1))
+    r = dict(breakdown=core, fwd_kernel_with_states_ms=timeit(fwd, ins, reps=reps),
+             prepare_and_pullback_ms=timeit(jax.jit(prep), ins, wy, reps=reps),
+             bwd_kernel_ms=timeit(bwd, wy, states, o, final, reps=reps), t_s=round(elapsed()))
+    print(json.dumps(r), flush=True)
+    return r
+
+
+def jla_ops():
+    """jax-linear-attention's symmetric-key kernels, as (inputs) -> (o, None) functions."""
+    from jla.ops import linear_attention
+
+    def make(kind, gate):
+        def f(x):
+            gates = dict(beta=x["beta"]) if gate is None else dict(beta=x["beta"], g=x["g"])
+            o = linear_attention(kind, x["q"], x["k"], x["v"], impl="mosaic_gpu", **gates)[0]
+            return o, None
+        return f
+    return {"deltanet": make("deltanet", None), "gdn": make("gated_deltanet", 3),
+            "kda": make("kda", 4)}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", type=int, nargs=4, default=(8, 2048, 8, 128))
+    p.add_argument("--sections", default="checks,packed,time,jla,chunked,breakdown")
+    p.add_argument("--check-dtypes", default="bf16,fp32")
+    p.add_argument("--variants", default="auto/64/4,tf32x3/64/4",
+                   help="kernel options precision/block_v/num_warps; the first is checked in bf16"
+                        " and fp32, the others in bf16")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--budget-s", type=float, default=420,
+                   help="start no new item after this many seconds from process start")
+    p.add_argument("--poison-gib", type=float, default=4.0)
+    a = p.parse_args()
+    POISON_GIB[0] = a.poison_gib
+    B, T, H, D = a.shape
+    sections = a.sections.split(",")
+    dev = jax.devices()[0]
+    print(json.dumps(dict(device=dev.device_kind, jax=jax.__version__, shape=a.shape,
+                          date=time.strftime("%Y-%m-%d %H:%M"))), flush=True)
+    key = jax.random.key(int(time.time()))
+    results, timings = [], []
+
+    started = []
+
+    def guarded(what, fn):
+        """Run one item unless past the budget (the first item always runs), reporting errors."""
+        if started and elapsed() > a.budget_s:
+            print(json.dumps(dict(skipped=what, elapsed_s=round(elapsed()))), flush=True)
+            return None
+        started.append(what)
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001  (one failing case must not end the run)
+            print(json.dumps(dict(failed=what, error=f"{type(e).__name__}: {str(e)[:800]}")),
+                  flush=True)
+            return None
+
+    variants = [Options(*(int(f) if i else (None if f == "auto" else f)
+                          for i, f in enumerate(v.split("/")))) for v in a.variants.split(",")]
+    names = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
+    check_dtypes = [names[d] for d in a.check_dtypes.split(",")]
+    for n_variant, opt in enumerate(variants):
+        tag = f"{opt.precision or 'auto'}/{opt.block_v}/{opt.num_warps}"
+        dtypes = check_dtypes if n_variant == 0 else (jnp.bfloat16,)
+        for dtype in dtypes if "checks" in sections else ():
+            for core in DECAYS:
+                def one(dtype=dtype, core=core):
+                    k1, k2 = jax.random.split(jax.random.fold_in(key, len(results)))
+                    x, kc = make_inputs(k1, B, T, H, D, DECAYS[core], dtype, n_docs=B)
+                    name = f"{core} {jnp.dtype(dtype).name} {tag}"
+                    return check(name, op("pallas", opt), op("chunked"), x, kc, dtype)
+                results.append(guarded(f"check {tag} {core}", one))
+        if n_variant == 0 and "packed" in sections:
+            def packed():
+                cu = jnp.asarray([0, 1000, 1037, 3001, 5000], jnp.int32)
+                x, kc = make_inputs(jax.random.fold_in(key, 999), 1, 5000, H, D, 3, jnp.bfloat16,
+                                    n_docs=4)
+                return check(f"gdn bf16 {tag} packed T=5000, 4 docs", op("pallas", opt, cu),
+                             op("chunked", cu_seqlens=cu), x, kc, jnp.bfloat16)
+            results.append(guarded("check packed", packed))
+        inputs = {core: make_inputs(jax.random.fold_in(key, 7), B, T, H, D, decay, jnp.bfloat16)[0]
+                  for core, decay in DECAYS.items()}
+        jobs = [(f"pallas[{tag}] {core}", op("pallas", opt), core) for core in DECAYS]
+        if n_variant == 0:  # the others' kernels, once: jax-linear-attention, then the chunked form
+            jobs += [(f"jla {core} (k̃ = k)", core, core) for core in DECAYS if "jla" in sections]
+            jobs += [(f"chunked {core}", op("chunked"), core) for core in DECAYS
+                     if "chunked" in sections]
+        for label, f, core in jobs if "time" in sections else ():
+            timings.append(guarded(f"time {label}", lambda: time_op(
+                label, jla_ops()[f] if isinstance(f, str) else f, inputs[core], a.reps)))
+    if "breakdown" in sections:
+        x, _ = make_inputs(jax.random.fold_in(key, 8), B, T, H, D, 3, jnp.bfloat16)
+        guarded("breakdown gdn", lambda: breakdown("gdn", x, a.reps))
+
+    print(f"\n{'check':40s} {'ok':>5s} {'err_o':>9s} {'err_final':>9s} {'err_grad':>9s}")
+    for r in filter(None, results):
+        print(f"{r['check']:40s} {str(r['ok']):>5s} {r['err_o']:9.2e} {r['err_final']:9.2e} "
+              f"{r['err_grad_max']:9.2e}")
+    jla = {r["op"].split()[1]: r for r in filter(None, timings) if r["op"].startswith("jla")}
+    print(f"\n{'op, bf16 ' + 'x'.join(map(str, a.shape)):40s} {'fwd ms':>8s} {'fwd+bwd ms':>10s} "
+          f"{'MiB':>8s} {'fwd/jla':>8s} {'f+b/jla':>8s}")
+    for r in filter(None, timings):
+        j = jla.get(r["op"].split()[-1] if not r["op"].startswith("jla") else "")
+        ratio = (f"{r['fwd_ms'] / j['fwd_ms']:8.2f} {r['fwdbwd_ms'] / j['fwdbwd_ms']:8.2f}" if j
+                 else "")
+        print(f"{r['op']:40s} {r['fwd_ms']:8.3f} {r['fwdbwd_ms']:10.3f} {str(r['fwdbwd_mib']):>8s} "
+              f"{ratio}")
+    print(f"elapsed {elapsed():.0f} s")
+
+
+if __name__ == "__main__":
+    main()

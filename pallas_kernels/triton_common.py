@@ -1,0 +1,80 @@
+"""Helpers shared by the kernels written for Pallas's Triton lowering.
+
+The lowering takes 2-D dots only (every dimension >= 16), power-of-two tensor sizes, and no slicing
+of loaded values (load the rows you need from a ref instead). float32 dots run on tensor cores at
+the precision named here: "tf32" (one pass, operands rounded to 10 mantissa bits), "tf32x3"
+(three passes, about fp32) or "ieee" (CUDA cores, exact fp32, slow). In interpret mode (CPU)
+every float32 dot is exact fp32 (XLA:CPU has no tf32).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+_PRESETS = {
+    "tf32": lax.DotAlgorithmPreset.TF32_TF32_F32,
+    "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+    "ieee": lax.DotAlgorithmPreset.F32_F32_F32,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Dots:
+    """How float32 dots inside a kernel are computed (a static, hashable setting)."""
+
+    precision: str = "tf32x3"
+    interpret: bool = False
+
+    def _prec(self, a, b):
+        if a.dtype != jnp.float32 or b.dtype != jnp.float32:
+            return None  # 16-bit operands: exact products, float32 accumulation
+        return lax.Precision.HIGHEST if self.interpret else _PRESETS[self.precision]
+
+    def _dot(self, a, b, dims):
+        if a.dtype != b.dtype:
+            a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+        return lax.dot_general(a, b, (dims, ((), ())), precision=self._prec(a, b),
+                               preferred_element_type=jnp.float32)
+
+    def nn(self, a, b):
+        """a @ b."""
+        return self._dot(a, b, ((1,), (0,)))
+
+    def nt(self, a, b):
+        """a @ bᵀ."""
+        return self._dot(a, b, ((1,), (1,)))
+
+    def tn(self, a, b):
+        """aᵀ @ b."""
+        return self._dot(a, b, ((0,), (0,)))
+
+
+def interpret_default() -> bool:
+    """Kernels run in interpret mode unless the default backend is a GPU."""
+    return jax.default_backend() != "gpu"
+
+
+def iota2(n: int):
+    """Row and column indices of an n x n tile."""
+    i = lax.broadcasted_iota(jnp.int32, (n, n), 0)
+    j = lax.broadcasted_iota(jnp.int32, (n, n), 1)
+    return i, j
+
+
+def unit_lower_inverse(L, dots: Dots):
+    """(I + L)^-1 for a strictly lower-triangular C x C tile L (C a power of two).
+
+    L is nilpotent, so (I + L)^-1 = (I − L)(I + L²)(I + L⁴)…(I + L^(C/2)) exactly: 2 log2(C) − 2
+    matmuls, all on tensor cores."""
+    c = L.shape[0]
+    i, j = iota2(c)
+    X = -L
+    T = jnp.where(i == j, 1.0, 0.0) + X
+    n = 2
+    while n < c:
+        X = dots.nn(X, X)
+        T = T + dots.nn(T, X)
+        n *= 2
+    return T

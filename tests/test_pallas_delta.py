@@ -1,0 +1,148 @@
+"""delta_rule(impl="pallas") against the token-by-token reference (interpret mode on CPU)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import precond_linattn as pla
+from pallas_kernels import REGISTRY
+from pallas_kernels.delta_rule import delta_rule_pallas
+
+B, T, H, K, V, C = 2, 37, 2, 16, 32, 16
+DECAYS = ("none", "scalar", "vector")
+
+
+def make_inputs(seed, decay, b=B, t=T, k_dim=K, v_dim=V, n_init=B, dtype=jnp.float32):
+    """Unit read keys and queries, write key k̃ = d ⊙ k with d in [0.5, 2], β in (0, 1), g < 0."""
+    rng = np.random.default_rng(seed)
+
+    def unit(*shape):
+        x = rng.standard_normal(shape)
+        return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+    k = unit(b, t, H, k_dim)
+    x = dict(q=unit(b, t, H, k_dim), k=k, write_key=k * rng.uniform(0.5, 2.0, k.shape),
+             v=rng.standard_normal((b, t, H, v_dim)), beta=rng.uniform(0.05, 0.95, (b, t, H)),
+             initial_state=rng.standard_normal((n_init, H, k_dim, v_dim)))
+    if decay == "scalar":
+        x["log_decay"] = -rng.uniform(0.01, 0.5, (b, t, H))
+    elif decay == "vector":
+        x["log_decay"] = -rng.uniform(0.01, 0.5, (b, t, H, k_dim))
+    return {n: jnp.asarray(a, jnp.float32 if n == "initial_state" else dtype) for n, a in x.items()}
+
+
+def run(impl, inputs, cu_seqlens=None):
+    """Outputs, final states and the gradients of a fixed random loss w.r.t. every input."""
+
+    def loss(x):
+        o, final = pla.delta_rule(x["q"], x["k"], x["v"], x["beta"], impl=impl,
+                                  write_key=x["write_key"], log_decay=x.get("log_decay"),
+                                  initial_state=x["initial_state"], output_final_state=True,
+                                  cu_seqlens=cu_seqlens, chunk_size=C)
+        o = o.astype(jnp.float32)
+        return jnp.sum(jnp.sin(3.0 * o)) + jnp.sum(final * jnp.cos(final)), (o, final)
+
+    (_, (o, final)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(inputs)
+    return o, final, grads
+
+
+def assert_close(actual, expected, tol, name):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    assert np.all(np.isfinite(actual)), name
+    err = np.max(np.abs(actual - expected)) / max(np.max(np.abs(expected)), 1e-30)
+    assert err <= tol, f"{name}: relative max error {err:.3g} > {tol}"
+
+
+def assert_runs_match(got, want, tol):
+    assert_close(got[0], want[0], tol, "o")
+    assert_close(got[1], want[1], tol, "final state")
+    for name in want[2]:
+        assert_close(got[2][name], want[2][name], tol, f"d{name}")
+
+
+def test_registered():
+    supports, kernel = REGISTRY["delta_rule"]
+    assert kernel is delta_rule_pallas
+    assert supports(K=128, V=128, dtype=jnp.bfloat16, decay=4)
+    assert not supports(K=256, V=128, dtype=jnp.bfloat16, decay=None)
+
+
+@pytest.mark.parametrize("decay", DECAYS)
+def test_matches_reference(decay):
+    """Forward, final state and all gradients (initial state included), odd T, all decays."""
+    x = make_inputs(0, decay)
+    assert_runs_match(run("pallas", x), run("reference", x), 2e-5)
+
+
+@pytest.mark.parametrize("decay", DECAYS)
+def test_packed_documents(decay):
+    """cu_seqlens: every state restarts at a document boundary, one initial state per document."""
+    cu = jnp.asarray([0, 5, 22, 37], jnp.int32)
+    x = make_inputs(1, decay, b=1, n_init=3)
+    assert_runs_match(run("pallas", x, cu), run("reference", x, cu), 2e-5)
+
+
+def test_padded_head_dims():
+    """Head dims that are not powers of two are zero-padded inside the op."""
+    x = make_inputs(2, "vector", k_dim=24, v_dim=20)
+    assert_runs_match(run("pallas", x), run("reference", x), 2e-5)
+
+
+def test_bf16_inputs():
+    """bf16 inputs: same answer as the reference on the same (bf16-valued) inputs up to one bf16
+    rounding of each output and gradient (float32 inside; gradients summed before one cast)."""
+    x = make_inputs(3, "scalar", dtype=jnp.bfloat16)
+    got, want = run("pallas", x), run("reference", x)
+    assert got[2]["q"].dtype == jnp.bfloat16
+    assert_runs_match(got, want, 4e-3)
+
+
+def test_vmap_and_checkpoint():
+    x = make_inputs(4, "scalar")
+
+    def loss(q, k, v, beta, g):
+        o, final = pla.delta_rule(q, k, v, beta, log_decay=g, impl="pallas", chunk_size=C,
+                                  output_final_state=True)
+        return jnp.sum(jnp.sin(o)) + jnp.sum(final ** 2)
+
+    args = (x["q"], x["k"], x["v"], x["beta"], x["log_decay"])
+    split = [a.reshape(B, 1, *a.shape[1:]) for a in args]
+    per_row = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2, 3, 4))))(*split)
+    looped = [jax.grad(loss, argnums=(0, 1, 2, 3, 4))(*[a[i] for a in split]) for i in range(B)]
+    for got, want in zip(per_row, zip(*looped)):
+        np.testing.assert_allclose(got, jnp.stack(want), rtol=1e-5, atol=1e-6)
+    plain = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*args)
+    remat = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2, 3, 4)))(*args)
+    for a, b in zip(remat, plain):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_second_run_bitwise_identical():
+    x = make_inputs(5, "vector")
+    first, second = run("pallas", x), run("pallas", x)
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_traced_scale_and_no_state():
+    """A scale traced under jit is folded into q; no initial state, no final state."""
+    x = make_inputs(6, "none")
+
+    def out(impl, scale):
+        o, final = pla.delta_rule(x["q"], x["k"], x["v"], x["beta"], write_key=x["write_key"],
+                                  scale=scale, impl=impl, chunk_size=C)
+        assert final is None
+        return o
+
+    got = jax.jit(lambda s: out("pallas", s))(jnp.float32(0.3))
+    assert_close(got, out("reference", 0.3), 2e-5, "o")
+
+
+def test_unsupported_calls_raise():
+    x = make_inputs(7, "none", k_dim=256)
+    with pytest.raises(ValueError, match="K <= 128"):
+        pla.delta_rule(x["q"], x["k"], x["v"], x["beta"], impl="pallas")
+    y = make_inputs(7, "none")
+    with pytest.raises(ValueError, match="chunk_size"):
+        pla.delta_rule(y["q"], y["k"], y["v"], y["beta"], impl="pallas", chunk_size=24)
