@@ -1,0 +1,115 @@
+"""One table of logical-axis rules, the (data, fsdp, tensor) device mesh, and sharded NNX state.
+
+Models name each parameter's axes with logical names through Flax NNX metadata (flax 0.12 calls
+it ``out_sharding``): ``nnx.Param(value, out_sharding=("embed", "mlp"))`` or
+``kernel_init=nnx.with_partitioning(init, ("embed", "mlp"))``. ``RULES`` maps each logical name to
+mesh axes; an axis already used earlier in the same array is dropped (so activations named
+("batch", "seq", "embed") shard batch over data × fsdp and leave embed whole), and names without a
+rule are replicated. Parameters without names are replicated.
+
+Flax shards annotated variables eagerly when they are created, which needs a mesh: build models
+with ``init_sharded`` (or inside ``use_mesh``); outside one, use ``nnx.use_eager_sharding(False)``.
+"""
+
+import contextlib
+import math
+import typing
+
+import jax
+from flax import nnx
+from flax.core import spmd as flax_spmd
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("seq", None),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv", None),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("conv", None),
+    ("layers", None),
+)
+
+
+def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, *, devices=None) -> Mesh:
+    """A ``Mesh`` of axes ``MESH_AXES`` over ``devices`` (default all); one size may be -1 for the
+    devices left over. Axes are ``AxisType.Auto``: shardings come from jit's in/out shardings."""
+    devices = jax.devices() if devices is None else list(devices)
+    sizes = [data, fsdp, tensor]
+    if sizes.count(-1) > 1 or any(s < 1 and s != -1 for s in sizes):
+        raise ValueError(f"mesh sizes (data, fsdp, tensor) = {tuple(sizes)}: each >= 1 or -1 for at most one")
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if len(devices) % known:
+            raise ValueError(f"mesh sizes {tuple(sizes)}: {len(devices)} devices do not divide by {known}")
+        sizes[sizes.index(-1)] = len(devices) // known
+    if math.prod(sizes) != len(devices):
+        raise ValueError(f"mesh (data, fsdp, tensor) = {tuple(sizes)} needs {math.prod(sizes)} devices, "
+                         f"but there are {len(devices)} ({devices[0].platform})")
+    return jax.make_mesh(tuple(sizes), MESH_AXES, devices=devices, axis_types=(AxisType.Auto,) * 3)
+
+
+def logical_to_spec(names: typing.Sequence[str | None], rules=RULES) -> PartitionSpec:
+    """The ``PartitionSpec`` of an array whose axes have logical ``names`` (None: replicated)."""
+    table, used, spec = dict(rules), set(), []
+    for name in names:
+        axes = table.get(name) if name is not None else None
+        axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        axes = tuple(a for a in axes if a not in used)
+        used.update(axes)
+        spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*spec)
+
+
+def logical_sharding(mesh: Mesh, names: typing.Sequence[str | None], rules=RULES) -> NamedSharding:
+    """``NamedSharding`` on ``mesh`` of an array whose axes have logical ``names``."""
+    return NamedSharding(mesh, logical_to_spec(names, rules))
+
+
+def state_shardings(state, mesh: Mesh, rules=RULES):
+    """Shardings for an NNX state (or any pytree of ``nnx.Variable``s and arrays), same structure,
+    from each variable's logical ``out_sharding`` names. Raises ``ValueError`` naming the parameter
+    when a dimension does not divide by the mesh axes it is sharded over."""
+
+    def one(path, leaf):
+        names = leaf.get_metadata().get("out_sharding") if isinstance(leaf, nnx.Variable) else None
+        shape = leaf.shape
+        spec = logical_to_spec(names, rules) if names else PartitionSpec()
+        if names is not None and len(names) != len(shape):
+            raise ValueError(f"{_name(path)}: {len(names)} logical axes {names} for shape {shape}")
+        for dim, axes in zip(shape, spec):
+            size = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
+            if dim % size:
+                raise ValueError(f"{_name(path)}: shape {shape} with logical axes {names} -> {spec}: "
+                                 f"dimension {dim} does not divide by {size} devices")
+        sharding = NamedSharding(mesh, spec)
+        return leaf.replace(sharding) if isinstance(leaf, nnx.Variable) else sharding
+
+    return jax.tree_util.tree_map_with_path(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def init_sharded(ctor: typing.Callable[[], typing.Any], mesh: Mesh, rules=RULES):
+    """Build ``ctor()`` (an NNX module, or a tuple such as ``(model, optimizer)``) inside ``jax.jit``
+    so every variable is created directly with its ``state_shardings`` (no full copy on one device).
+    """
+    with nnx.use_eager_sharding(False):
+        graphdef, abstract = nnx.split(nnx.eval_shape(ctor))
+        shardings = state_shardings(abstract, mesh, rules)
+        with use_mesh(mesh, rules):
+            state = jax.jit(lambda: nnx.split(ctor())[1], out_shardings=shardings)()
+    return nnx.merge(graphdef, state)
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh, rules=RULES):
+    """``jax.set_mesh(mesh)`` plus Flax's logical-axis rules, for code that shards by logical names
+    (``jax.lax.with_sharding_constraint(x, logical_to_spec(...))``, eager NNX sharding)."""
+    with jax.set_mesh(mesh), flax_spmd.logical_axis_rules(rules):
+        yield
+
+
+def _name(path) -> str:
+    return jax.tree_util.keystr(path, simple=True, separator="/")
