@@ -1,0 +1,222 @@
+"""The attention layer of all twelve variants (backbone × preconditioner), Flax NNX.
+
+Per token x_t (the layer input), heads h = 1..H, key size K, value size V:
+
+    q, k, v  = SiLU(ShortConv(x W_q)), SiLU(ShortConv(x W_k)), SiLU(ShortConv(x W_v))
+    q, k     ← q / ‖q‖, k / ‖k‖ (per head)
+    β_t      = σ(x W_b)  (× 2 with allow_neg_eigval)
+    g_t      = none (DeltaNet) | −exp(A_log) softplus(x W_a + dt_bias) (GDN, [H])
+               | −exp(A_log_h) softplus(x W_f1 W_f2 + dt_bias) (KDA, [H, K])
+    k̃_t      = k_t | OSGM: d_t ⊙ k_t, r_t = σ(x W_r + b_r) with APF (SPEC 3.1)
+               | ATK: B(A_t) ⊙ k_t, A_t = exp(g^P_t) A_{t−1} + β^P_t k_t², g^P_t = −exp(A_log_atk)
+                 softplus(x W_a^P + dt_bias_atk), β^P_t = σ(x W_b^P), centre log_atk_scale (SPEC 3.2)
+    o_t      = delta rule (SPEC 2) with read key k, write key k̃, decay g, scale K^−1/2
+    y_t      = [RMSNorm_h(o_t) ⊙ act(x W_g)] W_o       (gate: DeltaNet optional, SiLU; GDN SiLU;
+                                                        KDA low-rank x W_g1 W_g2 + b, sigmoid)
+
+Parameter names follow FLA 0.6.0 (``fla/layers/{delta_net,gated_deltanet,kda,
+precond_gated_deltanet,precond_kda}.py``) with Flax's leaf names; converting a checkpoint is:
+
+    FLA                                   here                                  layout
+    X.weight (nn.Linear)                  X.kernel                              transposed [in, out]
+    X.bias                                X.bias
+    X.{i}.weight (nn.Sequential)          X.layers.{i}.kernel                   transposed
+    {q,k,v}_conv1d.weight [D, 1, W]       {q,k,v}_conv1d.kernel [W, D]          w[:, 0, :].T
+    o_norm.weight                         o_norm.scale
+    A_log, dt_bias, A_log_atk, dt_bias_atk, log_atk_scale                        same
+    PrecondKDA a_proj (the ATK gate)      a_atk_proj                            (KDA has no a_proj)
+
+OSDN has no FLA layer; its extra parameters are ``log_d_init`` [H] (learnable initial scale,
+d_1 = exp(log_d_init), zero at init; with ``learn_init_scale``) and ``retention_proj`` (APF gate,
+kernel [D, H], bias [H] = logit(init_retention)).
+"""
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from precond_linattn._typing import Array, Float
+from precond_linattn.layers.config import LayerConfig
+from precond_linattn.layers.conv import ShortConvolution
+from precond_linattn.layers.init import a_log_init, dt_bias_init, normal
+from precond_linattn.layers.norm import RMSNorm
+from precond_linattn.ops.atk import atk_precondition, atk_step
+from precond_linattn.ops.delta import delta_rule, delta_rule_step
+from precond_linattn.ops.osgm import osgm_precondition, osgm_step
+
+
+class LayerCache(NamedTuple):
+    """Decode state of one layer, one row per sequence (document)."""
+
+    memory: Float[Array, "n h k v"]            # S, float32
+    precond: Float[Array, "n h k"] | None      # d (OSGM) or A (ATK), float32; None without
+    conv: tuple                                 # (q, k, v) tails [N, W − 1, dim], compute dtype
+
+
+def _l2norm(x, eps=1e-6):
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+def _softplus_decay(a, A_log, dt_bias):
+    """g = −exp(A_log) softplus(a + dt_bias) ≤ 0, in float32."""
+    return -jnp.exp(A_log) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias)
+
+
+class PrecondDeltaAttention(nnx.Module):
+    def __init__(self, config: LayerConfig, *, rngs: nnx.Rngs):
+        c = self.config = config
+        D, H, K, Vh = c.hidden_size, c.num_heads, c.head_dim, c.head_v_dim
+
+        def lin(i, o, use_bias=False, **kw):
+            return nnx.Linear(i, o, use_bias=use_bias, dtype=c.dtype, param_dtype=c.param_dtype,
+                              kernel_init=normal, rngs=rngs, **kw)
+
+        conv = lambda d: ShortConvolution(d, c.conv_size, use_bias=c.conv_bias, dtype=c.dtype,
+                                          param_dtype=c.param_dtype, rngs=rngs)
+        param = lambda init, shape: nnx.Param(init(rngs.params(), shape, c.param_dtype))
+        self.q_proj, self.k_proj, self.v_proj = lin(D, c.key_dim), lin(D, c.key_dim), lin(D, c.value_dim)
+        self.q_conv1d, self.k_conv1d, self.v_conv1d = conv(c.key_dim), conv(c.key_dim), conv(c.value_dim)
+        self.b_proj = lin(D, H)
+        a_lower = 1.0 if c.backbone == "kda" else 0.0
+        if c.backbone == "gdn":
+            self.a_proj = lin(D, H)
+            self.A_log, self.dt_bias = param(a_log_init(a_lower), (H,)), param(dt_bias_init, (H,))
+        elif c.backbone == "kda":
+            self.f_proj = nnx.Sequential(lin(D, Vh), lin(Vh, H * K))
+            self.A_log, self.dt_bias = param(a_log_init(a_lower), (H,)), param(dt_bias_init, (H * K,))
+        if c.preconditioner == "atk":
+            self.a_atk_proj, self.b_atk_proj = lin(D, H), lin(D, H)
+            self.A_log_atk, self.dt_bias_atk = param(a_log_init(a_lower), (H,)), param(dt_bias_init, (H,))
+            self.log_atk_scale = nnx.Param(jnp.full((H,), c.atk.center_init, c.param_dtype))
+        elif c.preconditioner.startswith("osgm"):
+            if c.osgm.learn_init_scale:
+                self.log_d_init = nnx.Param(jnp.zeros((H,), c.param_dtype))
+            if c.preconditioner == "osgm_apf":
+                r0 = c.osgm.init_retention
+                logit = nnx.initializers.constant(math.log(r0 / (1.0 - r0)))
+                self.retention_proj = lin(D, H, use_bias=True, bias_init=logit)
+        if c.backbone == "kda":
+            self.g_proj = nnx.Sequential(lin(D, Vh), lin(Vh, c.value_dim, use_bias=True))
+        elif c.use_gate:
+            self.g_proj = lin(D, c.value_dim)
+        activation = ("sigmoid" if c.backbone == "kda" else "swish") if c.use_gate else None
+        self.o_norm = RMSNorm(Vh, eps=c.norm_eps, activation=activation, dtype=c.dtype,
+                              param_dtype=c.param_dtype)
+        self.o_proj = lin(c.value_dim, D)
+
+    # ---- per-token parts (any leading dims [..., D]) ----
+
+    def _gates(self, x):
+        """β, the memory's decay g, and the preconditioner's per-token inputs, all float32."""
+        c = self.config
+        H, K = c.num_heads, c.head_dim
+        beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32)) * (2.0 if c.allow_neg_eigval else 1.0)
+        g = None
+        if c.backbone == "gdn":
+            g = _softplus_decay(self.a_proj(x), self.A_log[...], self.dt_bias[...])
+        elif c.backbone == "kda":
+            f = self.f_proj(x).reshape(*x.shape[:-1], H, K)
+            g = _softplus_decay(f, self.A_log[...][:, None], self.dt_bias[...].reshape(H, K))
+        pre = {}
+        if c.preconditioner == "atk":
+            pre = dict(log_decay=_softplus_decay(self.a_atk_proj(x), self.A_log_atk[...],
+                                                 self.dt_bias_atk[...]),
+                       gain=jax.nn.sigmoid(self.b_atk_proj(x).astype(jnp.float32)))
+        elif c.preconditioner == "osgm_apf":
+            pre = dict(retention=jax.nn.sigmoid(self.retention_proj(x).astype(jnp.float32)))
+        return beta, g, pre
+
+    def _heads(self, q, k, v):
+        c = self.config
+        split = lambda a, d: a.reshape(*a.shape[:-1], c.num_heads, d)
+        return (_l2norm(split(q, c.head_dim)), _l2norm(split(k, c.head_dim)),
+                split(v, c.head_v_dim))
+
+    def _output(self, o, x):
+        c = self.config
+        gate = None
+        if c.use_gate:
+            gate = self.g_proj(x).reshape(*x.shape[:-1], c.num_heads, c.head_v_dim)
+        o = self.o_norm(o.astype(c.dtype), gate)
+        return self.o_proj(o.reshape(*o.shape[:-2], c.value_dim))
+
+    def _d_init(self, n):
+        """OSGM d_1 [n, H, K]: ones, or exp(log_d_init) per head when it is learned."""
+        c = self.config
+        scale = jnp.exp(self.log_d_init[...]) if c.osgm.learn_init_scale else jnp.ones((c.num_heads,))
+        return jnp.broadcast_to(scale.astype(jnp.float32)[None, :, None], (n, c.num_heads, c.head_dim))
+
+    # ---- full sequence ----
+
+    def _forward(self, x, cu_seqlens, want_cache):
+        c = self.config
+        x = x.astype(c.dtype)
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        pre_conv = (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q, k, v = self._heads(*(m(a, cu_seqlens=cu_seqlens) for m, a in zip(convs, pre_conv)))
+        beta, g, pre = self._gates(x)
+        run = dict(output_final_state=want_cache, cu_seqlens=cu_seqlens, impl=c.impl,
+                   chunk_size=c.chunk_size)
+        k_write, p_state = k, None
+        if c.preconditioner == "atk":
+            k_write, p_state = atk_precondition(k, pre["log_decay"], pre["gain"], self.log_atk_scale[...],
+                                                x=c.atk.squash_x, eps=c.atk.squash_eps, **run)
+        elif c.preconditioner.startswith("osgm"):
+            o = c.osgm
+            n = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+            k_write, p_state = osgm_precondition(
+                k, beta, eta=o.eta, d_min=o.d_min, d_max=o.d_max, retention=pre.get("retention"),
+                beta_aware=o.beta_aware, eps=o.eps, initial_state=self._d_init(n), **run)
+        out, S = delta_rule(q, k, v, beta, write_key=k_write, log_decay=g, **run)
+        y = self._output(out, x)
+        if not want_cache:
+            return y, None
+        tails = tuple(m.tail(a, cu_seqlens=cu_seqlens) for m, a in zip(convs, pre_conv))
+        return y, LayerCache(S, p_state, tails)
+
+    def __call__(self, x: Float[Array, "b t d"], *, cu_seqlens=None) -> Float[Array, "b t d"]:
+        """Full-sequence output; ``cu_seqlens`` (B = 1): packed documents, every state restarts."""
+        return self._forward(x, cu_seqlens, want_cache=False)[0]
+
+    def prefill(self, x: Float[Array, "b t d"], *, cu_seqlens=None):
+        """(output, ``LayerCache`` after the last token of every row / document)."""
+        return self._forward(x, cu_seqlens, want_cache=True)
+
+    # ---- decoding ----
+
+    def init_cache(self, batch: int) -> LayerCache:
+        """The state before any token: S = 0, d = d_1 (OSGM) or A = 0 (ATK), zero conv tails."""
+        c = self.config
+        H, K, W = c.num_heads, c.head_dim, c.conv_size - 1
+        p_state = None
+        if c.preconditioner == "atk":
+            p_state = jnp.zeros((batch, H, K), jnp.float32)
+        elif c.preconditioner.startswith("osgm"):
+            p_state = self._d_init(batch)
+        tails = tuple(jnp.zeros((batch, W, d), c.dtype) for d in (c.key_dim, c.key_dim, c.value_dim))
+        return LayerCache(jnp.zeros((batch, H, K, c.head_v_dim), jnp.float32), p_state, tails)
+
+    def step(self, x: Float[Array, "b d"], cache: LayerCache):
+        """One token per row in O(1): returns (output [B, D], the updated cache)."""
+        c = self.config
+        x = x.astype(c.dtype)
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        pre_conv = (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        stepped = [m.step(a, tail) for m, a, tail in zip(convs, pre_conv, cache.conv)]
+        q, k, v = self._heads(*(s[0] for s in stepped))
+        beta, g, pre = self._gates(x)
+        k_write, p_state = k, None
+        if c.preconditioner == "atk":
+            k_write, p_state = atk_step(k, pre["log_decay"], pre["gain"], self.log_atk_scale[...],
+                                        cache.precond, x=c.atk.squash_x, eps=c.atk.squash_eps)
+        elif c.preconditioner.startswith("osgm"):
+            o = c.osgm
+            k_write, p_state = osgm_step(k, beta, cache.precond, eta=o.eta, d_min=o.d_min,
+                                         d_max=o.d_max, retention=pre.get("retention"),
+                                         beta_aware=o.beta_aware, eps=o.eps)
+        out, S = delta_rule_step(q, k, v, beta, cache.memory, write_key=k_write, log_decay=g)
+        return self._output(out, x), LayerCache(S, p_state, tuple(s[1] for s in stepped))

@@ -1,0 +1,70 @@
+"""Short causal depthwise convolution with SiLU and a decode cache (FLA's ``ShortConvolution``).
+
+Per channel, with kernel w [W, D] (w_{W−1} multiplies the current token) and documents:
+
+    y_t = SiLU(b + Σ_{j=0}^{W−1} w_{W−1−j} ⊙ x_{t−j})      x_s = 0 for s before t's document
+
+so nothing leaks across the documents packed with ``cu_seqlens``. For decoding, the cache of a
+row is its last W − 1 inputs (the "tail", zeros before the document start):
+
+    y_t = SiLU(b + Σ_i w_i ⊙ [tail, x_t]_i)        tail ← [tail, x_t][1:]
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from precond_linattn._typing import Array, Float
+from precond_linattn.layers.init import normal
+from precond_linattn.varlen import segments
+
+
+def _bounds(batch: int, length: int, cu_seqlens):
+    """Start and end (exclusive) of every document: [N] each (rows without cu_seqlens)."""
+    if cu_seqlens is None:
+        return jnp.zeros((batch,), jnp.int32), jnp.full((batch,), length, jnp.int32)
+    cu = jnp.asarray(cu_seqlens, jnp.int32)
+    return cu[:-1], cu[1:]
+
+
+class ShortConvolution(nnx.Module):
+    def __init__(self, features: int, kernel_size: int, *, use_bias: bool, dtype, param_dtype,
+                 rngs: nnx.Rngs):
+        self.kernel = nnx.Param(normal(rngs.params(), (kernel_size, features), param_dtype))
+        self.bias = nnx.Param(jnp.zeros((features,), param_dtype)) if use_bias else None
+        self.kernel_size, self.dtype = kernel_size, dtype
+
+    def _out(self, acc):
+        if self.bias is not None:
+            acc = acc + self.bias[...].astype(jnp.float32)
+        return jax.nn.silu(acc).astype(self.dtype)
+
+    def __call__(self, x: Float[Array, "b t d"], *, cu_seqlens=None) -> Float[Array, "b t d"]:
+        """Full sequence; ``cu_seqlens`` (B = 1) restarts the window at every document."""
+        B, T, _ = x.shape
+        seg = segments(B, T, cu_seqlens)
+        t = jnp.arange(T)
+        pos = t - jax.lax.cummax(jnp.where(seg.first, t, 0), axis=1)  # index within document
+        w = self.kernel[...].astype(jnp.float32)
+        xf = x.astype(jnp.float32)
+        acc = jnp.zeros_like(xf)
+        for j in range(self.kernel_size):
+            shifted = jnp.pad(xf, ((0, 0), (j, 0), (0, 0)))[:, :T]
+            acc = acc + jnp.where((pos >= j)[..., None], shifted, 0.0) * w[self.kernel_size - 1 - j]
+        return self._out(acc)
+
+    def tail(self, x: Float[Array, "b t d"], *, cu_seqlens=None) -> Float[Array, "n w d"]:
+        """The decode cache after ``x``: the last W − 1 inputs of every document [N, W − 1, D]."""
+        B, T, _ = x.shape
+        start, end = _bounds(B, T, cu_seqlens)
+        idx = end[:, None] - (self.kernel_size - 1) + jnp.arange(self.kernel_size - 1)
+        rows = jnp.zeros_like(start) if cu_seqlens is not None else jnp.arange(B)
+        vals = x[rows[:, None], jnp.clip(idx, 0, T - 1)]
+        return jnp.where((idx >= start[:, None])[..., None], vals, 0).astype(self.dtype)
+
+    def step(self, x: Float[Array, "b d"], tail: Float[Array, "b w d"]):
+        """One token: returns (y [B, D], the new tail)."""
+        window = jnp.concatenate([tail, x[:, None].astype(self.dtype)], axis=1)
+        acc = jnp.einsum("bwd,wd->bd", window.astype(jnp.float32),
+                         self.kernel[...].astype(jnp.float32))
+        return self._out(acc), window[:, 1:]

@@ -1,0 +1,116 @@
+"""The language model: embeddings, pre-RMSNorm blocks (attention + SwiGLU MLP), final norm, head.
+
+    h_0 = E[tokens]  (residual stream in float32)
+    h ← h + Attention(RMSNorm(h));   h ← h + W_down (SiLU(W_gate RMSNorm(h)) ⊙ W_up RMSNorm(h))
+    logits = RMSNorm(h) W_head   (W_head = Eᵀ when tied), float32
+
+Names follow FLA (``model.`` prefix dropped): embeddings, layers.{i}.{attn_norm, attn, mlp_norm,
+mlp.{gate,up,down}_proj}, norm, lm_head; FLA's ``embeddings.weight`` is ``embeddings.embedding``,
+an RMSNorm ``weight`` is ``scale`` and a linear ``weight`` is ``kernel`` (transposed).
+
+Three ways to run it, all through the same ops: ``__call__`` (full sequence, training),
+``prefill`` (full sequence, returns the last logits of every row / document and the decode
+cache) and ``step`` (one token per row, O(1) in the length).
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from precond_linattn._typing import Array, Float, Int
+from precond_linattn.layers.attention import PrecondDeltaAttention
+from precond_linattn.layers.init import normal
+from precond_linattn.layers.norm import RMSNorm
+from precond_linattn.models.config import ModelConfig
+
+
+def _linear(i, o, c, rngs):
+    return nnx.Linear(i, o, use_bias=False, dtype=c.layer.dtype, param_dtype=c.layer.param_dtype,
+                      kernel_init=normal, rngs=rngs)
+
+
+def _norm(c):
+    return RMSNorm(c.hidden_size, eps=c.norm_eps, dtype=c.layer.dtype, param_dtype=c.layer.param_dtype)
+
+
+class SwiGLU(nnx.Module):
+    """y = W_down (SiLU(W_gate x) ⊙ W_up x)."""
+
+    def __init__(self, c: ModelConfig, *, rngs: nnx.Rngs):
+        D, F = c.hidden_size, c.intermediate_size
+        self.gate_proj, self.up_proj = _linear(D, F, c, rngs), _linear(D, F, c, rngs)
+        self.down_proj = _linear(F, D, c, rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nnx.Module):
+    def __init__(self, c: ModelConfig, *, rngs: nnx.Rngs):
+        self.attn_norm, self.attn = _norm(c), PrecondDeltaAttention(c.layer, rngs=rngs)
+        self.mlp_norm, self.mlp = _norm(c), SwiGLU(c, rngs=rngs)
+
+    def _mlp(self, h):
+        return h + self.mlp(self.mlp_norm(h)).astype(jnp.float32)
+
+    def __call__(self, h, *, cu_seqlens=None):
+        return self._mlp(h + self.attn(self.attn_norm(h), cu_seqlens=cu_seqlens).astype(jnp.float32))
+
+    def prefill(self, h, *, cu_seqlens=None):
+        y, cache = self.attn.prefill(self.attn_norm(h), cu_seqlens=cu_seqlens)
+        return self._mlp(h + y.astype(jnp.float32)), cache
+
+    def step(self, h, cache):
+        y, cache = self.attn.step(self.attn_norm(h), cache)
+        return self._mlp(h + y.astype(jnp.float32)), cache
+
+
+class LanguageModel(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c = self.config = config
+        self.embeddings = nnx.Embed(c.vocab_size, c.hidden_size, dtype=jnp.float32,
+                                    param_dtype=c.layer.param_dtype, embedding_init=normal, rngs=rngs)
+        self.layers = nnx.List([Block(c, rngs=rngs) for _ in range(c.num_layers)])
+        self.norm = _norm(c)
+        self.lm_head = None if c.tie_embeddings else _linear(c.hidden_size, c.vocab_size, c, rngs)
+
+    def _logits(self, h):
+        h = self.norm(h)
+        if self.lm_head is None:
+            w = self.embeddings.embedding[...].T
+        else:
+            w = self.lm_head.kernel[...]
+        return jnp.matmul(h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens: Int[Array, "b t"], *, cu_seqlens=None) -> Float[Array, "b t v"]:
+        """Logits [B, T, vocab] (float32); ``cu_seqlens`` (B = 1): packed documents."""
+        h = self.embeddings(tokens)
+        for block in self.layers:
+            h = block(h, cu_seqlens=cu_seqlens)
+        return self._logits(h)
+
+    def prefill(self, tokens: Int[Array, "b t"], *, cu_seqlens=None):
+        """(logits [N, vocab] after the last token of every row / document, cache).
+
+        The cache is a tuple of ``LayerCache`` with N rows, ready for ``step``; with
+        ``cu_seqlens`` the packed prompts become N independent rows."""
+        h = self.embeddings(tokens)
+        caches = []
+        for block in self.layers:
+            h, cache = block.prefill(h, cu_seqlens=cu_seqlens)
+            caches.append(cache)
+        last = h[:, -1] if cu_seqlens is None else h[0, jnp.asarray(cu_seqlens)[1:] - 1]
+        return self._logits(last), tuple(caches)
+
+    def step(self, token: Int[Array, " b"], cache: tuple):
+        """One token per row: (logits [B, vocab] float32, the updated cache)."""
+        h = self.embeddings(token)
+        caches = []
+        for block, layer_cache in zip(self.layers, cache):
+            h, layer_cache = block.step(h, layer_cache)
+            caches.append(layer_cache)
+        return self._logits(h), tuple(caches)
+
+    def init_cache(self, batch: int) -> tuple:
+        """The decode cache before any token (one ``LayerCache`` per layer)."""
+        return tuple(block.attn.init_cache(batch) for block in self.layers)

@@ -1,0 +1,173 @@
+"""The attention layer and its parts: config validation, FLA parameter names, the short
+convolution, the gated RMSNorm, packed prefill caches and mixed precision (CPU, chunked ops)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import packed_cu_seqlens, rel_err
+from precond_linattn.layers import (
+    ATKConfig, BACKBONES, LayerConfig, OSGMConfig, PRECONDITIONERS, PrecondDeltaAttention, RMSNorm,
+    ShortConvolution)
+
+D, H = 32, 2
+
+
+@nnx.jit
+def prefill(layer, x, cu_seqlens=None):
+    return layer.prefill(x, cu_seqlens=cu_seqlens)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(hidden_size=30, num_heads=4), "not divisible by num_heads"),
+    (dict(backbone="mamba"), "backbone must be one of"),
+    (dict(preconditioner="osgm+apf"), "preconditioner must be one of"),
+    (dict(preconditioner="atk", osgm=OSGMConfig()), "osgm options apply only"),
+    (dict(preconditioner="none", osgm=OSGMConfig()), "osgm options apply only"),
+    (dict(preconditioner="osgm", atk=ATKConfig()), "atk options apply only"),
+    (dict(preconditioner="osgm", osgm=OSGMConfig(init_retention=0.99)), "init_retention applies only"),
+    (dict(preconditioner="osgm_apf", osgm=OSGMConfig(init_retention=1.0)), "init_retention must be"),
+    (dict(preconditioner="osgm", osgm=OSGMConfig(d_min=2.0, d_max=1.0)), "box"),
+    (dict(preconditioner="osgm", osgm=OSGMConfig(eta=-0.1)), "eta"),
+    (dict(preconditioner="atk", atk=ATKConfig(squash_x=0.5)), "squash_x"),
+    (dict(backbone="kda", use_gate=False), "use_gate=False does not apply"),
+    (dict(head_dim=16, expand_v=0.3), "expand_v"),
+    (dict(num_heads=0), "num_heads"),
+    (dict(impl="triton"), "impl"),
+    (dict(chunk_size=0), "chunk_size"),
+])
+def test_config_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LayerConfig(**{"hidden_size": D, "num_heads": H, **kwargs})
+
+
+def test_config_defaults():
+    c = LayerConfig(1024, 6, backbone="gdn", preconditioner="osgm_apf", head_dim=128, expand_v=2.0)
+    assert (c.key_dim, c.value_dim, c.head_v_dim) == (768, 1536, 256)
+    assert c.use_gate and c.variant == "OSGDN-APF"
+    assert c.osgm == OSGMConfig(init_retention=0.999) and c.atk is None
+    assert c.dtype == jnp.bfloat16 and c.param_dtype == jnp.float32
+    d = LayerConfig(1024, 8, preconditioner="atk")
+    assert (d.head_dim, d.use_gate, d.atk, d.variant) == (128, False, ATKConfig(), "PDN")
+    assert LayerConfig(D, H, backbone="kda").use_gate
+
+
+def fla_shapes(c: LayerConfig):
+    """Parameter shapes of FLA 0.6.0's layer for this variant, in this package's names and Flax
+    layouts (kernel = weightᵀ, conv kernel [W, D]); OSDN's additions where FLA has none."""
+    Dm, Hh, K, V, W = c.hidden_size, c.num_heads, c.head_dim, c.head_v_dim, c.conv_size
+    s = {"q_proj.kernel": (Dm, Hh * K), "k_proj.kernel": (Dm, Hh * K), "v_proj.kernel": (Dm, Hh * V),
+         "q_conv1d.kernel": (W, Hh * K), "k_conv1d.kernel": (W, Hh * K), "v_conv1d.kernel": (W, Hh * V),
+         "b_proj.kernel": (Dm, Hh), "o_norm.scale": (V,), "o_proj.kernel": (Hh * V, Dm)}
+    if c.backbone == "gdn":
+        s.update({"a_proj.kernel": (Dm, Hh), "A_log": (Hh,), "dt_bias": (Hh,), "g_proj.kernel": (Dm, Hh * V)})
+    if c.backbone == "kda":
+        s.update({"f_proj.layers.0.kernel": (Dm, V), "f_proj.layers.1.kernel": (V, Hh * K),
+                  "A_log": (Hh,), "dt_bias": (Hh * K,), "g_proj.layers.0.kernel": (Dm, V),
+                  "g_proj.layers.1.kernel": (V, Hh * V), "g_proj.layers.1.bias": (Hh * V,)})
+    if c.preconditioner == "atk":
+        s.update({"a_atk_proj.kernel": (Dm, Hh), "b_atk_proj.kernel": (Dm, Hh), "A_log_atk": (Hh,),
+                  "dt_bias_atk": (Hh,), "log_atk_scale": (Hh,)})
+    if c.preconditioner == "osgm_apf":
+        s.update({"retention_proj.kernel": (Dm, Hh), "retention_proj.bias": (Hh,)})
+    if c.preconditioner.startswith("osgm") and c.osgm.learn_init_scale:
+        s["log_d_init"] = (Hh,)
+    if c.use_gate and c.backbone == "deltanet":
+        s["g_proj.kernel"] = (Dm, Hh * V)
+    return s
+
+
+@pytest.mark.parametrize("pre", PRECONDITIONERS)
+@pytest.mark.parametrize("backbone", BACKBONES)
+def test_parameters_map_one_to_one_onto_fla(backbone, pre):
+    osgm = OSGMConfig(learn_init_scale=True) if pre.startswith("osgm") else None
+    c = LayerConfig(96, 3, backbone=backbone, preconditioner=pre, osgm=osgm, head_dim=16,
+                    expand_v=2.0, use_gate=backbone != "deltanet" or pre == "atk")
+    layer = nnx.eval_shape(lambda: PrecondDeltaAttention(c, rngs=nnx.Rngs(0)))
+    params = {".".join(map(str, path)): v.shape
+              for path, v in nnx.to_flat_state(nnx.state(layer, nnx.Param))}
+    assert params == fla_shapes(c)
+    assert all(v.dtype == jnp.float32 for _, v in nnx.to_flat_state(nnx.state(layer, nnx.Param)))
+
+
+def test_fla_style_init():
+    c = LayerConfig(256, 4, backbone="gdn", preconditioner="osgm_apf", osgm=OSGMConfig(init_retention=0.99))
+    layer = PrecondDeltaAttention(c, rngs=nnx.Rngs(0))
+    assert abs(float(jnp.std(layer.q_proj.kernel[...])) - 0.02) < 2e-3
+    dt = jax.nn.softplus(layer.dt_bias[...])  # softplus(dt_bias) = dt in [1e-3, 0.1]
+    assert float(dt.min()) >= 1e-3 * (1 - 1e-5) and float(dt.max()) <= 0.1 * (1 + 1e-5)
+    A = jnp.exp(layer.A_log[...])
+    assert float(A.min()) > 0 and float(A.max()) <= 16
+    np.testing.assert_allclose(jax.nn.sigmoid(layer.retention_proj.bias[...]), 0.99, rtol=1e-6)
+
+
+def test_short_convolution_documents_and_steps(rand):
+    W, F, lengths = 4, 6, [5, 2, 9]
+    conv = ShortConvolution(F, W, use_bias=True, dtype=jnp.float32, param_dtype=jnp.float32,
+                            rngs=nnx.Rngs(1))
+    conv.bias[...] = rand.normal(F)
+    x = rand.normal(1, sum(lengths), F)
+    cu = packed_cu_seqlens(lengths)
+    packed, tails = conv(x, cu_seqlens=cu), conv.tail(x, cu_seqlens=cu)
+    for n, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        doc = x[:, a:b]
+        alone = conv(doc)
+        assert rel_err(packed[:, a:b], alone) <= 1e-6  # nothing leaks across documents
+        tail = jnp.zeros((1, W - 1, F))
+        for t in range(b - a):  # decoding from the empty tail gives the same outputs
+            y, tail = conv.step(doc[:, t], tail)
+            assert rel_err(y, alone[:, t]) <= 1e-6
+        np.testing.assert_array_equal(tail, tails[n:n + 1])  # the prefill tail is that tail
+        np.testing.assert_array_equal(conv.tail(doc), tails[n:n + 1])
+    # the reference: y_t = SiLU(b + Σ_i w_i x_{t−W+1+i}), zeros before the start
+    pad = jnp.pad(x[0, :5], ((W - 1, 0), (0, 0)))
+    ref = jax.nn.silu(conv.bias[...] + sum(conv.kernel[...][i] * pad[i:i + 5] for i in range(W)))
+    assert rel_err(packed[0, :5], ref) <= 1e-6
+
+
+@pytest.mark.parametrize("activation", [None, "swish", "sigmoid"])
+def test_rms_norm(rand, activation):
+    norm = RMSNorm(8, eps=1e-5, activation=activation)
+    norm.scale[...] = rand.normal(8)
+    x, g = rand.normal(3, 2, 8), rand.normal(3, 2, 8)
+    ref = x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-5) * norm.scale[...]
+    if activation is not None:
+        ref = ref * (g * jax.nn.sigmoid(g) if activation == "swish" else jax.nn.sigmoid(g))
+    assert rel_err(norm(x, None if activation is None else g), ref) <= 1e-6
+    with pytest.raises(ValueError, match="gate is required"):
+        norm(x, g if activation is None else None)
+
+
+def test_packed_prefill_caches_equal_separate_prefills(rand):
+    """Per-document caches (memory, d from a learned d_1, conv tails) from one packed prefill."""
+    c = LayerConfig(D, H, backbone="kda", preconditioner="osgm_apf", dtype=jnp.float32,
+                    osgm=OSGMConfig(eta=0.5, learn_init_scale=True), impl="chunked", chunk_size=4)
+    layer = PrecondDeltaAttention(c, rngs=nnx.Rngs(2))
+    layer.log_d_init[...] = rand.normal(H) * 0.2
+    lengths = [7, 2, 7]
+    x = rand.normal(1, sum(lengths), D)
+    cu = packed_cu_seqlens(lengths)
+    y, cache = prefill(layer, x, cu)
+    for n, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        y_n, cache_n = prefill(layer, x[:, a:b])
+        assert rel_err(y[:, a:b], y_n) <= 1e-5
+        for packed, alone in zip(jax.tree.leaves(cache), jax.tree.leaves(cache_n)):
+            assert rel_err(packed[n:n + 1], alone) <= 1e-5
+
+
+def test_mixed_precision(rand):
+    """bf16 compute (the default) with float32 parameters and states tracks float32 compute."""
+    c32 = LayerConfig(D, H, preconditioner="osgm", dtype=jnp.float32, impl="chunked")
+    c16 = LayerConfig(D, H, preconditioner="osgm", impl="chunked")
+    layer32 = PrecondDeltaAttention(c32, rngs=nnx.Rngs(3))
+    layer16 = PrecondDeltaAttention(c16, rngs=nnx.Rngs(3))
+    x = rand.normal(2, 9, D)
+    y32, _ = prefill(layer32, x)
+    y16, cache = prefill(layer16, x)
+    assert y16.dtype == jnp.bfloat16 and cache.memory.dtype == cache.precond.dtype == jnp.float32
+    assert all(t.dtype == jnp.bfloat16 for t in cache.conv)
+    assert rel_err(y16, y32) <= 3e-2
+    y_step, cache = nnx.jit(type(layer16).step)(layer16, x[:, 0], layer16.init_cache(2))
+    assert y_step.dtype == jnp.bfloat16 and cache.memory.dtype == jnp.float32

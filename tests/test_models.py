@@ -1,0 +1,198 @@
+"""Language models of all twelve variants on a tiny shape (CPU, float32 compute, chunked ops).
+
+Decoding (prefill + steps, or steps from the empty cache) equals one full forward pass; packed
+documents equal separate runs; every parameter gets a non-zero gradient; presets have the sizes
+their names say (by ``jax.eval_shape``); ``generate`` runs under jit and greedy equals the argmax
+of repeated full forwards."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import packed_cu_seqlens, rel_err
+from precond_linattn.layers import ATKConfig, BACKBONES, LayerConfig, OSGMConfig, PRECONDITIONERS
+from precond_linattn.models import (
+    LanguageModel, ModelConfig, NOMINAL_PARAMS, PRESETS, count_params, decode_state_bytes, generate,
+    preset, sample)
+
+VOCAB, T, PROMPT = 61, 13, 6
+VARIANTS = [(b, p) for b in BACKBONES for p in PRECONDITIONERS]
+
+
+def tiny_config(backbone, pre, num_layers=2):
+    """``num_layers`` layers, width 32, 2 heads (K = 16, V = 16 or 32), every option of the variant
+    switched on (OSGM with a large step and a learned initial scale; output gate, conv bias and
+    negative eigenvalues for DeltaNet)."""
+    osgm = OSGMConfig(eta=0.5, learn_init_scale=True) if pre.startswith("osgm") else None
+    layer = LayerConfig(32, 2, backbone=backbone, preconditioner=pre, osgm=osgm,
+                        expand_v=2.0 if backbone == "gdn" else 1.0, conv_bias=backbone == "deltanet",
+                        allow_neg_eigval=backbone == "deltanet", use_gate=True,
+                        dtype=jnp.float32, impl="chunked", chunk_size=4)
+    return ModelConfig(vocab_size=VOCAB, num_layers=num_layers, layer=layer)
+
+
+def tiny_model(backbone, pre, num_layers=2):
+    model = LanguageModel(tiny_config(backbone, pre, num_layers), rngs=nnx.Rngs(0))
+    # FLA's init makes every block nearly the identity; scale the weights up so that all paths
+    # (convolutions, gates, preconditioners, memory) move the logits.
+    state = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree.map(lambda p: p * 10.0 if p.ndim == 2 else p, state))
+    return model
+
+
+def tokens(seed, *shape):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, VOCAB, shape), jnp.int32)
+
+
+@nnx.jit
+def forward(model, x):
+    return model(x)
+
+
+@nnx.jit
+def forward_packed(model, x, cu):
+    return model(x, cu_seqlens=cu)
+
+
+@nnx.jit
+def prefill(model, x):
+    return model.prefill(x)
+
+
+@nnx.jit
+def step(model, token, cache):
+    return model.step(token, cache)
+
+
+@pytest.mark.parametrize("backbone,pre", VARIANTS)
+def test_decoding_and_packing_match_forward(backbone, pre):
+    model = tiny_model(backbone, pre, num_layers=1)  # two layers: in the generate test
+    x = tokens(1, 2, T)
+    full = forward(model, x)
+
+    # prefill the prompt, then one token at a time
+    logits, cache_prefill = prefill(model, x[:, :PROMPT])
+    decoded, cache = [logits], cache_prefill
+    for t in range(PROMPT, T):
+        logits, cache = step(model, x[:, t], cache)
+        decoded.append(logits)
+    assert rel_err(jnp.stack(decoded, 1), full[:, PROMPT - 1:]) <= 1e-5
+
+    # every token from the empty cache; after the prompt the cache equals the prefill's
+    cache = model.init_cache(2)
+    for t in range(T):
+        logits, cache = step(model, x[:, t], cache)
+        assert rel_err(logits, full[:, t]) <= 1e-5
+        if t == PROMPT - 1:
+            for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(cache_prefill)):
+                assert rel_err(a, b) <= 1e-5
+
+    # packed documents (lengths T − 4 and T along one row) == separate runs (causality: the
+    # first T − 4 logits of a full run are those of its prefix)
+    packed = forward_packed(model, jnp.concatenate([x[1, :T - 4], x[0]])[None],
+                            packed_cu_seqlens([T - 4, T]))[0]
+    assert rel_err(packed[:T - 4], full[1, :T - 4]) <= 1e-5
+    assert rel_err(packed[T - 4:], full[0]) <= 1e-5
+
+
+def cross_entropy(model, x):
+    logits = model(x[:, :-1])
+    logp = jax.nn.log_softmax(logits)
+    return -jnp.mean(jnp.take_along_axis(logp, x[:, 1:, None], axis=-1))
+
+
+@pytest.mark.parametrize("backbone,pre", VARIANTS)
+def test_every_parameter_gets_a_gradient(backbone, pre):
+    model = tiny_model(backbone, pre, num_layers=1)
+    grads = nnx.jit(nnx.grad(cross_entropy))(model, tokens(2, 2, T))
+    flat = nnx.to_flat_state(grads)
+    assert len(flat) == len(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    for path, g in flat:
+        g = np.asarray(g[...])
+        assert np.all(np.isfinite(g)), path
+        assert np.abs(g).max() > 0, f"zero gradient for {'/'.join(map(str, path))}"
+
+
+def test_generate_greedy_equals_argmax_of_full_forwards():
+    model = tiny_model("kda", "osgm_apf")
+    prompt, n = tokens(3, 2, PROMPT), 5
+    out = generate(model, prompt, n)
+    # a full forward over prompt + output gives, by causality, the logits of every repeated
+    # forward over a prefix: each generated token is the argmax after its prefix
+    logits = forward(model, jnp.concatenate([prompt, out], 1))
+    np.testing.assert_array_equal(out, jnp.argmax(logits[:, PROMPT - 1:-1], -1))
+    # sampling: valid tokens, reproducible with the same key, top-1 is greedy
+    key = jax.random.key(7)
+    sampled = generate(model, prompt, n, rng=key, temperature=1.3, top_k=5)
+    assert sampled.shape == (2, n) and int(sampled.min()) >= 0 and int(sampled.max()) < VOCAB
+    np.testing.assert_array_equal(sampled, generate(model, prompt, n, rng=key, temperature=1.3, top_k=5))
+    logits = logits[:, -1]
+    np.testing.assert_array_equal(sample(logits, key, 0.7, 1, greedy=False), jnp.argmax(logits, -1))
+
+
+def test_generate_argument_errors():
+    model = tiny_model("deltanet", "none")
+    prompt = tokens(4, 1, 3)
+    for kwargs, match in [(dict(max_new_tokens=0), "max_new_tokens"),
+                          (dict(max_new_tokens=2, temperature=1.0), "rng"),
+                          (dict(max_new_tokens=2, temperature=-1.0), "temperature"),
+                          (dict(max_new_tokens=2, top_k=VOCAB + 1), "top_k")]:
+        with pytest.raises(ValueError, match=match):
+            generate(model, prompt, **kwargs)
+    with pytest.raises(ValueError, match="prompt"):
+        generate(model, prompt[0], 2)
+
+
+@pytest.mark.parametrize("name", [n for n in PRESETS if "340m" in n])
+def test_340m_presets_within_ten_percent(name):
+    for pre in PRECONDITIONERS:
+        n = count_params(preset(name, pre))
+        assert abs(n / NOMINAL_PARAMS[name] - 1) <= 0.10, (name, pre, n)
+
+
+def test_counts_and_state_bytes_match_a_real_model():
+    for backbone, pre in [("gdn", "osgm_apf"), ("kda", "atk")]:
+        config = tiny_config(backbone, pre)
+        model = LanguageModel(config, rngs=nnx.Rngs(0))
+        real = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+        assert count_params(config) == real
+        assert decode_state_bytes(config, batch=3).total == sum(
+            x.nbytes for x in jax.tree.leaves(model.init_cache(3)))
+    # the preconditioner adds one float32 per head and key channel: 1/V of the memory
+    c = preset("deltanet-340m", "osgm")
+    with_d, without = decode_state_bytes(c), decode_state_bytes(preset("deltanet-340m"))
+    assert with_d.preconditioner * 128 == with_d.memory == without.memory
+    assert with_d.total - without.total == c.num_layers * 8 * 128 * 4
+    # tied embeddings count once: untying adds the head, vocab × width
+    untied = dataclasses.replace(c, tie_embeddings=False)
+    assert count_params(untied) - count_params(c) == 32000 * 1024
+
+
+def test_model_config_errors():
+    layer = LayerConfig(32, 2)
+    with pytest.raises(ValueError, match="vocab_size"):
+        ModelConfig(vocab_size=0, num_layers=1, layer=layer)
+    with pytest.raises(ValueError, match="num_layers"):
+        ModelConfig(vocab_size=10, num_layers=0, layer=layer)
+    with pytest.raises(ValueError, match="LayerConfig"):
+        ModelConfig(vocab_size=10, num_layers=1, layer=dict(hidden_size=32))
+    with pytest.raises(ValueError, match="unknown preset"):
+        preset("deltanet-7b")
+    with pytest.raises(ValueError, match="atk options apply only"):
+        preset("deltanet-340m", "osgm", atk=ATKConfig())
+    with pytest.raises(ValueError, match="preconditioner must be one of"):
+        preset("deltanet-340m", "osgm+apf")
+
+
+def test_main_lists_presets(monkeypatch, capsys):
+    from precond_linattn.models import __main__ as cli
+
+    monkeypatch.setattr(cli, "PRESETS", {"deltanet-340m": PRESETS["deltanet-340m"]})
+    cli.main()
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("deltanet")]
+    assert [r[1] for r in rows] == ["DeltaNet", "OSDN", "OSDN-APF", "PDN"]
+    assert rows[0][2] == "341.6M" and rows[0][-1] == "0.00%" and rows[1][-1] == "0.78%"
