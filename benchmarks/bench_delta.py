@@ -141,7 +141,7 @@ def breakdown(core, x, reps):
     from pallas_kernels.triton_common import Dots, interpret_default
     B, T, H, D = x["q"].shape
     nc, decay = T // 64, {None: "none", 3: "scalar", 4: "vector"}[DECAYS[core]]
-    cfg = dr._Config(64, decay, D ** -0.5, B, dr.Options(), Dots("tf32", interpret_default()))
+    cfg = dr._Config(64, decay, D ** -0.5, None, dr.Options(), Dots("tf32", interpret_default()))
     g = x.get("g")
     gamma = None
     if g is not None:  # cumulative log decay from each chunk's start

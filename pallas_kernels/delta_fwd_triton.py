@@ -93,12 +93,14 @@ def delta_fwd(q, k, kw, v, beta, gamma, A, P, initial_state, doc, first, last, *
               scale, num_docs, block_v, dots: Dots, num_warps, num_stages, store_states):
     """Run the kernel. Shapes: q, k, kw [B, Tp, H, K]; v [B, Tp, H, V]; beta [B, Tp, H];
     gamma None | [B, Tp, H] | [B, Tp, H, K] float32; A, P None | [B, H, Tp, C] float32;
-    initial_state None | [N, H, K, V] float32; doc, first, last [B, NC] int32.
+    initial_state None | [N, H, K, V] float32; doc, first, last [B, NC] int32; ``num_docs``:
+    N, or None for one document per batch row (N = B).
 
     Returns o [B, Tp, H, V] (v's dtype), final [N, H, K, V] float32 and, if ``store_states``,
     the state at the start of every chunk [B, H, NC, K, V] float32."""
     B, Tp, H, K = q.shape
     V = v.shape[-1]
+    num_docs = B if num_docs is None else num_docs
     nc = Tp // chunk
     BV = min(block_v, V)
     grid = (B, H, V // BV)

@@ -1,4 +1,5 @@
-"""Helpers shared by the kernels written for Pallas's Triton lowering.
+"""Helpers shared by the kernels written for Pallas's Triton lowering (``Dots.nn`` and the inverse
+also serve the plain-JAX ``delta_rule.prepare``, batched over leading dims).
 
 The lowering takes 2-D dots only (every dimension >= 16), power-of-two tensor sizes, and no slicing
 of loaded values (load the rows you need from a ref instead). float32 dots run on tensor cores at
@@ -32,15 +33,16 @@ class Dots:
             return None  # 16-bit operands: exact products, float32 accumulation
         return lax.Precision.HIGHEST if self.interpret else _PRESETS[self.precision]
 
-    def _dot(self, a, b, dims):
+    def _dot(self, a, b, dims, batch=()):
         if a.dtype != b.dtype:
             a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-        return lax.dot_general(a, b, (dims, ((), ())), precision=self._prec(a, b),
+        return lax.dot_general(a, b, (dims, (batch, batch)), precision=self._prec(a, b),
                                preferred_element_type=jnp.float32)
 
     def nn(self, a, b):
-        """a @ b."""
-        return self._dot(a, b, ((1,), (0,)))
+        """a @ b; outside kernels also batched over equal leading dims ([..., m, k] @ [..., k, n])."""
+        n = a.ndim - 2
+        return self._dot(a, b, ((n + 1,), (n,)), tuple(range(n)))
 
     def nt(self, a, b):
         """a @ bᵀ."""
@@ -64,11 +66,11 @@ def iota2(n: int):
 
 
 def unit_lower_inverse(L, dots: Dots):
-    """(I + L)^-1 for a strictly lower-triangular C x C tile L (C a power of two).
+    """(I + L)^-1 for strictly lower-triangular C x C tiles L [..., C, C] (C a power of two).
 
     L is nilpotent, so (I + L)^-1 = (I − L)(I + L²)(I + L⁴)…(I + L^(C/2)) exactly: 2 log2(C) − 2
     matmuls, all on tensor cores."""
-    c = L.shape[0]
+    c = L.shape[-1]
     i, j = iota2(c)
     X = -L
     T = jnp.where(i == j, 1.0, 0.0) + X

@@ -44,16 +44,21 @@ def chunk_grams(qc, kc, kwc, bc, gamma):
     return L, decayed_gram(qc, kwc, gamma, strict=False)
 
 
-def chunk_wy(qc, kc, kwc, vc, bc, gamma):
+def solve_unit_lower(L, rhs):
+    """(I + L)^-1 rhs for strictly lower-triangular L, by forward substitution."""
+    eye = jnp.eye(L.shape[-1], dtype=L.dtype)
+    return jax.scipy.linalg.solve_triangular(eye + L, rhs, lower=True, unit_diagonal=True)
+
+
+def chunk_wy(qc, kc, kwc, vc, bc, gamma, solve=solve_unit_lower):
     """Per-chunk WY tensors from chunk views [B, H, NC, C, ·] (float32), γ the in-chunk cumsum:
 
-    (W, U, K̃ ⊙ Γ_C/Γ, Q ⊙ Γ, P, Γ_C) with W, U = (I + L)^-1 Diag(β) [K ⊙ Γ, V]."""
+    (W, U, K̃ ⊙ Γ_C/Γ, Q ⊙ Γ, P, Γ_C) with [W, U] = solve(L, Diag(β) [K ⊙ Γ, V]), where
+    ``solve(L, rhs)`` computes (I + L)^-1 rhs."""
     K = kc.shape[-1]
     Gam, tail, Gam_C = _decay_factors(gamma, kc)
     L, P = chunk_grams(qc, kc, kwc, bc, gamma)
-    eye = jnp.eye(kc.shape[-2], dtype=jnp.float32)
-    rhs = bc[..., None] * jnp.concatenate([kc * Gam, vc], axis=-1)
-    WU = jax.scipy.linalg.solve_triangular(eye + L, rhs, lower=True, unit_diagonal=True)
+    WU = solve(L, bc[..., None] * jnp.concatenate([kc * Gam, vc], axis=-1))
     return WU[..., :K], WU[..., K:], kwc * tail, qc * Gam, P, Gam_C
 
 

@@ -1,0 +1,85 @@
+"""Kernel calls that keep batch and head axes sharded inside a ``jit`` over a device mesh.
+
+A ``pallas_call`` is one opaque custom call to XLA's SPMD partitioner, which would all-gather its
+operands and run it whole on every device. ``sharded_call`` wraps a kernel call in
+``jax.experimental.custom_partitioning``:
+
+- the Shardy rule names every operand's and result's axes by factor ("b t h k"); factor ``b``
+  (batch rows, and document states when they are one per row) and ``h`` (heads) may stay sharded,
+  every other factor needs replication;
+- ``partition`` keeps whichever mesh axes the inputs carry on ``b`` and ``h`` (when they divide
+  the dimension) and runs the same call on each device's shard: the kernels' grids are over
+  (batch, head, ...) already, so a shard is a smaller call of the same kind.
+
+On one device, or inside a ``shard_map`` that made every mesh axis manual, ``custom_partitioning``
+inlines the call unchanged, so single-device programs are the same as without the wrapper.
+It has no batching rule, so the wrapper is also a ``custom_vmap`` whose rule vmaps the plain call
+(Pallas batches it over a new grid axis); under ``vmap`` the call is therefore not partitioned.
+It has no differentiation rule either: the kernels sit inside ``custom_vjp``'s forward and
+backward, which are never differentiated.
+
+Calls must not depend on where a shard starts, except through their inputs: ``delta_rule`` passes
+document ids relative to the first row of the shard (see ``delta_rule._kernel_call``).
+"""
+
+import math
+
+import jax
+from jax.custom_batching import custom_vmap
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+
+def _as_tuple(entry):
+    return entry if isinstance(entry, tuple) else (entry,)
+
+
+def _kept_axes(mesh, shapes, axes, free):
+    """{factor: mesh axes} for the factors in ``free`` that the operands carry sharded (the first
+    operand naming a factor decides), when the axes divide the dimension and no other kept factor
+    uses them."""
+    kept, used = {}, set()
+    for shape, names in zip(shapes, axes):
+        spec = getattr(shape.sharding, "spec", ())
+        for d, name in enumerate(names.split()):
+            if name not in free or name in kept or d >= len(spec) or spec[d] is None:
+                continue
+            entry = _as_tuple(spec[d])
+            if shape.shape[d] % math.prod(mesh.shape[a] for a in entry) == 0 and not used & set(entry):
+                kept[name] = spec[d]
+                used |= set(entry)
+    return kept
+
+
+def sharded_call(fn, args, in_axes, out_axes, *, shard_batch=True):
+    """``fn(*args)`` (a tuple of arrays) with the batch and head axes of its operands kept sharded.
+
+    ``in_axes``/``out_axes``: one string of factor names per operand/result, e.g. "b t h k";
+    ``b`` and ``h`` may be sharded (``b`` only if ``shard_batch``), all other factors are whole.
+    A factor name means the same dimension size everywhere it appears."""
+    free = {"h"} | ({"b"} if shard_batch else set())
+    names = dict.fromkeys(n for a in (*in_axes, *out_axes) for n in a.split())  # Shardy's order
+    rule = ", ".join(in_axes) + " -> " + ", ".join(out_axes)
+
+    def partition(mesh, arg_shapes, result_shape):
+        kept = _kept_axes(mesh, arg_shapes, in_axes, free)
+
+        def sharding(names_):
+            return NamedSharding(mesh, PartitionSpec(*(kept.get(n) for n in names_.split())))
+
+        return (mesh, fn, tuple(sharding(a) for a in out_axes),
+                tuple(sharding(a) for a in in_axes))
+
+    call = custom_partitioning(fn)
+    call.def_partition(partition, sharding_rule=rule,
+                       need_replication_factors=tuple(n for n in names if n not in free))
+    call = custom_vmap(call)
+
+    @call.def_vmap
+    def _vmapped(axis_size, in_batched, *xs):
+        del axis_size
+        outs = jax.vmap(fn, in_axes=tuple(0 if b else None for b in in_batched))(*xs)
+        return outs, jax.tree.map(lambda _: True, outs)
+
+    return call(*args)
+
