@@ -1,0 +1,74 @@
+"""Inference throughput (SPEC section 7): batch 1, a 2048-token prompt prefilled, then 128 greedy
+tokens, the whole loop in one ``jax.jit``; 2 warm-ups, median of 5 runs;
+tokens/s = (2048 + 128) / (t_prefill + t_decode). Prefill alone is timed the same way.
+
+    python benchmarks/bench_generate.py [--presets deltanet-340m] [--preconditioners none osgm]
+    python benchmarks/bench_generate.py --tiny     # a small model, a quick check on a CPU
+"""
+
+import argparse
+import dataclasses
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from precond_linattn.models import LanguageModel, count_params, decode_state_bytes, generate, preset
+
+PAPER_DELTANET_340M = 784.5  # tokens/s, OSDN paper, H100, HF-style generate
+
+
+def median_seconds(fn, warmups=2, runs=5):
+    for _ in range(warmups):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench(name, preconditioner, prompt_len, new_tokens, tiny):
+    config = preset(name, preconditioner)
+    if tiny:
+        layer = dataclasses.replace(config.layer, hidden_size=128, num_heads=2, head_dim=64)
+        config = dataclasses.replace(config, layer=layer, num_layers=2, intermediate_size=256,
+                                     vocab_size=512)
+    model = LanguageModel(config, rngs=nnx.Rngs(0))
+    prompt = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (1, prompt_len)),
+                         jnp.int32)
+    graphdef, state = nnx.split(model)
+    prefill = jax.jit(lambda s, p: nnx.merge(graphdef, s).prefill(p)[0])
+    t_prefill = median_seconds(lambda: prefill(state, prompt))
+    t_total = median_seconds(lambda: generate(model, prompt, new_tokens))
+    return dict(model=f"{name}/{preconditioner}", params=count_params(config),
+                state_mib=decode_state_bytes(config).total / 2**20, prefill_ms=1e3 * t_prefill,
+                decode_ms=1e3 * (t_total - t_prefill), tok_s=(prompt_len + new_tokens) / t_total)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--presets", nargs="+", default=["deltanet-340m"])
+    ap.add_argument("--preconditioners", nargs="+", default=["none", "osgm", "osgm_apf", "atk"])
+    ap.add_argument("--prompt", type=int, default=2048)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--tiny", action="store_true")
+    a = ap.parse_args()
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
+    rows = [bench(n, p, a.prompt, a.new_tokens, a.tiny) for n in a.presets for p in a.preconditioners]
+    base = {r["model"].split("/")[0]: r["tok_s"] for r in rows if r["model"].endswith("/none")}
+    print(f"{'model':28s} {'params':>8s} {'state MiB':>9s} {'prefill ms':>10s} {'decode ms':>9s} "
+          f"{'tok/s':>8s} {'x paper':>7s} {'vs host':>7s}")
+    for r in rows:
+        host = base.get(r["model"].split("/")[0])
+        print(f"{r['model']:28s} {r['params'] / 1e6:7.1f}M {r['state_mib']:9.2f} {r['prefill_ms']:10.1f} "
+              f"{r['decode_ms']:9.1f} {r['tok_s']:8.0f} {r['tok_s'] / PAPER_DELTANET_340M:7.2f} "
+              f"{(r['tok_s'] / host if host else float('nan')):7.3f}")
+
+
+if __name__ == "__main__":
+    main()
