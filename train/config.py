@@ -1,6 +1,8 @@
 """Typed experiment configs: nested frozen dataclasses, ``configs/NAME.py`` files and overrides.
 
-A config file defines ``get_config() -> ExperimentConfig``. Overrides are ``key=value`` strings with
+A config file defines ``get_config() -> ExperimentConfig`` and, for a sweep, ``VARIANTS``: a dict
+of run name -> overrides (``load_runs``; e.g. {"DeltaNet": ["model.kwargs.preconditioner=none"]}).
+Overrides are ``key=value`` strings with
 dotted paths (``optim.peak_lr=3e-4``, ``mesh.fsdp=4``, ``model.kwargs.num_layers=2``); the value is
 converted to the field's type (int, float, bool, str, ``X | None`` with "none", tuples as "1,2").
 Inside the dict fields (``model.kwargs``, ``data.params``) any key is accepted and the value is read
@@ -11,6 +13,7 @@ as a Python literal when it parses as one, else kept as a string. Any other unkn
 import ast
 import dataclasses
 import difflib
+import fnmatch
 import importlib.util
 import types
 import typing
@@ -100,16 +103,19 @@ class CheckpointConfig:
 @dataclasses.dataclass(frozen=True)
 class LoggingConfig:
     """JSONL and TensorBoard metrics in ``dir`` ("" for none) every ``every`` steps; evaluation
-    every ``eval_every`` steps (0 for never); ``progress`` shows a progress bar."""
+    every ``eval_every`` steps and at the end (0 for never) on ``eval_batches`` held-out batches;
+    ``progress`` shows a progress bar."""
 
     dir: str = ""
     every: int = 10
     eval_every: int = 0
+    eval_batches: int = 8
     progress: bool = True
 
     def __post_init__(self):
-        if self.every < 1 or self.eval_every < 0:
-            raise ValueError(f"need logging.every >= 1, eval_every >= 0, got {self.every}, {self.eval_every}")
+        if self.every < 1 or self.eval_every < 0 or self.eval_batches < 1:
+            raise ValueError(f"need logging.every >= 1, eval_every >= 0, eval_batches >= 1, got "
+                             f"{self.every}, {self.eval_every}, {self.eval_batches}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +154,37 @@ class ExperimentConfig:
 
 def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> ExperimentConfig:
     """Run ``get_config()`` of the Python file ``path`` and apply ``key=value`` ``overrides``."""
+    return apply_overrides(_load_module(path).get_config(), overrides)
+
+
+def load_runs(path: str | Path, overrides: typing.Sequence[str] = (),
+              only: typing.Sequence[str] = ()) -> dict[str, ExperimentConfig]:
+    """The runs of the config file ``path``: {name: config}. Without ``VARIANTS``, one run named
+    ``name``. With it, one run per variant (those matching a glob of ``only``, when given): its
+    overrides, then ``overrides`` (so the command line wins); the name becomes "NAME/VARIANT" and
+    non-empty checkpoint and logging directories get a VARIANT subdirectory."""
+    module = _load_module(path)
+    base = module.get_config()
+    variants = getattr(module, "VARIANTS", None)
+    if variants is None:
+        cfg = apply_overrides(base, overrides)
+        return {cfg.name: cfg}
+    chosen = [v for v in variants if not only or any(fnmatch.fnmatchcase(v, p) for p in only)]
+    if not chosen:
+        raise ValueError(f"no variant of {path} matches {list(only)}; variants: {list(variants)}")
+    runs = {}
+    for variant in chosen:
+        cfg = apply_overrides(base, [*variants[variant], *overrides])
+        sub = lambda d: str(Path(d) / variant) if d else d
+        cfg = dataclasses.replace(
+            cfg, name=f"{cfg.name}/{variant}",
+            checkpoint=dataclasses.replace(cfg.checkpoint, dir=sub(cfg.checkpoint.dir)),
+            logging=dataclasses.replace(cfg.logging, dir=sub(cfg.logging.dir)))
+        runs[cfg.name] = cfg
+    return runs
+
+
+def _load_module(path: str | Path):
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file {path} does not exist")
@@ -156,7 +193,7 @@ def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> Exper
     spec.loader.exec_module(module)
     if not hasattr(module, "get_config"):
         raise ValueError(f"config file {path} defines no get_config()")
-    return apply_overrides(module.get_config(), overrides)
+    return module
 
 
 def apply_overrides(config, overrides: typing.Sequence[str]):

@@ -91,6 +91,20 @@ def state_shardings(state, mesh: Mesh, rules=RULES):
     return jax.tree_util.tree_map_with_path(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def drop_mesh_axis(shardings, axis: str):
+    """A pytree of ``NamedSharding``s with ``axis`` removed from every spec: the layout of the
+    arrays after an all-gather over that mesh axis (e.g. FSDP parameters gathered for use)."""
+
+    def one(sharding: NamedSharding) -> NamedSharding:
+        spec = []
+        for axes in sharding.spec:
+            axes = tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ()) if a != axis)
+            spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        return NamedSharding(sharding.mesh, PartitionSpec(*spec))
+
+    return jax.tree.map(one, shardings)
+
+
 def init_sharded(ctor: typing.Callable[[], typing.Any], mesh: Mesh, rules=RULES):
     """Build ``ctor()`` (an NNX module, or a tuple such as ``(model, optimizer)``) inside ``jax.jit``
     so every variable is created directly with its ``state_shardings`` (no full copy on one device).

@@ -74,7 +74,8 @@ class LanguageModel(nnx.Module):
         self.norm = _norm(c)
         self.lm_head = None if c.tie_embeddings else _linear(c.hidden_size, c.vocab_size, c, rngs)
 
-    def _logits(self, h):
+    def logits(self, h):
+        """Logits (float32) of the final hidden states h [..., D]: RMSNorm(h) W_head."""
         h = self.norm(h)
         if self.lm_head is None:
             w = self.embeddings.embedding[...].T
@@ -87,7 +88,7 @@ class LanguageModel(nnx.Module):
         h = self.embeddings(tokens)
         for block in self.layers:
             h = block(h, cu_seqlens=cu_seqlens)
-        return self._logits(h)
+        return self.logits(h)
 
     def prefill(self, tokens: Int[Array, "b t"], *, cu_seqlens=None):
         """(logits [N, vocab] after the last token of every row / document, cache).
@@ -100,7 +101,7 @@ class LanguageModel(nnx.Module):
             h, cache = block.prefill(h, cu_seqlens=cu_seqlens)
             caches.append(cache)
         last = h[:, -1] if cu_seqlens is None else h[0, jnp.asarray(cu_seqlens)[1:] - 1]
-        return self._logits(last), tuple(caches)
+        return self.logits(last), tuple(caches)
 
     def step(self, token: Int[Array, " b"], cache: tuple):
         """One token per row: (logits [B, vocab] float32, the updated cache)."""
@@ -109,7 +110,7 @@ class LanguageModel(nnx.Module):
         for block, layer_cache in zip(self.layers, cache):
             h, layer_cache = block.step(h, layer_cache)
             caches.append(layer_cache)
-        return self._logits(h), tuple(caches)
+        return self.logits(h), tuple(caches)
 
     def init_cache(self, batch: int) -> tuple:
         """The decode cache before any token (one ``LayerCache`` per layer)."""

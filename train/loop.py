@@ -1,0 +1,175 @@
+"""One training run: mesh, model, optimiser and data from a config; resume; train; evaluate; save.
+
+``train(cfg)`` builds the (data, fsdp, tensor) mesh, the model with its parameters sharded by
+``train.partitioning`` (created directly in their shards), the optimiser state alike, and the
+grain pipeline. With ``checkpoint.dir`` set and a checkpoint in it, the run resumes from the
+latest one: parameters, optimiser state, RNG key and the data iterator's position, so it
+continues the identical run (same batches, same losses). It then trains to ``run.steps``:
+
+- metrics are fetched one step late (the device never waits for the host), except before a
+  checkpoint or an evaluation, so nothing is saved after a step whose loss or gradient norm is
+  NaN/inf: that raises ``NonFiniteLossError`` and the latest checkpoint is the last good one;
+- checkpoints every ``checkpoint.every`` steps, at the end, and when a SIGTERM arrives (or after
+  step ``stop_at``): then the run saves and returns early;
+- evaluation on the held-out set every ``logging.eval_every`` steps and at the end.
+
+The RNG key saved with the checkpoints is the run's (``run.seed``); the models have no stochastic
+layers, so it only seeds the initialisation.
+"""
+
+import dataclasses
+import typing
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from rich.console import Console
+
+from precond_linattn.models import LanguageModel, ModelConfig, count_params
+from train.build import data_spec, flops_per_token, model_config
+from train.checkpoint import Checkpointer
+from train.config import ExperimentConfig
+from train.data import build_dataset, make_task
+from train.metrics import Monitor, check_finite
+from train.optim import lr_schedule, make_optimizer
+from train.partitioning import annotate
+from train.sharding import drop_mesh_axis, init_sharded, logical_sharding, make_mesh, state_shardings
+from train.step import StepShardings, device_batch, make_eval_step, make_train_step
+
+
+@dataclasses.dataclass
+class RunResult:
+    """name; variant (the paper's model name); num_params; step (the last one done); losses
+    ({step: loss} of the steps this call trained); evaluation (the last held-out metrics: loss,
+    accuracy; empty without evaluation); stopped (early, by SIGTERM or ``stop_at``)."""
+
+    name: str
+    variant: str
+    num_params: int
+    step: int
+    losses: dict[int, float]
+    evaluation: dict[str, float]
+    stopped: bool
+
+
+@dataclasses.dataclass
+class Setup:
+    """Everything a run computes with, before any step (``build``)."""
+
+    mesh: Mesh
+    model_config: ModelConfig
+    graphdef: nnx.GraphDef
+    params: nnx.State
+    opt_state: object
+    shardings: StepShardings
+    train_step: typing.Callable
+
+
+def build(cfg: ExperimentConfig, *, devices=None) -> Setup:
+    """The mesh over ``devices`` (default: all), the sharded model and optimiser states, and the
+    jitted train step of ``cfg``."""
+    mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
+    model_cfg = model_config(cfg, make_task(data_spec(cfg)).vocab_size)
+    A, B = cfg.optim.grad_accum, cfg.run.batch_size
+    rows = mesh.shape["data"] * mesh.shape["fsdp"]
+    if (B // A) % rows:
+        raise ValueError(f"the micro-batch of run.batch_size / optim.grad_accum = {B // A} rows does not "
+                         f"divide over mesh.data × mesh.fsdp = {rows} devices")
+    # The train step accumulates the micro-batches itself (a scan), so no optax.MultiSteps.
+    tx = make_optimizer(dataclasses.replace(cfg.optim, grad_accum=1), total_steps=cfg.run.steps)
+    model = init_sharded(lambda: annotate(LanguageModel(model_cfg, rngs=nnx.Rngs(cfg.run.seed))), mesh)
+    graphdef, params = nnx.split(model, nnx.Param)
+    opt_shardings = state_shardings(jax.eval_shape(tx.init, params), mesh)
+    opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
+    param_shardings = state_shardings(params, mesh)
+    shardings = StepShardings(param_shardings, opt_shardings, drop_mesh_axis(param_shardings, "fsdp"),
+                              logical_sharding(mesh, (None, "batch")), NamedSharding(mesh, PartitionSpec()))
+    return Setup(mesh, model_cfg, graphdef, params, opt_state, shardings,
+                 make_train_step(graphdef, tx, shardings, remat=cfg.run.remat))
+
+
+def train(cfg: ExperimentConfig, *, stop_at: int | None = None, devices=None,
+          console: Console | None = None) -> RunResult:
+    """Run (or resume) the experiment ``cfg`` on ``devices`` (default: all); module docstring.
+    ``stop_at``: stop after that step as if preempted (saving a checkpoint when they are on)."""
+    console = console or Console()
+    say = console.print if jax.process_index() == 0 else (lambda *a, **k: None)
+    setup = build(cfg, devices=devices)
+    model_cfg, shardings, train_step = setup.model_config, setup.shardings, setup.train_step
+    params, opt_state, mesh = setup.params, setup.opt_state, setup.mesh
+    A, B, T, steps = cfg.optim.grad_accum, cfg.run.batch_size, cfg.run.seq_len, cfg.run.steps
+    data, rng, start = iter(build_dataset(data_spec(cfg))), jax.random.key(cfg.run.seed), 0
+
+    checkpointer = Checkpointer(cfg.checkpoint) if cfg.checkpoint.dir else None
+    if checkpointer is not None and checkpointer.latest_step() is not None:
+        restored = checkpointer.restore(model=params, opt=opt_state)
+        params, opt_state, rng, start = restored.model, restored.opt, restored.rng, restored.step
+        data.set_state(restored.data_state)
+    num_params = count_params(model_cfg)
+    say(f"[bold]{cfg.name}[/bold]: {model_cfg.layer.variant}, {num_params / 1e6:.2f}M parameters, "
+        f"mesh {dict(mesh.shape)}, {B} × {T} tokens per step"
+        + (f", resuming after step {start}" if start else ""))
+
+    monitor = Monitor(cfg.logging, total_steps=steps, tokens_per_step=B * T, start_step=start,
+                      flops_per_token=flops_per_token(model_cfg, num_params), console=console)
+    evaluate = Evaluator(cfg, setup.graphdef, shardings) if cfg.logging.eval_every else None
+    schedule = lr_schedule(cfg.optim, steps)
+    result = RunResult(cfg.name, model_cfg.layer.variant, num_params, start, {}, {}, False)
+    pending = []  # (step, device metrics) not yet checked and recorded
+
+    def record():
+        for s, metrics in pending:
+            host = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            host["lr"] = float(schedule(s - 1))
+            check_finite(s, host, ("loss", "grad_norm"))
+            monitor.update(s, host)
+            result.losses[s] = host["loss"]
+        pending.clear()
+
+    try:
+        for step in range(start + 1, steps + 1):
+            batch = device_batch(next(data), A, shardings.batch)
+            params, opt_state, metrics = train_step(params, opt_state, batch)
+            record()  # the previous step's metrics, while this step runs
+            pending.append((step, metrics))
+            result.step, last = step, step == steps
+            stop = not last and ((stop_at is not None and step >= stop_at)
+                                 or bool(checkpointer and checkpointer.stop_requested))
+            if evaluate and (step % cfg.logging.eval_every == 0 or last):
+                record()
+                result.evaluation = evaluate(params)
+                monitor.write_eval(step, result.evaluation)
+                say(f"eval at step {step}: "
+                    + ", ".join(f"{k} {v:.4f}" for k, v in result.evaluation.items()))
+            if checkpointer and (checkpointer.should_save(step, last=last) or stop):
+                record()
+                checkpointer.save(step, model=params, opt=opt_state, rng=rng, data_state=data.get_state())
+            if stop:
+                result.stopped = True
+                say(f"stopped after step {step}" + (" (checkpoint saved)" if checkpointer else ""))
+                break
+        record()
+    finally:
+        monitor.close()
+        if checkpointer:
+            checkpointer.close()
+    return result
+
+
+class Evaluator:
+    """Loss and accuracy on the supervised tokens (MQAR: the query positions) of the first
+    ``logging.eval_batches`` batches of the held-out set (``train.build.data_spec``)."""
+
+    def __init__(self, cfg: ExperimentConfig, graphdef, shardings: StepShardings):
+        self.spec, self.batches = data_spec(cfg, evaluation=True), cfg.logging.eval_batches
+        self.step, self.sharding = make_eval_step(graphdef, shardings), shardings.batch
+
+    def __call__(self, params) -> dict[str, float]:
+        data, totals = iter(build_dataset(self.spec)), None
+        for _ in range(self.batches):
+            sums = self.step(params, device_batch(next(data), 1, self.sharding))
+            totals = sums if totals is None else jax.tree.map(np.add, totals, sums)
+        totals = {k: float(v) for k, v in jax.device_get(totals).items()}
+        count = max(totals["count"], 1.0)
+        return dict(loss=totals["nll"] / count, accuracy=totals["correct"] / count)

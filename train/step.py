@@ -1,0 +1,160 @@
+"""The loss and the jitted, sharded train and eval steps.
+
+Batches on the device are dicts of int32 arrays laid out [A, b, ...]: A micro-batches of b rows
+(A = ``optim.grad_accum``, b = ``run.batch_size / A``), the rows sharded over the mesh's
+("data", "fsdp") axes (logical "batch"), with ``inputs`` and ``targets`` [A, b, T] and, for
+packed rows only, ``cu_seqlens`` [A, b, S + 1] (``train.data.layout``; ``device_batch`` builds them).
+
+Packed documents: the ops take ``cu_seqlens`` only for B = 1, so each row runs as its own
+[1, T] sequence under ``jax.vmap`` over (row tokens, row offsets). Vmapping keeps the batch axis
+(and its sharding) and each row's recurrence length T; flattening the batch to [1, B·T] instead
+would make the sharded batch axis part of one sequential recurrence. The offsets' padding
+(repeated T) are empty documents, which the ops skip under jit. Rows of one example (MQAR:
+``cu_seqlens`` [0, T]) need no boundaries and run as a plain [b, T] batch.
+
+Precision: parameters (the optimiser's master copy) are float32; the layers compute in their
+``dtype`` (bf16 by default) with float32 states; logits and the loss are float32.
+
+Gradient accumulation is a ``lax.scan`` over the A micro-batches inside one step: the loss is
+the token-weighted mean over the whole batch (sum of per-token losses / supervised tokens), so
+any A gives the gradient of the full batch; clipping and the update then apply once.
+
+FSDP: parameters live sharded over "fsdp" (``train.partitioning``) and ``forward`` all-gathers
+each block's parameters right before the block, so the partitioner never has to choose between
+gathering weights and gathering activations (activations stay sharded by batch and heads; the
+gradients are reduce-scattered back). remat: each block's forward, gather included, is
+recomputed in the backward pass (``jax.checkpoint`` per block); only the residual stream between
+blocks is kept. The blocks run one by one here (the model's own ``__call__`` loop, with the
+gathers and checkpoints inserted), which keeps sharding out of ``precond_linattn``.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from train.data import IGNORE_INDEX
+
+BATCH_KEYS = ("inputs", "targets", "cu_seqlens")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShardings:
+    """params / opt: like the states (``train.sharding.state_shardings``); gathered: like params
+    without the fsdp axis (where a block's parameters are all-gathered for use); batch: the
+    [A, b, ...] arrays; replicated: scalars (metrics)."""
+
+    params: object
+    opt: object
+    gathered: object
+    batch: NamedSharding
+    replicated: NamedSharding
+
+
+def device_batch(batch: dict, micro_batches: int, sharding: NamedSharding) -> dict:
+    """This host's batch (numpy [b_local, ...]) -> global arrays [A, B / A, ...] on ``sharding``;
+    ``cu_seqlens`` is kept only when a row may hold several documents (width > 2)."""
+    keys = [k for k in BATCH_KEYS if k != "cu_seqlens" or batch[k].shape[-1] > 2]
+    out = {}
+    for key in keys:
+        local = np.asarray(batch[key])
+        local = local.reshape(micro_batches, local.shape[0] // micro_batches, *local.shape[1:])
+        shape = (micro_batches, local.shape[1] * jax.process_count(), *local.shape[2:])
+        out[key] = jax.make_array_from_process_local_data(sharding, local, shape)
+    return out
+
+
+def token_loss(logits, targets) -> dict:
+    """Sums over supervised tokens (targets != IGNORE_INDEX): ``nll`` (cross-entropy of the float32
+    ``logits`` [..., V]), ``correct`` (argmax == target) and ``count``."""
+    mask = targets != IGNORE_INDEX
+    safe = jnp.where(mask, targets, 0)
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), safe)
+    correct = (jnp.argmax(logits, axis=-1) == targets) & mask
+    return dict(nll=jnp.sum(jnp.where(mask, nll, 0.0)), correct=jnp.sum(correct, dtype=jnp.int32),
+                count=jnp.sum(mask, dtype=jnp.int32))
+
+
+def _constrain(tree, shardings, skip=lambda path: False):
+    """``tree`` with each array constrained to the sharding at the same place in ``shardings`` (a
+    tree of the same structure), except where ``skip(key_path)``."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    out = [x if skip(path) else jax.lax.with_sharding_constraint(x, s)
+           for (path, x), s in zip(flat, jax.tree.leaves(shardings))]
+    return treedef.unflatten(out)
+
+
+def forward(graphdef, params, batch: dict, *, gathered=None, remat: bool = False):
+    """Logits [b, T, V] (float32) of one micro-batch (``inputs`` [b, T], optional ``cu_seqlens``).
+
+    gathered: shardings like ``params`` without the fsdp axis (``StepShardings.gathered``): each
+    block's parameters are all-gathered to them just before the block runs (FSDP), the others
+    before the forward; None leaves the parameters as they are. remat: each block's forward
+    (gather included) is recomputed in the backward pass."""
+    if gathered is not None:
+        params = _constrain(params, gathered, skip=lambda p: jax.tree_util.keystr(p).startswith("['layers']"))
+    model = nnx.merge(graphdef, params)
+
+    def apply(tokens, cu_seqlens):
+        h = model.embeddings(tokens)
+        for i, block in enumerate(model.layers):
+            block_graphdef, state = nnx.split(block)
+            shardings = None if gathered is None else gathered["layers"][i]
+
+            def run(state, h, block_graphdef=block_graphdef, shardings=shardings):
+                if shardings is not None:
+                    state = _constrain(state, shardings)
+                return nnx.merge(block_graphdef, state)(h, cu_seqlens=cu_seqlens)
+
+            h = (jax.checkpoint(run) if remat else run)(state, h)
+        return model.logits(h)
+
+    if "cu_seqlens" not in batch:
+        return apply(batch["inputs"], None)
+    return jax.vmap(lambda tokens, cu: apply(tokens[None], cu)[0])(batch["inputs"], batch["cu_seqlens"])
+
+
+def make_train_step(graphdef, tx: optax.GradientTransformation, shardings: StepShardings, *,
+                    remat: bool = False):
+    """``step(params, opt_state, batch) -> (params, opt_state, metrics)``, jitted with the given
+    shardings and the states donated. metrics: loss, accuracy (on supervised tokens), tokens
+    (supervised), grad_norm (of the batch gradient, before clipping)."""
+
+    def micro_loss(params, batch, total):
+        logits = forward(graphdef, params, batch, gathered=shardings.gathered, remat=remat)
+        sums = token_loss(logits, batch["targets"])
+        return sums["nll"] / total, sums
+
+    def step(params, opt_state, batch):
+        total = jnp.maximum(jnp.sum(batch["targets"] != IGNORE_INDEX), 1).astype(jnp.float32)
+
+        def accumulate(grads, micro):
+            (_, sums), g = jax.value_and_grad(micro_loss, has_aux=True)(params, micro, total)
+            return jax.tree.map(jnp.add, grads, g), sums
+
+        grads, sums = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        sums = jax.tree.map(jnp.sum, sums)
+        metrics = dict(loss=sums["nll"] / total, accuracy=sums["correct"] / total, tokens=sums["count"],
+                       grad_norm=optax.tree.norm(grads))
+        return params, opt_state, metrics
+
+    s = shardings
+    return jax.jit(step, in_shardings=(s.params, s.opt, s.batch),
+                   out_shardings=(s.params, s.opt, s.replicated), donate_argnums=(0, 1))
+
+
+def make_eval_step(graphdef, shardings: StepShardings):
+    """``eval_step(params, batch) -> token_loss sums`` for a batch of one micro-batch [1, b, ...]."""
+
+    def step(params, batch):
+        micro = jax.tree.map(lambda x: x[0], batch)
+        return token_loss(forward(graphdef, params, micro, gathered=shardings.gathered), micro["targets"])
+
+    s = shardings
+    return jax.jit(step, in_shardings=(s.params, s.batch), out_shardings=s.replicated)
