@@ -32,12 +32,12 @@ import jax.numpy as jnp
 from pallas_kernels.delta_bwd_triton import delta_bwd
 from pallas_kernels.delta_fwd_triton import delta_fwd
 from pallas_kernels.partition import sharded_call
-from pallas_kernels.triton_common import Dots, interpret_default, unit_lower_inverse
+from pallas_kernels.triton_common import (
+    MAX_HEAD_DIM, Dots, interpret_default, pad_last, pow2_dim, unit_lower_inverse)
 from precond_linattn.chunked.delta import chunk_grams, chunk_wy
 from precond_linattn.numerics import f32
 from precond_linattn.varlen import chunk_layout, from_chunks, to_chunks
 
-MAX_HEAD_DIM = 128  # padded K; larger states do not fit one program's registers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,14 +62,10 @@ class _Config:
     dots: Dots
 
 
-def _pow2(n: int) -> int:
-    return max(16, 1 << (n - 1).bit_length())
-
-
 def supports(*, K: int, V: int, dtype, decay) -> bool:
     """Whether the kernels take this call (any V; K up to MAX_HEAD_DIM after padding)."""
     del V, dtype, decay  # every V is tiled, every supported dtype and decay is handled
-    return _pow2(K) <= MAX_HEAD_DIM
+    return pow2_dim(K) <= MAX_HEAD_DIM
 
 
 def _chunk_view(x, chunk):
@@ -169,11 +165,6 @@ def _core_bwd(cfg, res, cts):
 _core.defvjp(_core_fwd, _core_bwd)
 
 
-def _pad_last(x, n):
-    return x if x is None or x.shape[-1] == n else jnp.pad(
-        x, [(0, 0)] * (x.ndim - 1) + [(0, n - x.shape[-1])])
-
-
 def delta_rule_pallas(q, k, kw, v, beta, log_decay, scale, initial_state, cu_seqlens, chunk_size,
                       options: Options = Options(), interpret: bool | None = None):
     """The delta core (SPEC 2) on the Pallas kernels: o [B, T, H, V] and finals [N, H, K, V].
@@ -189,22 +180,22 @@ def delta_rule_pallas(q, k, kw, v, beta, log_decay, scale, initial_state, cu_seq
         raise ValueError(f"impl='pallas' needs chunk_size a power of two >= 16, got {chunk_size}")
     if isinstance(scale, jax.core.Tracer):  # a traced scale folds into q (exact, differentiable)
         q, scale = f32(q) * scale, 1.0
-    Kp, Vp = _pow2(K), _pow2(V)
+    Kp, Vp = pow2_dim(K), pow2_dim(V)
     layout = chunk_layout(B, T, chunk_size, cu_seqlens)
     nc = layout.doc.shape[1]
 
     def kernel_layout(x, n=None):
-        y = to_chunks(_pad_last(x, n) if n else x, layout)
+        y = to_chunks(pad_last(x, n) if n else x, layout)
         return y.reshape(B, nc * chunk_size, *y.shape[3:])
 
     qk = [kernel_layout(x, Kp) for x in (q, k, kw)]
     gamma = None
     if log_decay is not None:
-        g = to_chunks(f32(_pad_last(log_decay, Kp) if log_decay.ndim == 4 else log_decay), layout)
+        g = to_chunks(f32(pad_last(log_decay, Kp) if log_decay.ndim == 4 else log_decay), layout)
         gamma = jnp.cumsum(g, axis=2).reshape(B, nc * chunk_size, *g.shape[3:])
     init = f32(initial_state)
     if init is not None:
-        init = _pad_last(jnp.pad(init, [(0, 0), (0, 0), (0, Kp - K), (0, 0)]), Vp)
+        init = pad_last(jnp.pad(init, [(0, 0), (0, 0), (0, Kp - K), (0, 0)]), Vp)
     last = jnp.zeros(layout.doc.shape, jnp.int32).at[layout.final_row, layout.final_chunk].set(1)
     decay = {None: "none", 3: "scalar", 4: "vector"}[None if log_decay is None else log_decay.ndim]
     interpret = interpret_default() if interpret is None else interpret

@@ -53,6 +53,20 @@ class Dots:
         return self._dot(a, b, ((0,), (0,)))
 
 
+MAX_HEAD_DIM = 128  # padded K; larger states do not fit one program's registers
+
+
+def pow2_dim(n: int) -> int:
+    """The head dim a kernel works in: the power of two >= max(n, 16) (zero padding)."""
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def pad_last(x, n):
+    """x zero-padded along its last axis to n (None stays None)."""
+    return x if x is None or x.shape[-1] == n else jnp.pad(
+        x, [(0, 0)] * (x.ndim - 1) + [(0, n - x.shape[-1])])
+
+
 def interpret_default() -> bool:
     """Kernels run in interpret mode unless the default backend is a GPU."""
     return jax.default_backend() != "gpu"

@@ -80,3 +80,11 @@ def test_step_errors(rand):
         pla.delta_rule_step(q, q, rand.normal(B, H, V), rand.beta(B, H), S,
                             log_decay=rand.normal(B, H, K, 1))
     jax.block_until_ready(pla.delta_rule_step(q, q, rand.normal(B, H, V), rand.beta(B, H), S))
+
+
+def test_pallas_without_a_kernel_is_a_clear_error():
+    from precond_linattn.ops.dispatch import choose_impl
+
+    with pytest.raises(ValueError, match="impl='pallas' is not available for no_such_op"):
+        choose_impl("no_such_op", "pallas")
+    assert choose_impl("no_such_op", "auto") == "chunked"

@@ -286,7 +286,6 @@ def inputs(rand):
     (dict(eps=0.0), "eps must be > 0"),
     (dict(beta_aware=1), "beta_aware must be a bool"),
     (dict(impl="triton"), "impl must be one of"),
-    (dict(impl="pallas"), "impl='pallas' is not available for osgm_precondition"),
     (dict(chunk_size=0), "chunk_size must be a positive int"),
 ])
 def test_bad_arguments(inputs, kw, match):

@@ -1,0 +1,163 @@
+"""Device benchmark of osgm_precondition(impl="pallas") (OSDN phase 1): checks, then timings.
+
+    PYTHONPATH=. python3 benchmarks/bench_osgm.py [--shape B T H K] [--budget-s 100]
+        [--sections checks,time,osdn] [--variants 4/1,8/1]   # kernel options prefetch/num_warps
+
+Checks (fresh random inputs; device memory filled with NaN before each run): pallas vs the
+token-by-token reference, k̃, final d and the gradients of k, β, r and d_1 for a random
+cotangent, relative RMS error with the bars of bench_delta (bf16 6e-3 outputs, 8e-3 gradients;
+fp32 1e-4): the paper's setting (η = 0.003, APF retention σ(x + 6)) in fp32 and bf16, and a
+clip-active one (η = 1, beta-free, skewed keys) in fp32. Timings (bf16, median after warm-up):
+phase 1 alone, pallas vs chunked, vanilla and APF, forward and forward+backward (gradients of
+k, β, r); ``osdn``: the whole OSDN op (phase 1 + the Pallas delta core with k̃) against the core
+alone with k̃ = k. Prints JSON lines and one table; records go to benchmarks/RESULTS.md.
+"""
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+
+import precond_linattn as pla
+from benchmarks.bench_delta import BARS, elapsed, poison, rel_rms, timeit
+from pallas_kernels.osgm_precond import Options, osgm_pallas
+
+
+def make_inputs(key, B, T, H, K, dtype, skewed=False):
+    """Unit keys (``skewed``: norm 4 on three coordinates), β = σ(x), APF r = σ(x + 6), d_1 ones."""
+    ks = jax.random.split(key, 4)
+    k = jax.random.normal(ks[0], (B, T, H, K))
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    if skewed:
+        k = k * jnp.where(jnp.arange(K) < 3, 4.0 * K ** 0.5, 1.0)
+    return dict(k=k.astype(dtype), beta=jax.nn.sigmoid(jax.random.normal(ks[1], (B, T, H))).astype(dtype),
+                r=jax.nn.sigmoid(jax.random.normal(ks[2], (B, T, H)) + 6.0).astype(dtype),
+                d0=jnp.ones((B, H, K), jnp.float32)), ks[3]
+
+
+def phase1(impl, eta=0.003, beta_aware=True, apf=True, options=None):
+    """(inputs) -> (k̃, final d)."""
+    def f(x):
+        r = x["r"] if apf else None
+        if options is not None:
+            return osgm_pallas(x["k"], x["beta"], r, eta, 0.5, 2.0, beta_aware, 1e-6, x["d0"],
+                               None, 64, options)
+        return pla.osgm_precondition(x["k"], x["beta"], eta=eta, retention=r,
+                                     beta_aware=beta_aware, initial_state=x["d0"],
+                                     output_final_state=True, impl=impl)
+    return f
+
+
+def check(name, f_kernel, f_ref, x, key, dtype):
+    """Relative RMS errors of k̃, final d and the gradients of k, β, r, d_1."""
+    def run(f):
+        def g(x):
+            (kw, final), pullback = jax.vjp(f, x)
+            ka, kb = jax.random.split(key)
+            ct = (jax.random.normal(ka, kw.shape, kw.dtype), jax.random.normal(kb, final.shape))
+            return kw, final, pullback(ct)[0]
+        compiled = jax.jit(g).lower(x).compile()
+        poison()
+        return jax.block_until_ready(compiled(x))
+    kw, kf, kg = run(f_kernel)
+    rw, rf, rg = run(f_ref)
+    finite = all(bool(jnp.all(jnp.isfinite(a))) for a in jax.tree.leaves((kw, kf, kg)))
+    err_g = {n: rel_rms(kg[n], rg[n]) if jnp.any(rg[n] != 0) else  # dβ ≡ 0 when beta-free
+             (0.0 if not jnp.any(kg[n] != 0) else float("inf")) for n in rg}
+    bar_o, bar_g = BARS[jnp.dtype(dtype).name]
+    err_o, err_f = rel_rms(kw, rw), rel_rms(kf, rf)
+    r = dict(check=name, ok=finite and max(err_o, err_f) <= bar_o and max(err_g.values()) <= bar_g,
+             finite=finite, err_o=err_o, err_final=err_f, err_grad_max=max(err_g.values()),
+             worst_grad=max(err_g, key=err_g.get), t_s=round(elapsed()))
+    print(json.dumps(r), flush=True)
+    return r
+
+
+def time_op(label, f, x, reps):
+    """Forward and forward+backward (gradients of k, β, r) median milliseconds."""
+    fwd = jax.jit(lambda x: f(x)[0])
+    loss = lambda k, b, r: jnp.sum(f({**x, "k": k, "beta": b, "r": r})[0].astype(jnp.float32) ** 2)  # noqa: E731
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    r = dict(op=label, fwd_ms=timeit(fwd, x, reps=reps),
+             fwdbwd_ms=timeit(grad, x["k"], x["beta"], x["r"], reps=reps), t_s=round(elapsed()))
+    print(json.dumps(r), flush=True)
+    return r
+
+
+def osdn(phase1_impl, apf):
+    """The OSDN op: phase 1 (``phase1_impl``, None: k̃ = k, plain DeltaNet) + the Pallas core."""
+    def f(x):
+        kw = x["k"] if phase1_impl is None else phase1(phase1_impl, apf=apf)(x)[0]
+        return pla.delta_rule(x["q"], x["k"], x["v"], x["beta"], write_key=kw, impl="pallas")
+    return f
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", type=int, nargs=4, default=(8, 2048, 8, 128))
+    p.add_argument("--sections", default="checks,time,osdn")
+    p.add_argument("--variants", default="4/1,8/1,4/2")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--budget-s", type=float, default=100)
+    a = p.parse_args()
+    B, T, H, K = a.shape
+    print(json.dumps(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
+                          shape=a.shape)), flush=True)
+    key = jax.random.key(0)
+    results, timings, started = [], [], []
+
+    def guarded(what, fn):
+        if started and elapsed() > a.budget_s:
+            print(json.dumps(dict(skipped=what, elapsed_s=round(elapsed()))), flush=True)
+            return None
+        started.append(what)
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001
+            print(json.dumps(dict(failed=what, error=f"{type(e).__name__}: {str(e)[:800]}")),
+                  flush=True)
+            return None
+
+    cases = [("paper APF fp32", jnp.float32, {}), ("paper APF bf16", jnp.bfloat16, {}),
+             ("clip eta=1 beta-free fp32", jnp.float32, dict(eta=1.0, beta_aware=False))]
+    for n, (name, dtype, hyper) in enumerate(cases if "checks" in a.sections else ()):
+        def one(n=n, name=name, dtype=dtype, hyper=hyper):
+            x, kc = make_inputs(jax.random.fold_in(key, n), B, T, H, K, dtype, skewed="eta" in hyper)
+            return check(name, phase1("pallas", **hyper), phase1("reference", **hyper), x, kc, dtype)
+        results.append(guarded(f"check {name}", one))
+    x, _ = make_inputs(jax.random.fold_in(key, 9), B, T, H, K, jnp.bfloat16)
+    variants = [Options(*map(int, v.split("/"))) for v in a.variants.split(",")]
+    jobs = []
+    if "time" in a.sections:  # the first variant, the chunked form; other variants after osdn
+        jobs += [(f"phase 1 pallas[{variants[0].prefetch}/{variants[0].num_warps}] APF",
+                  phase1("pallas", options=variants[0])),
+                 ("phase 1 chunked APF", phase1("chunked")),
+                 ("phase 1 pallas vanilla", phase1("pallas", apf=False)),
+                 ("phase 1 chunked vanilla", phase1("chunked", apf=False))]
+    if "osdn" in a.sections:
+        qv = jax.random.split(jax.random.fold_in(key, 10))
+        q = jax.random.normal(qv[0], x["k"].shape)
+        x = {**x, "q": (q / jnp.linalg.norm(q, axis=-1, keepdims=True)).astype(jnp.bfloat16),
+             "v": jax.random.normal(qv[1], x["k"].shape, jnp.bfloat16)}
+        jobs += [("DeltaNet core (k̃ = k)", osdn(None, False)),
+                 ("OSDN (pallas phase 1 + core)", osdn("pallas", False)),
+                 ("OSDN-APF (pallas phase 1 + core)", osdn("pallas", True))]
+    if "time" in a.sections:
+        jobs += [(f"phase 1 pallas[{o.prefetch}/{o.num_warps}] APF", phase1("pallas", options=o))
+                 for o in variants[1:]]
+    for label, f in jobs:
+        timings.append(guarded(f"time {label}", lambda label=label, f=f: time_op(label, f, x, a.reps)))
+
+    print(f"\n{'check':32s} {'ok':>5s} {'err_kw':>9s} {'err_final':>9s} {'err_grad':>9s}")
+    for r in filter(None, results):
+        print(f"{r['check']:32s} {str(r['ok']):>5s} {r['err_o']:9.2e} {r['err_final']:9.2e} "
+              f"{r['err_grad_max']:9.2e}")
+    print(f"\n{'op, bf16 ' + 'x'.join(map(str, a.shape)):40s} {'fwd ms':>8s} {'fwd+bwd ms':>10s}")
+    for r in filter(None, timings):
+        print(f"{r['op']:40s} {r['fwd_ms']:8.3f} {r['fwdbwd_ms']:10.3f}")
+    print(f"elapsed {elapsed():.0f} s")
+
+
+if __name__ == "__main__":
+    main()

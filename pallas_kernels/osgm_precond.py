@@ -1,0 +1,124 @@
+"""``osgm_precondition`` (SPEC 3.1) on Pallas kernels: layout, ``custom_vjp`` wrapper, ``supports``.
+
+Forward: the token loop of ``osgm_triton`` (one program per batch row and head, d in registers,
+exact clip, no host synchronisation). Backward (exact): the forward kernel is run again to write
+every d_t (float32, a transient of the backward, not a residual of the forward), then the reverse
+kernel propagates λ = ∂L/∂d through the clipped recurrence and emits the cotangents of k, β, r
+and the initial state. The clip's derivative is that of ``reference.osgm.clip_box`` (0 on and
+beyond a bound).
+
+Packed documents (``cu_seqlens``) need no chunk layout: the kernels restart d at each
+document's first token. Head dims are padded to a power of two >= 16 (keys with zeros, the
+initial state with ones: padded coordinates never touch the real ones). ``chunk_size`` is not
+used (the kernels walk tokens). The hyper-parameters (η, d_min, d_max, ε) are compiled into the
+kernels, so they must be concrete numbers.
+
+Inside a ``jit`` over a device mesh the kernel calls go through ``partition.sharded_call`` (batch
+rows and heads stay sharded; with packed documents only heads). Without a GPU the kernels run in
+interpret mode.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.osgm_triton import AUX, BETA, DOC, FIRST, LAST, RET, osgm_bwd, osgm_fwd
+from pallas_kernels.partition import sharded_call
+from pallas_kernels.triton_common import MAX_HEAD_DIM, interpret_default, pad_last, pow2_dim
+from precond_linattn.numerics import f32
+from precond_linattn.varlen import segments
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Kernel tuning (static): how many tokens ahead rows are loaded, warps per program."""
+
+    prefetch: int = 4
+    num_warps: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    hyper: tuple  # (eta, d_min, d_max, eps) as floats
+    beta_aware: bool
+    packed: bool  # documents packed along T (cu_seqlens)
+    options: Options
+    interpret: bool
+
+
+def supports(*, K: int, dtype) -> bool:
+    """Whether the kernels take this call (K up to MAX_HEAD_DIM after padding, any dtype)."""
+    del dtype
+    return pow2_dim(K) <= MAX_HEAD_DIM
+
+
+def _call(cfg, kernel, args, in_axes, out_axes, **static):
+    """``kernel(*args, **static)`` through ``sharded_call``; "n" (states) is "b" for dense rows."""
+    docs = (lambda a: a) if cfg.packed else (lambda a: a.replace("n", "b"))
+    o = cfg.options
+    fn = functools.partial(kernel, hyper=cfg.hyper, beta_aware=cfg.beta_aware, packed=cfg.packed,
+                           prefetch=o.prefetch, num_warps=o.num_warps, interpret=cfg.interpret,
+                           **static)
+    return sharded_call(lambda *xs: tuple(fn(*xs)), args, [docs(a) for a in in_axes],
+                        [docs(a) for a in out_axes], shard_batch=not cfg.packed)
+
+
+def _forward(cfg, k, aux, init, emit_d):
+    return _call(cfg, osgm_fwd, [k, aux, init], ["b t h k", "b t h a", "n h k"],
+                 ["b t h k", "n h k"], emit_d=emit_d)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _scan(cfg, k, aux, init):
+    return _forward(cfg, k, aux, init, False)
+
+
+def _scan_fwd(cfg, k, aux, init):
+    return _forward(cfg, k, aux, init, False), (k, aux, init)
+
+
+def _scan_bwd(cfg, res, cts):
+    k, aux, init = res
+    dkw, dfinal = cts
+    d, _ = _forward(cfg, k, aux, init, True)
+    dk, daux, dinit = _call(cfg, osgm_bwd, [k, aux, d, dkw, dfinal],
+                            ["b t h k", "b t h a", "b t h k", "b t h k", "n h k"],
+                            ["b t h k", "b t h a", "n h k"])
+    return dk.astype(k.dtype), daux, dinit
+
+
+_scan.defvjp(_scan_fwd, _scan_bwd)
+
+
+def osgm_pallas(k, beta, retention, eta, d_min, d_max, beta_aware, eps, initial_state,
+                cu_seqlens, chunk_size, options: Options = Options(), interpret: bool | None = None):
+    """k̃ [B, T, H, K] (k's dtype) and final d [N, H, K] (float32) on the Pallas kernels.
+
+    Arguments as ``precond_linattn.reference.osgm.osgm_reference``, each in its own dtype, plus
+    the unused ``chunk_size``. Raises ValueError for a head dim the kernels cannot take or traced
+    hyper-parameters."""
+    del chunk_size
+    B, T, H, K = k.shape
+    if not supports(K=K, dtype=k.dtype):
+        raise ValueError(f"impl='pallas' takes head dims K <= {MAX_HEAD_DIM}, got K={K}; "
+                         "use impl='chunked' (impl='auto' falls back to it)")
+    hyper = (eta, d_min, d_max, eps)
+    if any(isinstance(x, jax.core.Tracer) for x in hyper):
+        raise ValueError("impl='pallas' compiles eta, d_min, d_max and eps into the kernels: pass "
+                         "numbers, not traced values (or use impl='chunked')")
+    seg = segments(B, T, cu_seqlens)
+    beta = f32(beta)
+    columns = {BETA: beta, RET: jnp.ones_like(beta) if retention is None else f32(retention)}
+    for i, flag in ((DOC, seg.doc), (FIRST, seg.first), (LAST, seg.last)):
+        columns[i] = jnp.broadcast_to(flag.astype(jnp.float32)[..., None], beta.shape)
+    zero = jnp.zeros_like(beta)
+    aux = jnp.stack([columns.get(i, zero) for i in range(AUX)], axis=-1)
+    Kp = pow2_dim(K)
+    init = (jnp.ones((seg.num_docs, H, Kp), jnp.float32) if initial_state is None else
+            jnp.pad(f32(initial_state), [(0, 0), (0, 0), (0, Kp - K)], constant_values=1.0))
+    cfg = _Config(tuple(float(x) for x in hyper), beta_aware, cu_seqlens is not None, options,
+                  interpret_default() if interpret is None else interpret)
+    k_write, final = _scan(cfg, pad_last(k, Kp), aux, init)
+    return k_write[..., :K], final[..., :K]

@@ -1,0 +1,162 @@
+"""osgm_precondition(impl="pallas") against the token-by-token reference (interpret mode on CPU)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import precond_linattn as pla
+from pallas_kernels import REGISTRY
+from pallas_kernels.osgm_precond import osgm_pallas
+
+B, T, H, K = 2, 37, 2, 24
+D_MIN, D_MAX = 0.5, 2.0
+
+
+def make_inputs(seed, *, b=B, t=T, k_dim=K, n_init=B, skewed=False, init="inside",
+                dtype=jnp.float32):
+    """Keys (``skewed``: a few large coordinates, some exactly zero, so that the clip pins them),
+    β in (0.05, 0.95), retention in (0.9, 1), initial d inside, on or outside the box."""
+    rng = np.random.default_rng(seed)
+    k = rng.standard_normal((b, t, H, k_dim))
+    if skewed:
+        k *= np.where(np.arange(k_dim) < 3, 4.0, 0.3)
+        k[..., 3:6] = 0.0  # s = 0: these coordinates never move, pinned ones stay on the bound
+    state = {"inside": lambda: rng.uniform(0.7, 1.8, (n_init, H, k_dim)),
+             "bounds": lambda: np.resize([D_MIN, D_MAX, 1.0], (n_init, H, k_dim)),
+             "outside": lambda: rng.choice([0.2, 0.5, 1.0, 2.0, 2.6], (n_init, H, k_dim))}[init]()
+    x = dict(k=jnp.asarray(k, dtype), beta=jnp.asarray(rng.uniform(0.05, 0.95, (b, t, H)), dtype),
+             retention=jnp.asarray(rng.uniform(0.9, 1.0, (b, t, H)), dtype),
+             initial_state=jnp.asarray(state, jnp.float32))
+    return x
+
+
+def run(impl, x, *, eta, beta_aware=True, retention=True, cu_seqlens=None, initial=True):
+    """k̃, final d and the gradients of a fixed nonlinear loss w.r.t. every input."""
+
+    def loss(x):
+        kw, final = pla.osgm_precondition(
+            x["k"], x["beta"], eta=eta, d_min=D_MIN, d_max=D_MAX,
+            retention=x["retention"] if retention else None, beta_aware=beta_aware,
+            initial_state=x["initial_state"] if initial else None, output_final_state=True,
+            cu_seqlens=cu_seqlens, impl=impl)
+        kw = kw.astype(jnp.float32)
+        return jnp.sum(jnp.sin(3.0 * kw)) + jnp.sum(final * jnp.cos(final)), (kw, final)
+
+    (_, (kw, final)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(x)
+    return kw, final, grads
+
+
+def assert_close(actual, expected, tol, name):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    assert np.all(np.isfinite(actual)), name
+    err = np.max(np.abs(actual - expected)) / max(np.max(np.abs(expected)), 1e-30)
+    assert err <= tol, f"{name}: relative max error {err:.3g} > {tol}"
+
+
+def assert_runs_match(got, want, tol, grads=("k", "beta", "retention", "initial_state")):
+    assert_close(got[0], want[0], tol, "k_write")
+    assert_close(got[1], want[1], tol, "final state")
+    for name in grads:
+        assert_close(got[2][name], want[2][name], tol, f"d{name}")
+
+
+def clipped_fraction(x, eta, **kw):
+    """Share of state coordinates sitting on a bound after the scan (the clip was active)."""
+    _, final = pla.osgm_precondition(x["k"], x["beta"], eta=eta, d_min=D_MIN, d_max=D_MAX,
+                                     initial_state=x["initial_state"], output_final_state=True,
+                                     impl="reference", **kw)
+    return float(jnp.mean((final == D_MIN) | (final == D_MAX)))
+
+
+def test_registered():
+    supports, kernel = REGISTRY["osgm_precondition"]
+    assert kernel is osgm_pallas
+    assert supports(K=128, dtype=jnp.bfloat16) and supports(K=100, dtype=jnp.float32)
+    assert not supports(K=256, dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("beta_aware", [True, False])
+@pytest.mark.parametrize("retention", [True, False])
+@pytest.mark.parametrize("clip", ["active", "inactive"])
+def test_matches_reference(beta_aware, retention, clip):
+    """Forward, final state and gradients (k, β, r, d_1); odd T, padded K; the clip pinning many
+    coordinates (large η, skewed keys) or never reached (the paper's η = 0.003)."""
+    active = clip == "active"
+    x = make_inputs(0, skewed=active)
+    eta = 2.0 if active else 0.003
+    if active:
+        assert clipped_fraction(x, eta) > 0.2
+    grads = ("k", "beta", "initial_state") + (("retention",) if retention else ())
+    assert_runs_match(run("pallas", x, eta=eta, beta_aware=beta_aware, retention=retention),
+                      run("reference", x, eta=eta, beta_aware=beta_aware, retention=retention),
+                      2e-5, grads)
+
+
+@pytest.mark.parametrize("init", ["bounds", "outside"])
+def test_initial_state_on_and_outside_the_box(init):
+    """Coordinates starting exactly on d_min / d_max (pinned: zero-key coordinates tie with the
+    bound) or outside the box (used unclipped for the first token)."""
+    x = make_inputs(1, skewed=True, init=init)
+    assert_runs_match(run("pallas", x, eta=1.0), run("reference", x, eta=1.0), 2e-5)
+
+
+def test_default_initial_state():
+    x = make_inputs(2, skewed=True)
+    got = run("pallas", x, eta=2.0, initial=False)
+    assert_runs_match(got, run("reference", x, eta=2.0, initial=False), 2e-5,
+                      ("k", "beta", "retention"))
+
+
+@pytest.mark.parametrize("initial", [True, False])
+def test_packed_documents(initial):
+    """cu_seqlens: d restarts at each document (from its own initial state, or ones)."""
+    cu = jnp.asarray([0, 5, 22, 37], jnp.int32)
+    x = make_inputs(3, b=1, n_init=3, skewed=True)
+    assert clipped_fraction(x, 2.0, cu_seqlens=cu) > 0.2
+    grads = ("k", "beta", "retention") + (("initial_state",) if initial else ())
+    assert_runs_match(run("pallas", x, eta=2.0, cu_seqlens=cu, initial=initial),
+                      run("reference", x, eta=2.0, cu_seqlens=cu, initial=initial), 2e-5, grads)
+
+
+def test_bf16_inputs():
+    """bf16 inputs: float32 inside, so the same answer as the reference on the same bf16 values
+    up to one bf16 rounding of k̃ and of each gradient (the final state is float32)."""
+    x = make_inputs(4, dtype=jnp.bfloat16)
+    got, want = run("pallas", x, eta=0.3), run("reference", x, eta=0.3)
+    assert got[2]["k"].dtype == jnp.bfloat16 and got[1].dtype == jnp.float32
+    assert_runs_match(got, want, 4e-3)
+
+
+def test_vmap():
+    x = make_inputs(5, skewed=True)
+
+    def grads(k, beta, r, d0):
+        def loss(k, beta, r, d0):
+            kw, final = pla.osgm_precondition(k, beta, eta=2.0, retention=r, initial_state=d0,
+                                              output_final_state=True, impl="pallas")
+            return jnp.sum(jnp.sin(kw)) + jnp.sum(final ** 2)
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(k, beta, r, d0)
+
+    args = [x["k"], x["beta"], x["retention"], x["initial_state"]]
+    split = [a.reshape(B, 1, *a.shape[1:]) for a in args]
+    per_row = jax.jit(jax.vmap(grads))(*split)
+    looped = [grads(*[a[i] for a in split]) for i in range(B)]
+    for got, want in zip(per_row, zip(*looped)):
+        np.testing.assert_allclose(got, jnp.stack(want), rtol=1e-5, atol=1e-6)
+
+
+def test_second_run_bitwise_identical():
+    x = make_inputs(6, skewed=True)
+    first, second = run("pallas", x, eta=2.0), run("pallas", x, eta=2.0)
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_unsupported_calls_raise():
+    x = make_inputs(7, k_dim=256)
+    with pytest.raises(ValueError, match="K <= 128"):
+        pla.osgm_precondition(x["k"], x["beta"], impl="pallas")
+    y = make_inputs(7)
+    with pytest.raises(ValueError, match="traced"):
+        jax.jit(lambda eta: pla.osgm_precondition(y["k"], y["beta"], eta=eta, impl="pallas"))(0.1)
