@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 import precond_linattn as pla
-from benchmarks.bench_delta import BARS, elapsed, poison, rel_rms, timeit
+from benchmarks.bench_delta import BARS, elapsed, rel_rms, timeit, values_and_grads
 from pallas_kernels.osgm_precond import Options, osgm_pallas
 
 
@@ -51,17 +51,8 @@ def phase1(impl, eta=0.003, beta_aware=True, apf=True, options=None):
 
 def check(name, f_kernel, f_ref, x, key, dtype):
     """Relative RMS errors of k̃, final d and the gradients of k, β, r, d_1."""
-    def run(f):
-        def g(x):
-            (kw, final), pullback = jax.vjp(f, x)
-            ka, kb = jax.random.split(key)
-            ct = (jax.random.normal(ka, kw.shape, kw.dtype), jax.random.normal(kb, final.shape))
-            return kw, final, pullback(ct)[0]
-        compiled = jax.jit(g).lower(x).compile()
-        poison()
-        return jax.block_until_ready(compiled(x))
-    kw, kf, kg = run(f_kernel)
-    rw, rf, rg = run(f_ref)
+    kw, kf, kg = values_and_grads(f_kernel, x, key)
+    rw, rf, rg = values_and_grads(f_ref, x, key)
     finite = all(bool(jnp.all(jnp.isfinite(a))) for a in jax.tree.leaves((kw, kf, kg)))
     err_g = {n: rel_rms(kg[n], rg[n]) if jnp.any(rg[n] != 0) else  # dβ ≡ 0 when beta-free
              (0.0 if not jnp.any(kg[n] != 0) else float("inf")) for n in rg}
