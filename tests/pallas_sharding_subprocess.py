@@ -1,9 +1,10 @@
 """delta_rule(impl="pallas") inside a jit over 8 fake CPU devices, run by tests/test_pallas_sharding.py.
 
-    python tests/pallas_sharding_subprocess.py CASE   # dense_scalar, dense_vector or packed
+    python tests/pallas_sharding_subprocess.py CASE   # dense_scalar, dense_vector, packed, osdn_dense
 
 Mesh (data=4, tensor=2); batch over data, heads over tensor (packed documents: one batch row,
-heads over tensor). Checks that outputs, final states and all gradients equal the one-device run
+heads over tensor; osdn_dense: OSDN-APF, the Pallas OSGM phase 1 then the Pallas core). Checks
+that outputs, final states and all gradients equal the one-device run
 and that the compiled program has no all-gather (the kernels run on each device's shard).
 """
 
@@ -39,13 +40,19 @@ def inputs(seed, decay, b):
     return {n: jnp.asarray(a, jnp.float32) for n, a in x.items()}
 
 
-def loss_fn(cu_seqlens):
+def loss_fn(cu_seqlens, osdn):
     def loss(x):
-        o, final = pla.delta_rule(x["q"], x["k"], x["v"], x["beta"], write_key=x["write_key"],
+        write_key = x.get("write_key")
+        if osdn:
+            write_key, d_final = pla.osgm_precondition(
+                x["k"], x["beta"], eta=0.5, retention=x["retention"], initial_state=x["d0"],
+                output_final_state=True, cu_seqlens=cu_seqlens, impl="pallas")
+        o, final = pla.delta_rule(x["q"], x["k"], x["v"], x["beta"], write_key=write_key,
                                   log_decay=x.get("log_decay"), initial_state=x["initial_state"],
                                   output_final_state=True, cu_seqlens=cu_seqlens, impl="pallas",
                                   chunk_size=C)
-        return jnp.sum(jnp.sin(3.0 * o)) + jnp.sum(final * jnp.cos(final)), (o, final)
+        extra = jnp.sum(jnp.sin(d_final)) if osdn else 0.0
+        return jnp.sum(jnp.sin(3.0 * o)) + jnp.sum(final * jnp.cos(final)) + extra, (o, final)
 
     return jax.jit(jax.value_and_grad(loss, has_aux=True))
 
@@ -53,8 +60,14 @@ def loss_fn(cu_seqlens):
 def main(case):
     mesh = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2)
     packed = case == "packed"
-    decay = "scalar" if packed else case.split("_")[1]
+    osdn = case == "osdn_dense"
+    decay = "scalar" if packed else "none" if osdn else case.split("_")[1]
     x = inputs(0, decay, 1 if packed else B)
+    if osdn:  # the write key comes from the preconditioner
+        del x["write_key"]
+        rng = np.random.default_rng(2)
+        x["retention"] = jnp.asarray(rng.uniform(0.9, 1.0, (B, T, H)), jnp.float32)
+        x["d0"] = jnp.asarray(rng.uniform(0.5, 2.0, (B, H, K)), jnp.float32)
     cu = jnp.asarray([0, 5, 22, 37], jnp.int32) if packed else None
     n = 3 if packed else B
     x["initial_state"] = jnp.asarray(np.random.default_rng(1).standard_normal((n, H, K, V)),
@@ -62,9 +75,10 @@ def main(case):
     batch = None if packed else "data"
     spec = {name: P(batch, None, "tensor", *(None,) * (a.ndim - 3)) for name, a in x.items()}
     spec["initial_state"] = P(batch, "tensor", None, None)
+    spec["d0"] = P(batch, "tensor", None)
     sharded = {name: jax.device_put(a, NamedSharding(mesh, spec[name])) for name, a in x.items()}
 
-    step = loss_fn(cu)
+    step = loss_fn(cu, osdn)
     want = jax.device_get(step(x))
     got = step(sharded)
     (_, (o, final)), grads = got
@@ -74,7 +88,8 @@ def main(case):
     np.testing.assert_allclose(loss, want[0][0], rtol=1e-5)  # a sum over devices: another order
     for name, a, b in zip(["o", "final", *g], jax.tree.leaves((aux, g)),
                           jax.tree.leaves((want[0][1], want[1]))):
-        if name in ("beta", "log_decay"):  # sums over K or V: XLA fuses them per program shape
+        if name in ("beta", "log_decay", "retention", "k", "d0"):  # sums over K or V: XLA fuses
+            # them per program shape
             err = np.max(np.abs(a - b)) / np.max(np.abs(b))
             assert err <= 1e-6, f"d{name}: relative max error {err:.3g}"
         else:

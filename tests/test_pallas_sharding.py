@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("case", ["dense_scalar", "dense_vector", "packed"])
+@pytest.mark.parametrize("case", ["dense_scalar", "dense_vector", "packed", "osdn_dense"])
 def test_sharded_equals_one_device(case):
     """Mesh (data=4, tensor=2): outputs, final states and gradients equal the one-device run,
     stay sharded, and the compiled program has no all-gather."""
