@@ -1,5 +1,6 @@
 """The training system's infrastructure: configs, optimiser, sharding, checkpoints, metrics."""
 
+import dataclasses
 import io
 import json
 import math
@@ -18,12 +19,15 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from rich.console import Console
 
+from precond_linattn.models import LanguageModel, preset
+
 from train.checkpoint import CheckpointError, Checkpointer
 from train.config import (CheckpointConfig, ExperimentConfig, LoggingConfig, OptimConfig, apply_overrides,
                           load_config)
 from train.metrics import Monitor, NonFiniteLossError, peak_flops
 from train.optim import lr_schedule, make_optimizer, osdn_recipe, pdn_recipe, weight_decay_mask
-from train.sharding import logical_to_spec, make_mesh
+from train.partitioning import annotate
+from train.sharding import init_sharded, logical_to_spec, make_mesh
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -142,6 +146,34 @@ def test_sharding_on_8_fake_devices(tmp_path):
     a sharded checkpoint restores with its shardings."""
     result = run_script("sharding", tmp_path / "ckpt")
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+
+def test_init_sharded_compiles_each_initialiser_once():
+    """``init_sharded`` runs identical layers through the same compiled initialisers: after a
+    1-layer model, a 4-layer one of the same shapes compiles nothing (one jit of the whole
+    constructor compiled an RNG subgraph per parameter: minutes for 24 layers), and the values
+    are those of building the model eagerly."""
+    config = dataclasses.replace(preset("kda-340m-pdn", "osgm_apf", hidden_size=64, num_heads=2),
+                                 vocab_size=128, tie_embeddings=False)
+    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+
+    def make(num_layers):
+        return lambda: annotate(LanguageModel(dataclasses.replace(config, num_layers=num_layers),
+                                              rngs=nnx.Rngs(0)))
+
+    init_sharded(make(1), mesh)
+    compiles = []
+    listener = lambda event, duration, **kwargs: compiles.append(event)  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        model = init_sharded(make(4), mesh)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert "/jax/core/compile/backend_compile_duration" not in compiles
+    with nnx.use_eager_sharding(False):
+        eager = make(4)()
+    assert _equal(nnx.state(model), nnx.state(eager))
 
 
 # ---- checkpoints ----

@@ -12,10 +12,12 @@ with ``init_sharded`` (or inside ``use_mesh``); outside one, use ``nnx.use_eager
 """
 
 import contextlib
+import functools
 import math
 import typing
 
 import jax
+import jax.extend
 from flax import nnx
 from flax.core import spmd as flax_spmd
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
@@ -106,15 +108,64 @@ def drop_mesh_axis(shardings, axis: str):
 
 
 def init_sharded(ctor: typing.Callable[[], typing.Any], mesh: Mesh, rules=RULES):
-    """Build ``ctor()`` (an NNX module, or a tuple such as ``(model, optimizer)``) inside ``jax.jit``
-    so every variable is created directly with its ``state_shardings`` (no full copy on one device).
-    """
+    """Build ``ctor()`` (an NNX module, or a tuple such as ``(model, optimizer)``) with every
+    variable created directly with its ``state_shardings`` (no full copy on one device).
+
+    The constructor is traced once and its program run equation by equation, each under its own
+    cached ``jax.jit`` (``_run_sharded``), so identical layers reuse the same compiled initialisers:
+    one jit of the whole constructor compiles a separate random-number subgraph per parameter (XLA
+    inlines them all), minutes for a 24-layer model. The values are those of building ``ctor()``
+    eagerly, on any mesh."""
     with nnx.use_eager_sharding(False):
         graphdef, abstract = nnx.split(nnx.eval_shape(ctor))
         shardings = state_shardings(abstract, mesh, rules)
         with use_mesh(mesh, rules):
-            state = jax.jit(lambda: nnx.split(ctor())[1], out_shardings=shardings)()
-    return nnx.merge(graphdef, state)
+            program, out_tree = jax.make_jaxpr(lambda: nnx.split(ctor())[1], return_shape=True)()
+            leaves = _run_sharded(program, jax.tree.leaves(shardings), NamedSharding(mesh, PartitionSpec()))
+    return nnx.merge(graphdef, jax.tree.unflatten(jax.tree.structure(out_tree), leaves))
+
+
+def _run_sharded(program: jax.extend.core.ClosedJaxpr, out_shardings, replicated: NamedSharding):
+    """The outputs of ``program`` (no inputs), each equation run by a ``jax.jit`` compiled once
+    per (operation, shapes, shardings).
+
+    An intermediate takes the sharding of a same-shaped result it feeds (a parameter's draw takes
+    the parameter's, through the scaling and shifting that follow), anything else is replicated;
+    each value is dropped after its last use."""
+    jaxpr, Var = program.jaxpr, jax.extend.core.Var
+    sharding = {var: s for var, s in zip(jaxpr.outvars, out_shardings) if isinstance(var, Var)}
+    keep = set(sharding)
+    for eqn in reversed(jaxpr.eqns):
+        for out in filter(sharding.__contains__, eqn.outvars):
+            for var in eqn.invars:
+                if isinstance(var, Var) and var.aval.shape == out.aval.shape:
+                    sharding.setdefault(var, sharding[out])
+    last_use = {var: i for i, eqn in enumerate(jaxpr.eqns) for var in eqn.invars if isinstance(var, Var)}
+    env = dict(zip(jaxpr.constvars, program.consts))
+
+    def read(var):
+        return env[var] if isinstance(var, Var) else var.val
+
+    for i, eqn in enumerate(jaxpr.eqns):
+        fn = _equation(eqn.primitive, tuple(sorted(eqn.params.items())),
+                       tuple(sharding.get(var, replicated) for var in eqn.outvars))
+        env.update(zip(eqn.outvars, fn(*map(read, eqn.invars))))
+        for var in eqn.invars:
+            if isinstance(var, Var) and last_use[var] == i and var not in keep:
+                env.pop(var, None)
+    # device_put is a no-op for results already in place; it places constants and repeated results
+    return [jax.device_put(read(var), s) for var, s in zip(jaxpr.outvars, out_shardings)]
+
+
+@functools.cache
+def _equation(primitive, params, out_shardings):
+    """``primitive.bind(**params)`` under ``jax.jit`` with ``out_shardings`` (a list of results)."""
+
+    def bind(*args):
+        out = primitive.bind(*args, **dict(params))
+        return out if primitive.multiple_results else [out]
+
+    return jax.jit(bind, out_shardings=list(out_shardings))
 
 
 @contextlib.contextmanager
