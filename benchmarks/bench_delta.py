@@ -82,6 +82,26 @@ def rel_rms(a, b):
     return float(jnp.sqrt(jnp.sum((a - b) ** 2) / jnp.sum(b ** 2)))
 
 
+class Guard:
+    """``guard(what, fn)``: run ``fn()`` unless the time budget is spent (the first item always
+    runs); a failure is printed as JSON and gives None, so one case cannot end the run."""
+
+    def __init__(self, budget_s):
+        self.budget_s, self.started = budget_s, False
+
+    def __call__(self, what, fn):
+        if self.started and elapsed() > self.budget_s:
+            print(json.dumps(dict(skipped=what, elapsed_s=round(elapsed()))), flush=True)
+            return None
+        self.started = True
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001
+            print(json.dumps(dict(failed=what, error=f"{type(e).__name__}: {str(e)[:800]}")),
+                  flush=True)
+            return None
+
+
 def values_and_grads(f, x, key):
     """(out, final, gradients of x) of ``f(x) -> (out, final)`` for random cotangents drawn from
     ``key``; compiled first, then run on a device filled with NaN (``poison``)."""
@@ -207,20 +227,7 @@ def main():
     key = jax.random.key(int(time.time()))
     results, timings = [], []
 
-    started = []
-
-    def guarded(what, fn):
-        """Run one item unless past the budget (the first item always runs), reporting errors."""
-        if started and elapsed() > a.budget_s:
-            print(json.dumps(dict(skipped=what, elapsed_s=round(elapsed()))), flush=True)
-            return None
-        started.append(what)
-        try:
-            return fn()
-        except Exception as e:  # noqa: BLE001  (one failing case must not end the run)
-            print(json.dumps(dict(failed=what, error=f"{type(e).__name__}: {str(e)[:800]}")),
-                  flush=True)
-            return None
+    guarded = Guard(a.budget_s)
 
     variants = [Options(*(int(f) if i else (None if f == "auto" else f)
                           for i, f in enumerate(v.split("/")))) for v in a.variants.split(",")]

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 import precond_linattn as pla
-from benchmarks.bench_delta import BARS, elapsed, rel_rms, timeit, values_and_grads
+from benchmarks.bench_delta import BARS, Guard, elapsed, rel_rms, timeit, values_and_grads
 from pallas_kernels.osgm_precond import Options, osgm_pallas
 
 
@@ -96,19 +96,7 @@ def main():
     print(json.dumps(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                           shape=a.shape)), flush=True)
     key = jax.random.key(0)
-    results, timings, started = [], [], []
-
-    def guarded(what, fn):
-        if started and elapsed() > a.budget_s:
-            print(json.dumps(dict(skipped=what, elapsed_s=round(elapsed()))), flush=True)
-            return None
-        started.append(what)
-        try:
-            return fn()
-        except Exception as e:  # noqa: BLE001
-            print(json.dumps(dict(failed=what, error=f"{type(e).__name__}: {str(e)[:800]}")),
-                  flush=True)
-            return None
+    results, timings, guarded = [], [], Guard(a.budget_s)
 
     cases = [("paper APF fp32", jnp.float32, {}), ("paper APF bf16", jnp.bfloat16, {}),
              ("clip eta=1 beta-free fp32", jnp.float32, dict(eta=1.0, beta_aware=False))]
