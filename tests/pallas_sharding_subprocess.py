@@ -19,25 +19,9 @@ import numpy as np  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import precond_linattn as pla  # noqa: E402
+from test_pallas_delta import make_inputs  # noqa: E402  (tests/ is this script's path)
 
-B, T, H, K, V, C = 4, 37, 2, 16, 32, 16
-
-
-def inputs(seed, decay, b):
-    rng = np.random.default_rng(seed)
-
-    def unit(*shape):
-        x = rng.standard_normal(shape)
-        return x / np.linalg.norm(x, axis=-1, keepdims=True)
-
-    k = unit(b, T, H, K)
-    x = dict(q=unit(b, T, H, K), k=k, write_key=k * rng.uniform(0.5, 2.0, k.shape),
-             v=rng.standard_normal((b, T, H, V)), beta=rng.uniform(0.05, 0.95, (b, T, H)))
-    if decay == "scalar":
-        x["log_decay"] = -rng.uniform(0.01, 0.5, (b, T, H))
-    elif decay == "vector":
-        x["log_decay"] = -rng.uniform(0.01, 0.5, (b, T, H, K))
-    return {n: jnp.asarray(a, jnp.float32) for n, a in x.items()}
+B, C = 4, 16
 
 
 def loss_fn(cu_seqlens, osdn):
@@ -62,16 +46,14 @@ def main(case):
     packed = case == "packed"
     osdn = case == "osdn_dense"
     decay = "scalar" if packed else "none" if osdn else case.split("_")[1]
-    x = inputs(0, decay, 1 if packed else B)
+    cu = jnp.asarray([0, 5, 22, 37], jnp.int32) if packed else None
+    x = make_inputs(0, decay, b=1 if packed else B, n_init=3 if packed else B)
     if osdn:  # the write key comes from the preconditioner
         del x["write_key"]
         rng = np.random.default_rng(2)
-        x["retention"] = jnp.asarray(rng.uniform(0.9, 1.0, (B, T, H)), jnp.float32)
+        H, K = x["k"].shape[2:]
+        x["retention"] = jnp.asarray(rng.uniform(0.9, 1.0, x["beta"].shape), jnp.float32)
         x["d0"] = jnp.asarray(rng.uniform(0.5, 2.0, (B, H, K)), jnp.float32)
-    cu = jnp.asarray([0, 5, 22, 37], jnp.int32) if packed else None
-    n = 3 if packed else B
-    x["initial_state"] = jnp.asarray(np.random.default_rng(1).standard_normal((n, H, K, V)),
-                                     jnp.float32)
     batch = None if packed else "data"
     spec = {name: P(batch, None, "tensor", *(None,) * (a.ndim - 3)) for name, a in x.items()}
     spec["initial_state"] = P(batch, "tensor", None, None)
