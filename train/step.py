@@ -99,19 +99,19 @@ def forward(graphdef, params, batch: dict, *, gathered=None, remat: bool = False
         params = _constrain(params, gathered, skip=lambda p: jax.tree_util.keystr(p).startswith("['layers']"))
     model = nnx.merge(graphdef, params)
 
+    def apply_block(i, block, h, cu_seqlens):
+        block_graphdef, state = nnx.split(block)
+        shardings = None if gathered is None else gathered["layers"][i]
+
+        def run(state, h):
+            if shardings is not None:
+                state = _constrain(state, shardings)
+            return nnx.merge(block_graphdef, state)(h, cu_seqlens=cu_seqlens)
+
+        return (jax.checkpoint(run) if remat else run)(state, h)
+
     def apply(tokens, cu_seqlens):
-        h = model.embeddings(tokens)
-        for i, block in enumerate(model.layers):
-            block_graphdef, state = nnx.split(block)
-            shardings = None if gathered is None else gathered["layers"][i]
-
-            def run(state, h, block_graphdef=block_graphdef, shardings=shardings):
-                if shardings is not None:
-                    state = _constrain(state, shardings)
-                return nnx.merge(block_graphdef, state)(h, cu_seqlens=cu_seqlens)
-
-            h = (jax.checkpoint(run) if remat else run)(state, h)
-        return model.logits(h)
+        return model(tokens, cu_seqlens=cu_seqlens, apply_block=apply_block)
 
     if "cu_seqlens" not in batch:
         return apply(batch["inputs"], None)
