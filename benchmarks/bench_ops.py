@@ -1,0 +1,115 @@
+"""Device benchmark of the twelve composed ops (issue 4): backbone (DeltaNet, GDN, KDA core) x
+preconditioner (none, OSGM, OSGM with APF retention, ATK), phase 1 then the delta core with k̃:
+
+    none:      k̃ = k
+    osgm(_apf): k̃ = osgm_precondition(k, β, retention = r or None)      (OSDN, OSDN-APF, OSGDN, OSKDA)
+    atk:       k̃ = atk_precondition(k, g^P, β^P, c)                      (PDN, PGDN, PKDA)
+    o = delta_rule(q, k, v, β, write_key=k̃, log_decay=g)
+
+    PYTHONPATH=. python3 benchmarks/bench_ops.py [--shape B T H D] [--models osdn,pgdn,...]
+        [--sections checks,time] [--impl auto] [--budget-s 300]
+
+Checks: ``--impl`` against ``impl="chunked"`` on the same fresh inputs at ``--check-shape`` (bf16;
+bars of bench_delta: outputs 6e-3, gradients of every input 8e-3). Timings: forward and
+forward+backward (gradients of every input) at ``--shape``, bf16, with the ratio to the same
+backbone without a preconditioner (issue 4's targets: OSDN and OSDN-APF <= 1.10x DeltaNet's core,
+PGDN / PKDA <= 1.2x jax-linear-attention's GDN / KDA). Records go to benchmarks/RESULTS.md.
+"""
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+
+import precond_linattn as pla
+from benchmarks.bench_delta import DECAYS, Guard, check, elapsed, make_inputs, time_op
+
+PRECONDITIONERS = ("none", "osgm", "osgm_apf", "atk")
+NAMES = {("deltanet", "none"): "deltanet", ("deltanet", "osgm"): "osdn",
+         ("deltanet", "osgm_apf"): "osdn-apf", ("deltanet", "atk"): "pdn",
+         ("gdn", "none"): "gdn", ("gdn", "osgm"): "osgdn", ("gdn", "osgm_apf"): "osgdn-apf",
+         ("gdn", "atk"): "pgdn", ("kda", "none"): "kda", ("kda", "osgm"): "oskda",
+         ("kda", "osgm_apf"): "oskda-apf", ("kda", "atk"): "pkda"}
+
+
+def inputs(key, B, T, H, D, backbone, dtype):
+    """bench_delta's layer-like inputs plus the preconditioners' gates: APF retention σ(x + 6),
+    ATK log decay log σ(x + 4) per head, ATK gain σ(x), centre −0.2 (the layers' init)."""
+    x, _ = make_inputs(key, B, T, H, D, DECAYS[backbone], dtype)
+    ks = jax.random.split(jax.random.fold_in(key, 1), 3)
+    x["r"] = jax.nn.sigmoid(jax.random.normal(ks[0], (B, T, H)) + 6.0).astype(dtype)
+    x["gp"] = jax.nn.log_sigmoid(jax.random.normal(ks[1], (B, T, H)) + 4.0)
+    x["bp"] = jax.nn.sigmoid(jax.random.normal(ks[2], (B, T, H))).astype(dtype)
+    x["c"] = jnp.full((H,), -0.2, jnp.float32)
+    del x["kw"]
+    return x
+
+
+def composed(precond, impl):
+    """(inputs) -> (o, final state) of the composed op with ``impl`` for every phase."""
+    def f(x):
+        k = x["k"]
+        if precond == "none":
+            kw = k
+        elif precond.startswith("osgm"):
+            kw = pla.osgm_precondition(k, x["beta"], retention=x["r"] if precond == "osgm_apf"
+                                       else None, impl=impl)[0]
+        else:
+            kw = pla.atk_precondition(k, x["gp"], x["bp"], x["c"], impl=impl)[0]
+        return pla.delta_rule(x["q"], k, x["v"], x["beta"], write_key=kw, log_decay=x.get("g"),
+                              output_final_state=True, impl=impl)
+    return f
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", type=int, nargs=4, default=(8, 2048, 8, 128))
+    p.add_argument("--check-shape", type=int, nargs=4, default=(2, 1000, 4, 128))
+    p.add_argument("--models", default=",".join(NAMES.values()))
+    p.add_argument("--sections", default="checks,time")
+    p.add_argument("--impl", default="auto")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--budget-s", type=float, default=300)
+    a = p.parse_args()
+    wanted = a.models.split(",")
+    unknown = sorted(set(wanted) - set(NAMES.values()))
+    if unknown:
+        p.error(f"--models: unknown {unknown}; choose from {list(NAMES.values())}")
+    print(json.dumps(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
+                          shape=a.shape, date=time.strftime("%Y-%m-%d %H:%M"))), flush=True)
+    key, guarded = jax.random.key(int(time.time())), Guard(a.budget_s)
+    models = [(b, pc, n) for (b, pc), n in NAMES.items() if n in wanted]
+    checks, times = [], {}
+    for i, (backbone, precond, name) in enumerate(models if "checks" in a.sections else ()):
+        def one(backbone=backbone, precond=precond, name=name, i=i):
+            x = inputs(jax.random.fold_in(key, i), *a.check_shape, backbone, jnp.bfloat16)
+            return check(f"{name} {a.impl} vs chunked", composed(precond, a.impl),
+                         composed(precond, "chunked"), x, jax.random.fold_in(key, 100 + i),
+                         jnp.bfloat16)
+        checks.append(guarded(f"check {name}", one))
+    for backbone, precond, name in models if "time" in a.sections else ():
+        x = inputs(jax.random.fold_in(key, 7), *a.shape, backbone, jnp.bfloat16)
+        times[name] = guarded(f"time {name}", lambda: time_op(name, composed(precond, a.impl), x,
+                                                              a.reps))
+
+    print(f"\n{'check':32s} {'ok':>5s} {'err_o':>9s} {'err_final':>9s} {'err_grad':>9s}")
+    for r in filter(None, checks):
+        print(f"{r['check']:32s} {str(r['ok']):>5s} {r['err_o']:9.2e} {r['err_final']:9.2e} "
+              f"{r['err_grad_max']:9.2e}")
+    print(f"\n{'op (' + a.impl + '), bf16 ' + 'x'.join(map(str, a.shape)):32s} {'fwd ms':>8s} "
+          f"{'fwd+bwd ms':>10s} {'MiB':>6s} {'fwd/core':>8s} {'f+b/core':>8s}")
+    for (backbone, precond), name in NAMES.items():
+        r, base = times.get(name), times.get(NAMES[backbone, "none"])
+        if r is None:
+            continue
+        ratio = (f"{r['fwd_ms'] / base['fwd_ms']:8.2f} {r['fwdbwd_ms'] / base['fwdbwd_ms']:8.2f}"
+                 if base else "")
+        print(f"{name:32s} {r['fwd_ms']:8.3f} {r['fwdbwd_ms']:10.3f} {str(r['fwdbwd_mib']):>6s} "
+              f"{ratio}")
+    print(f"elapsed {elapsed():.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""Split backward of the chunk recurrence of the delta core, Pallas Triton lowering.
+
+The same math as ``delta_bwd_triton`` (see its docstring), with S the chunk-start state, dS_C
+the cotangent of the chunk-end state and R = U − W S, in three kernels:
+
+1. parallel over (batch row, head, chunk, V tile), the products of dO that the carry needs:
+       A = scale Pᵀ dO   [C, BV]         G = scale Q'ᵀ dO   [K, BV]
+2. serial, one program per (batch row, head, V tile), chunks in reverse, dS_C float32 in
+   registers (2 matmuls per chunk on the serial path):
+       dS_C ← dfinal[doc] after a doc's last chunk;  store dS_C
+       dR = A + K̃' dS_C   (= dU, stored)        dS = Γ_C ⊙ dS_C + G − Wᵀ dR
+       dinit[doc] = dS at a doc's first chunk, where the carry restarts at 0
+3. parallel over (batch row, head, chunk), summing over V tiles in registers:
+       dW = −dR Sᵀ    dQ' = scale dO Sᵀ    dP = scale dO Rᵀ    dK̃' = R dS_Cᵀ    dΓ_C = rowsum(dS_C ⊙ S)
+
+No atomics: every output element is written by one program (deterministic).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltr
+
+from pallas_kernels.state_fwd_triton import check_inputs, chunk_specs, serial_specs
+from pallas_kernels.triton_common import Dots
+
+
+def _dout_kernel(P_ref, q_ref, do_ref, A_ref, G_ref, *, scale, dots):
+    """A = scale Pᵀ dO and G = scale Q'ᵀ dO for one chunk and V tile."""
+    dO = do_ref[...].astype(jnp.float32)
+    A_ref[...] = scale * dots.tn(P_ref[...], dO)
+    G_ref[...] = scale * dots.tn(q_ref[...], dO)
+
+
+def _serial_kernel(doc_ref, first_ref, last_ref, W_ref, kw_ref, gc_ref, A_ref, G_ref, dfinal_ref,
+                   dU_ref, dstates_ref, dinit_ref, *, chunk, dots, num_chunks):
+    """The reverse recurrence dS_C → Γ_C ⊙ dS_C + G − Wᵀ (A + K̃' dS_C), storing dR and dS_C."""
+    K, BV = W_ref.shape[-1], A_ref.shape[-1]
+
+    def body(it, dS):
+        c = num_chunks - 1 - it
+        rows = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+        doc, first, last = doc_ref[c], first_ref[c], last_ref[c]
+        dS = jnp.where(last != 0, dfinal_ref[doc], dS)
+        dstates_ref[c] = dS
+        dR = A_ref[rows, :] + dots.nn(kw_ref[rows, :], dS)
+        dU_ref[rows, :] = dR
+        dS0 = gc_ref[c, :][:, None] * dS + G_ref[c] - dots.tn(W_ref[rows, :], dR)
+
+        @pl.when(first != 0)
+        def _():
+            dinit_ref[doc] = dS0
+
+        return jnp.where(first != 0, 0.0, dS0)
+
+    lax.fori_loop(0, num_chunks, body, jnp.zeros((K, BV), jnp.float32))
+
+
+def _grads_kernel(W_ref, U_ref, S_ref, dS_ref, dR_ref, do_ref, dW_ref, dkw_ref, dq_ref, dP_ref,
+                  dgc_ref, *, scale, dots, block_v):
+    """dW, dK̃', dQ', dP, dΓ_C of one chunk, summed over the V tiles of block_v columns."""
+    C, K = W_ref.shape
+    W = W_ref[...]
+
+    def tile(j, acc):
+        dW, dkw, dq, dP, dgc = acc
+        cols = pl.ds(pl.multiple_of(j * block_v, block_v), block_v)
+        S, dS, dR = S_ref[:, cols], dS_ref[:, cols], dR_ref[:, cols]
+        dO = do_ref[:, cols].astype(jnp.float32)
+        R = U_ref[:, cols] - dots.nn(W, S)
+        return (dW - dots.nt(dR, S), dkw + dots.nt(R, dS), dq + scale * dots.nt(dO, S),
+                dP + scale * dots.nt(dO, R), dgc + jnp.sum(dS * S, axis=1))
+
+    f32 = jnp.float32
+    zeros = (jnp.zeros((C, K), f32),) * 3 + (jnp.zeros((C, C), f32), jnp.zeros((K,), f32))
+    dW, dkw, dq, dP, dgc = lax.fori_loop(0, U_ref.shape[-1] // block_v, tile, zeros)
+    dW_ref[...], dkw_ref[...], dq_ref[...], dP_ref[...], dgc_ref[...] = dW, dkw, dq, dP, dgc
+
+
+def split_backward(W, U, kw, q, P, gc, states, do, dfinal, doc, first, last, *, chunk, scale,
+                   block_v, dots: Dots, num_warps, num_stages):
+    """``delta_bwd`` in three kernels; arguments and results as ``delta_bwd``: W, kw (K̃'), q (Q')
+    [B, H, Tp, K]; U [B, H, Tp, V]; P [B, H, Tp, C]; gc (Γ_C) [B, H, NC, K]; states (chunk-start)
+    [B, H, NC, K, V]; do [B, Tp, H, V]; dfinal [N, H, K, V]; doc, first, last [B, NC].
+
+    Returns dW, dK̃', dQ' [1, B, H, Tp, K], dU [B, H, Tp, V], dP [1, B, H, Tp, C], dΓ_C
+    [1, B, H, NC, K] (already summed over V: the leading axis of ``delta_bwd``'s per-tile partial
+    sums has size 1) and dS_0 [N, H, K, V]."""
+    B, H, Tp, K = W.shape
+    V, N, nc = U.shape[-1], dfinal.shape[0], Tp // chunk
+    BV = check_inputs(W, U, P, chunk=chunk, block_v=block_v)
+    f32 = jnp.float32
+    params = pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    c = chunk_specs(chunk, K, BV)
+    A, G = pl.pallas_call(
+        functools.partial(_dout_kernel, scale=scale, dots=dots),
+        grid=(B, H, nc, V // BV), in_specs=[c["c"], c["k"], c["btv"]],
+        out_specs=[c["v"], c["state"]],
+        out_shape=[jax.ShapeDtypeStruct((B, H, Tp, V), f32),
+                   jax.ShapeDtypeStruct((B, H, nc, K, V), f32)],
+        compiler_params=params, interpret=dots.interpret, name="dout_products",
+    )(P, q, do)
+    s = serial_specs(nc, Tp, K, BV, N)
+    dU, dstates, dinit = pl.pallas_call(
+        functools.partial(_serial_kernel, chunk=chunk, dots=dots, num_chunks=nc),
+        grid=(B, H, V // BV),
+        in_specs=[s["flags"]] * 3 + [s["seq_k"], s["seq_k"], s["per_chunk_k"], s["seq_v"],
+                                     s["states"], s["docs"]],
+        out_specs=[s["seq_v"], s["states"], s["docs"]],
+        out_shape=[jax.ShapeDtypeStruct((B, H, Tp, V), f32),
+                   jax.ShapeDtypeStruct((B, H, nc, K, V), f32),
+                   jax.ShapeDtypeStruct((N, H, K, V), f32)],
+        compiler_params=params, interpret=dots.interpret, name="state_bwd",
+    )(doc, first, last, W, kw, gc, A, G, dfinal)
+    rows = lambda n: pl.BlockSpec((None, None, chunk, n), lambda b, h, i: (b, h, i, 0))  # noqa: E731
+    state = pl.BlockSpec((None, None, None, K, V), lambda b, h, i: (b, h, i, 0, 0))
+    grads = pl.pallas_call(
+        functools.partial(_grads_kernel, scale=scale, dots=dots, block_v=BV),
+        grid=(B, H, nc),
+        in_specs=[rows(K), rows(V), state, state, rows(V),
+                  pl.BlockSpec((None, chunk, None, V), lambda b, h, i: (b, i, h, 0))],
+        out_specs=[rows(K)] * 3 + [rows(chunk),
+                                   pl.BlockSpec((None, None, None, K), lambda b, h, i: (b, h, i, 0))],
+        out_shape=[jax.ShapeDtypeStruct((B, H, Tp, K), f32)] * 3 + [
+            jax.ShapeDtypeStruct((B, H, Tp, chunk), f32), jax.ShapeDtypeStruct((B, H, nc, K), f32)],
+        compiler_params=params, interpret=dots.interpret, name="chunk_grads",
+    )(W, U, states, dstates, dU, do)
+    dW, dkw, dq, dP, dgc = (x[None] for x in grads)
+    return dW, dU, dkw, dq, dP, dgc, dinit

@@ -1,0 +1,138 @@
+"""Split forward of the chunked delta core (SPEC 2.1), Pallas Triton lowering.
+
+Takes the per-chunk WY tensors of ``delta_rule.prepare`` (W, U, K̃' = K̃ ⊙ Γ_C/Γ, Q' = Q ⊙ Γ,
+P, Γ_C) instead of the raw inputs, and splits the fused ``delta_fwd`` in two kernels:
+
+1. serial, one program per (batch row, head, V tile), walking the chunks in order with the
+   float32 state S [K, BV] in registers (2 matmuls per chunk on the serial path):
+
+       S ← initial[doc] (or 0) if the chunk starts a document;   store S (the chunk-start state)
+       R = U − W S   (stored)          S ← Γ_C ⊙ S + K̃'ᵀ R   (→ final[doc] after a doc's last chunk)
+
+2. parallel over (batch row, head, chunk, V tile):   O = scale (Q' S + P R).
+
+Inputs use the document-aligned chunk layout of ``precond_linattn.varlen`` ([B, H, NC·C, ·]);
+per-chunk flags ``doc``, ``first``, ``last`` are [B, NC] int32, as for ``delta_fwd``.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltr
+
+from pallas_kernels.triton_common import Dots
+
+
+def check_inputs(W, U, P, *, chunk, block_v):
+    """The V tile width min(block_v, V); ValueError naming the argument unless the chunk, the head
+    dims and the tile are powers of two >= 16, P is [.., Tp, chunk] and chunk divides Tp."""
+    BV = min(block_v, U.shape[-1])
+    for name, n in (("chunk", chunk), ("W (head dim K)", W.shape[-1]),
+                    ("U (head dim V)", U.shape[-1]), ("block_v", BV)):
+        if n < 16 or n & (n - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {n}")
+    if P.shape[-1] != chunk or W.shape[-2] % chunk:
+        raise ValueError(f"P must be [B, H, Tp, chunk] with chunk ({chunk}) dividing Tp, got "
+                         f"P {P.shape}, W {W.shape}")
+    return BV
+
+
+def chunk_specs(chunk, K, BV):
+    """BlockSpecs of one chunk's tiles for a grid (b, h, c, j) (j: V tile): rows [C, K], [C, C],
+    [C, BV] of [B, H, Tp, ·] tensors, the state tile [K, BV] of [B, H, NC, K, V] and the rows
+    [C, BV] of [B, Tp, H, V] (o, dO)."""
+    return dict(
+        k=pl.BlockSpec((None, None, chunk, K), lambda b, h, c, j: (b, h, c, 0)),
+        c=pl.BlockSpec((None, None, chunk, chunk), lambda b, h, c, j: (b, h, c, 0)),
+        v=pl.BlockSpec((None, None, chunk, BV), lambda b, h, c, j: (b, h, c, j)),
+        state=pl.BlockSpec((None, None, None, K, BV), lambda b, h, c, j: (b, h, c, 0, j)),
+        btv=pl.BlockSpec((None, chunk, None, BV), lambda b, h, c, j: (b, c, h, j)))
+
+
+def serial_specs(nc, Tp, K, BV, N):
+    """BlockSpecs for a serial grid (b, h, j): flags [NC], whole sequences [Tp, K] / [Tp, BV],
+    per-chunk rows [NC, K], all chunk states [NC, K, BV] and document states [N, K, BV]."""
+    return dict(
+        flags=pl.BlockSpec((None, nc), lambda b, h, j: (b, 0)),
+        seq_k=pl.BlockSpec((None, None, Tp, K), lambda b, h, j: (b, h, 0, 0)),
+        seq_v=pl.BlockSpec((None, None, Tp, BV), lambda b, h, j: (b, h, 0, j)),
+        per_chunk_k=pl.BlockSpec((None, None, nc, K), lambda b, h, j: (b, h, 0, 0)),
+        states=pl.BlockSpec((None, None, nc, K, BV), lambda b, h, j: (b, h, 0, 0, j)),
+        docs=pl.BlockSpec((N, None, K, BV), lambda b, h, j: (0, h, 0, j)))
+
+
+def _serial_kernel(*refs, chunk, dots, has_init, num_chunks):
+    """The chunk recurrence S → Γ_C ⊙ S + K̃'ᵀ (U − W S), storing S and R = U − W S per chunk."""
+    doc_ref, first_ref, last_ref, W_ref, U_ref, kw_ref, gc_ref = refs[:7]
+    init_ref = refs[7] if has_init else None
+    states_ref, R_ref, final_ref = refs[-3:]
+    K, BV = W_ref.shape[-1], U_ref.shape[-1]
+
+    def body(c, S):
+        rows = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+        doc, first, last = doc_ref[c], first_ref[c], last_ref[c]
+        S = jnp.where(first != 0, init_ref[doc] if has_init else 0.0, S)
+        states_ref[c] = S
+        R = U_ref[rows, :] - dots.nn(W_ref[rows, :], S)
+        R_ref[rows, :] = R
+        S = gc_ref[c, :][:, None] * S + dots.tn(kw_ref[rows, :], R)
+
+        @pl.when(last != 0)
+        def _():
+            final_ref[doc] = S
+
+        return S
+
+    lax.fori_loop(0, num_chunks, body, jnp.zeros((K, BV), jnp.float32))
+
+
+def _output_kernel(q_ref, P_ref, S_ref, R_ref, o_ref, *, scale, dots):
+    """O = scale (Q' S + P R) for one chunk and V tile."""
+    o = scale * (dots.nn(q_ref[...], S_ref[...]) + dots.nn(P_ref[...], R_ref[...]))
+    o_ref[...] = o.astype(o_ref.dtype)
+
+
+def split_forward(W, U, kw, q, P, gc, initial_state, doc, first, last, *, chunk, scale, num_docs,
+                  block_v, dots: Dots, num_warps, num_stages, store_states,
+                  out_dtype=jnp.float32):
+    """``delta_fwd`` from the WY tensors. Shapes: W, kw (K̃'), q (Q') [B, H, Tp, K]; U [B, H, Tp, V];
+    P [B, H, Tp, C]; gc (Γ_C) [B, H, NC, K]; initial_state None | [N, H, K, V] float32; doc,
+    first, last [B, NC] int32; ``num_docs``: N, or None for one document per batch row (N = B).
+
+    Returns o [B, Tp, H, V] (``out_dtype``), final [N, H, K, V] float32 and, if ``store_states``,
+    the state at the start of every chunk [B, H, NC, K, V] float32 (always computed: the output
+    kernel reads it)."""
+    B, H, Tp, K = W.shape
+    V = U.shape[-1]
+    BV = check_inputs(W, U, P, chunk=chunk, block_v=block_v)
+    N = B if num_docs is None else num_docs
+    nc = Tp // chunk
+    f32 = jnp.float32
+    params = pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    s = serial_specs(nc, Tp, K, BV, N)
+    args = [doc, first, last, W, U, kw, gc]
+    specs = [s["flags"]] * 3 + [s["seq_k"], s["seq_v"], s["seq_k"], s["per_chunk_k"]]
+    if initial_state is not None:
+        args.append(initial_state)
+        specs.append(s["docs"])
+    states, R, final = pl.pallas_call(
+        functools.partial(_serial_kernel, chunk=chunk, dots=dots,
+                          has_init=initial_state is not None, num_chunks=nc),
+        grid=(B, H, V // BV), in_specs=specs,
+        out_specs=[s["states"], s["seq_v"], s["docs"]],
+        out_shape=[jax.ShapeDtypeStruct((B, H, nc, K, V), f32),
+                   jax.ShapeDtypeStruct((B, H, Tp, V), f32),
+                   jax.ShapeDtypeStruct((N, H, K, V), f32)],
+        compiler_params=params, interpret=dots.interpret, name="state_fwd",
+    )(*args)
+    c = chunk_specs(chunk, K, BV)
+    o = pl.pallas_call(
+        functools.partial(_output_kernel, scale=scale, dots=dots),
+        grid=(B, H, nc, V // BV), in_specs=[c["k"], c["c"], c["state"], c["v"]],
+        out_specs=c["btv"], out_shape=jax.ShapeDtypeStruct((B, Tp, H, V), out_dtype),
+        compiler_params=params, interpret=dots.interpret, name="chunk_output",
+    )(q, P, states, R)
+    return (o, final) + ((states,) if store_states else ())
