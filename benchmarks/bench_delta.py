@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 benchmarks/bench_delta.py [--shape B T H D] [--budget-s 420]
         [--sections checks,packed,time,jla,chunked,breakdown] [--check-dtypes bf16,fp32]
-        [--variants auto/64/4,tf32x3/64/4]     # kernel options precision/block_v/num_warps
+        [--variants auto/64/4,auto/64/4/fused]  # kernel options precision/block_v/num_warps[/fused]
 
 Checks (fresh random inputs per check; the device allocator is filled with NaN before each run so
 an unwritten output element shows): pallas vs the chunked pure-JAX form, outputs, final states
@@ -11,12 +11,11 @@ final state) and 8e-3 (gradients), fp32 1e-4. Timings: median wall time of ``--r
 warm-up (``jax.block_until_ready``), forward and forward+backward (gradients of every input), for
 the DeltaNet, GDN and KDA cores with a separate write key; jax-linear-attention's symmetric-key
 Mosaic GPU kernels at the same shape when the ``jla`` package imports (carry its wheel, see
-benchmarks/NOTES.md). ``breakdown`` times the pieces of the pallas backward for GDN. Prints JSON
+benchmarks/NOTES.md). ``breakdown`` times the pieces of the split pipeline per core. Prints JSON
 lines as it goes and one table at the end; records go to benchmarks/RESULTS.md.
 """
 
 import argparse
-import functools
 import json
 import time
 
@@ -158,10 +157,12 @@ def time_op(label, f, x, reps):
 
 
 def breakdown(core, x, reps):
-    """Time the pieces of pallas forward+backward for one core (dense rows, T a multiple of 64):
-    the forward kernel saving chunk states, prepare + its pullback (XLA), the backward kernel."""
+    """Time the pieces of the split pallas forward+backward for one core (dense rows, T a
+    multiple of 64): the WY kernel (or ``prepare`` for a per-channel decay), the forward
+    recurrence + outputs, the backward recurrence + per-chunk cotangents, the WY pullback."""
     from pallas_kernels import delta_rule as dr
-    from pallas_kernels.delta_bwd_triton import delta_bwd
+    from pallas_kernels.state_bwd_triton import split_backward
+    from pallas_kernels.state_fwd_triton import split_forward
     from pallas_kernels.triton_common import Dots, interpret_default
     B, T, H, D = x["q"].shape
     nc, decay = T // 64, {None: "none", 3: "scalar", 4: "vector"}[DECAYS[core]]
@@ -174,19 +175,20 @@ def breakdown(core, x, reps):
              jnp.broadcast_to((jnp.arange(nc) == 0).astype(jnp.int32), (B, nc)),
              jnp.broadcast_to((jnp.arange(nc) == nc - 1).astype(jnp.int32), (B, nc)))
     ins = (x["q"], x["k"], x["kw"], x["v"], x["beta"], gamma)
-    fwd = jax.jit(lambda ins: dr._forward(cfg, *ins, None, *flags, True))
-    o, final, states = fwd(ins)
-
-    def prep(ins, cts):
-        wy, pullback = jax.vjp(functools.partial(dr.prepare, cfg), *ins)
-        return pullback(jax.tree.map(lambda w, c: c.astype(w.dtype), wy, cts))
-    wy = jax.jit(functools.partial(dr.prepare, cfg))(*ins)
-    bwd = jax.jit(lambda wy, states, do, dfinal: delta_bwd(
-        *wy, states, do, dfinal, *flags, chunk=64, scale=cfg.scale, block_v=64, dots=cfg.dots,
-        num_warps=4, num_stages=1))
-    r = dict(breakdown=core, fwd_kernel_with_states_ms=timeit(fwd, ins, reps=reps),
-             prepare_and_pullback_ms=timeit(jax.jit(prep), ins, wy, reps=reps),
-             bwd_kernel_ms=timeit(bwd, wy, states, o, final, reps=reps), t_s=round(elapsed()))
+    kernel = dict(chunk=64, scale=cfg.scale, block_v=64, dots=cfg.dots, num_warps=4, num_stages=1)
+    wy_f = jax.jit(lambda ins: dr._wy(cfg, ins, pullback=False))
+    wy = wy_f(ins)
+    fwd = jax.jit(lambda wy: split_forward(*wy, None, *flags, num_docs=None, store_states=True,
+                                           out_dtype=x["v"].dtype, **kernel))
+    o, final, states = fwd(wy)
+    bwd = jax.jit(lambda wy, states, do, dfinal: split_backward(*wy, states, do, dfinal, *flags,
+                                                                **kernel))
+    cts = bwd(wy, states, o, final)
+    pull = jax.jit(lambda ins, cts: dr._wy(cfg, ins)[1]((cts[0][0], cts[1], *(c[0] for c in cts[2:6]))))
+    r = dict(breakdown=core, wy_ms=timeit(wy_f, ins, reps=reps),
+             fwd_recurrence_ms=timeit(fwd, wy, reps=reps),
+             bwd_recurrence_ms=timeit(bwd, wy, states, o, final, reps=reps),
+             wy_pullback_ms=timeit(pull, ins, cts, reps=reps), t_s=round(elapsed()))
     print(json.dumps(r), flush=True)
     return r
 
@@ -210,8 +212,8 @@ def main():
     p.add_argument("--shape", type=int, nargs=4, default=(8, 2048, 8, 128))
     p.add_argument("--sections", default="checks,packed,time,jla,chunked,breakdown")
     p.add_argument("--check-dtypes", default="bf16,fp32")
-    p.add_argument("--variants", default="auto/64/4,tf32x3/64/4",
-                   help="kernel options precision/block_v/num_warps; the first is checked in bf16"
+    p.add_argument("--variants", default="auto/64/4,auto/64/4/fused",
+                   help="kernel options precision/block_v/num_warps[/fused]; the first is checked in bf16"
                         " and fp32, the others in bf16")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--budget-s", type=float, default=420,
@@ -229,12 +231,15 @@ def main():
 
     guarded = Guard(a.budget_s)
 
-    variants = [Options(*(int(f) if i else (None if f == "auto" else f)
-                          for i, f in enumerate(v.split("/")))) for v in a.variants.split(",")]
+    def variant(v):  # precision/block_v/num_warps[/fused]
+        f = v.split("/")
+        return Options(None if f[0] == "auto" else f[0], int(f[1]), int(f[2]),
+                       split=f[3:] != ["fused"])
+    variants = [variant(v) for v in a.variants.split(",")]
     names = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
     check_dtypes = [names[d] for d in a.check_dtypes.split(",")]
     for n_variant, opt in enumerate(variants):
-        tag = f"{opt.precision or 'auto'}/{opt.block_v}/{opt.num_warps}"
+        tag = f"{opt.precision or 'auto'}/{opt.block_v}/{opt.num_warps}" + ("" if opt.split else "/fused")
         dtypes = check_dtypes if n_variant == 0 else (jnp.bfloat16,)
         for dtype in dtypes if "checks" in sections else ():
             for core in DECAYS:
@@ -262,9 +267,9 @@ def main():
         for label, f, core in jobs if "time" in sections else ():
             timings.append(guarded(f"time {label}", lambda: time_op(
                 label, jla_ops()[f] if isinstance(f, str) else f, inputs[core], a.reps)))
-    if "breakdown" in sections:
-        x, _ = make_inputs(jax.random.fold_in(key, 8), B, T, H, D, 3, jnp.bfloat16)
-        guarded("breakdown gdn", lambda: breakdown("gdn", x, a.reps))
+    for core in DECAYS if "breakdown" in sections else ():
+        x, _ = make_inputs(jax.random.fold_in(key, 8), B, T, H, D, DECAYS[core], jnp.bfloat16)
+        guarded(f"breakdown {core}", lambda: breakdown(core, x, a.reps))
 
     print(f"\n{'check':40s} {'ok':>5s} {'err_o':>9s} {'err_final':>9s} {'err_grad':>9s}")
     for r in filter(None, results):

@@ -1,22 +1,29 @@
 """``delta_rule`` on Pallas kernels: layout, ``custom_vjp`` wrapper, ``supports``.
 
-Forward: the fused Triton-lowered kernel (``delta_fwd_triton``), which also saves the state at
-the start of every chunk. Backward (exact, no approximation):
+Two pipelines, both exact (``Options.split`` picks; the split one is the default):
 
-1. ``prepare`` recomputes in plain JAX, in parallel over all chunks, the per-chunk tensors of the
-   WY form (SPEC 2.1): W = (I + L)^-1 Diag(β)(K ⊙ Γ), U = (I + L)^-1 Diag(β) V, K̃ ⊙ Γ_C/Γ,
-   Q ⊙ Γ, P and Γ_C, and keeps their pullback (``jax.vjp``). (I + L)^-1 is the kernels' doubling
-   product (matmuls on tensor cores, at the kernels' precision), not ``chunk_wy``'s triangular
-   solve, whose batched GPU form and transpose were slow (benchmarks/NOTES.md);
-2. the Triton-lowered backward kernel (``delta_bwd_triton``) runs the reverse chunk recurrence
-   for dS and emits the cotangents of those tensors and of the initial state;
-3. the pullback of step 1 turns them into the cotangents of q, k, k̃, v, β and the log decay.
+split (``state_fwd_triton``, ``state_bwd_triton``): the per-chunk tensors of the WY form (SPEC
+2.1), W = (I + L)^-1 Diag(β)(K ⊙ Γ), U = (I + L)^-1 Diag(β) V, K̃ ⊙ Γ_C/Γ, Q ⊙ Γ, P and Γ_C,
+come from the chunk-parallel kernel ``wy_triton.wy_fwd`` (no decay, scalar decay) or from
+``prepare`` in plain JAX (per-channel decay); a serial kernel carries the state through the
+chunks with 2 matmuls per chunk and chunk-parallel kernels form the outputs. The backward
+recomputes the WY tensors, runs the reverse state pass the same way (2 matmuls per chunk) and
+the per-chunk cotangents in parallel, then the pullback of the WY step (``wy_triton.wy_bwd``,
+recomputing T in the kernel, or ``prepare``'s ``jax.vjp``).
+
+fused (``delta_fwd_triton``, ``delta_bwd_triton``): one kernel per direction does all the
+per-chunk work inside its serial chunk loop (the WY tensors are still recomputed outside for the
+backward). Kept as the measured baseline (benchmarks/NOTES.md).
+
+Both invert (I + L) by the doubling product (matmuls on tensor cores, at the kernels'
+precision), not ``chunk_wy``'s triangular solve, whose batched GPU form and transpose were slow;
+``prepare`` is also the kernels' test oracle.
 
 Packed documents (``cu_seqlens``) use the document-aligned chunk layout of
 ``precond_linattn.varlen``; head dims are zero-padded to a power of two >= 16 (exact: padded key
 channels and value columns stay zero). Without a GPU the same kernels run in interpret mode.
 
-Inside a ``jit`` over a device mesh both kernel calls go through ``partition.sharded_call``: they
+Inside a ``jit`` over a device mesh all kernel calls go through ``partition.sharded_call``: they
 run per device on the shards of the batch and head axes the inputs carry (the plain-JAX steps
 around them are partitioned by XLA), so nothing is all-gathered to feed a kernel. With packed
 documents (one batch row) only heads are split. Dense batches index the states [N = B, ...] by
@@ -32,8 +39,11 @@ import jax.numpy as jnp
 from pallas_kernels.delta_bwd_triton import delta_bwd
 from pallas_kernels.delta_fwd_triton import delta_fwd
 from pallas_kernels.partition import sharded_call
+from pallas_kernels.state_bwd_triton import split_backward
+from pallas_kernels.state_fwd_triton import split_forward
 from pallas_kernels.triton_common import (
     MAX_HEAD_DIM, Dots, interpret_default, pad_last, pow2_dim, unit_lower_inverse)
+from pallas_kernels.wy_triton import wy_bwd, wy_fwd
 from precond_linattn.chunked.delta import chunk_grams, chunk_wy
 from precond_linattn.numerics import f32
 from precond_linattn.varlen import chunk_layout, from_chunks, to_chunks
@@ -42,14 +52,17 @@ from precond_linattn.varlen import chunk_layout, from_chunks, to_chunks
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """Kernel tuning (static). ``precision``: that of float32 dots on tensor cores ("tf32",
-    "tf32x3", "ieee"); None picks "tf32" when q, k, k̃ and v are all 16-bit and "tf32x3" (about
-    fp32) otherwise: see benchmarks/NOTES.md for the errors measured with each."""
+    """Kernel tuning (static). ``split``: run the chunk recurrence as the split kernels (serial
+    state passes with 2 matmuls per chunk, everything else chunk-parallel) rather than the fused
+    ones (all per-chunk work inside the serial loop). ``precision``: that of float32 dots on
+    tensor cores ("tf32", "tf32x3", "ieee"); None picks "tf32" when q, k, k̃ and v are all
+    16-bit and "tf32x3" (about fp32) otherwise: see benchmarks/NOTES.md for the errors measured with each."""
 
     precision: str | None = None
     block_v: int = 64
     num_warps: int = 4
     num_stages: int = 1
+    split: bool = True  # the split kernels (state_*_triton) instead of the fused delta_fwd/bwd
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +119,7 @@ def _kernel_call(cfg, kernel, args: dict, axes: dict, out_axes, **static):
 
     def call(*xs):
         given = dict(zip(names, xs))
-        if not packed:  # row b is document b: ids relative to the shard's first row
+        if not packed and "doc" in given:  # row b is document b: ids relative to its shard
             given["doc"] = given["doc"] - given["doc"][:1, :1]
         return tuple(kernel(**{**dict.fromkeys(args), **given}, **static))
 
@@ -117,20 +130,66 @@ def _kernel_call(cfg, kernel, args: dict, axes: dict, out_axes, **static):
 _FLAGS = {"doc": "b c", "first": "b c", "last": "b c"}
 
 
-def _forward(cfg, q, k, kw, v, beta, gamma, init, doc, first, last, store_states):
-    A = P = None
-    if cfg.decay == "vector":
-        A, P = (_flat(x) for x in chunk_grams(*_views(cfg, q, k, kw, beta, gamma)))
+_WY_IN = dict(q="b t h k", k="b t h k", kw="b t h k", v="b t h v", beta="b t h", gamma="b t h")
+_WY_OUT = dict(dW="b h t k", dU="b h t v", dkw_t="b h t k", dq_dec="b h t k", dP="b h t s",
+               dgc="b h c k")  # wy_fwd's outputs, named as wy_bwd's cotangent arguments
+
+
+def _wy_kernel(cfg, kernel, ins, cts=None):
+    """``wy_fwd(*ins)``, or ``wy_bwd(*ins, *cts)`` (cotangents of q, k, kw, v, beta and gamma,
+    cast to the inputs' dtypes; None for a missing gamma), through ``_kernel_call``."""
     o = cfg.options
-    args = dict(q=q, k=k, kw=kw, v=v, beta=beta, gamma=gamma, A=A, P=P, initial_state=init,
-                doc=doc, first=first, last=last)
-    axes = dict(q="b t h k", k="b t h k", kw="b t h k", v="b t h v", beta="b t h",
-                gamma="b t h k" if cfg.decay == "vector" else "b t h", A="b h t s", P="b h t s",
-                initial_state="n h k v", **_FLAGS)
+    args, axes, out_axes = dict(zip(_WY_IN, ins)), dict(_WY_IN), tuple(_WY_OUT.values())
+    if cts is not None:
+        args |= dict(zip(_WY_OUT, cts))
+        axes |= _WY_OUT
+        out_axes = tuple(a for a, x in zip(_WY_IN.values(), ins) if x is not None)
+    outs = _kernel_call(cfg, kernel, args, axes, out_axes, chunk=cfg.chunk, block_v=o.block_v,
+                        dots=cfg.dots, num_warps=o.num_warps, num_stages=o.num_stages)
+    if cts is None:
+        return outs
+    outs = iter(outs)
+    return tuple(None if x is None else next(outs).astype(x.dtype) for x in ins)
+
+
+def _wy(cfg, ins, pullback=True):
+    """The WY tensors of ``ins`` = (q, k, kw, v, beta, gamma) (and, if ``pullback``, their
+    pullback): chunk-parallel kernels without decay or with a scalar decay, ``prepare`` in plain
+    JAX with a per-channel decay."""
+    if cfg.decay == "vector":
+        if not pullback:
+            return prepare(cfg, *ins)
+        return jax.vjp(functools.partial(prepare, cfg), *ins)
+    wy = _wy_kernel(cfg, wy_fwd, ins)
+    return (wy, functools.partial(_wy_kernel, cfg, wy_bwd, ins)) if pullback else wy
+
+
+_WY_ARGS = ("W", "U", "kw", "q", "P", "gc")  # the recurrence kernels' names for the WY tensors
+_WY_AXES = dict(zip(_WY_ARGS, _WY_OUT.values()))
+
+
+def _forward(cfg, q, k, kw, v, beta, gamma, init, doc, first, last, store_states):
+    o = cfg.options
+    if o.split:
+        wy = _wy(cfg, (q, k, kw, v, beta, gamma), pullback=False)
+        args = dict(zip(_WY_ARGS, wy)) | dict(initial_state=init, doc=doc, first=first, last=last)
+        axes = dict(_WY_AXES, initial_state="n h k v", **_FLAGS)
+        kernel, static = split_forward, dict(out_dtype=v.dtype)
+    else:
+        A = P = None
+        if cfg.decay == "vector":
+            A, P = (_flat(x) for x in chunk_grams(*_views(cfg, q, k, kw, beta, gamma)))
+        args = dict(q=q, k=k, kw=kw, v=v, beta=beta, gamma=gamma, A=A, P=P, initial_state=init,
+                    doc=doc, first=first, last=last)
+        axes = dict(q="b t h k", k="b t h k", kw="b t h k", v="b t h v", beta="b t h",
+                    gamma="b t h k" if cfg.decay == "vector" else "b t h", A="b h t s",
+                    P="b h t s", initial_state="n h k v", **_FLAGS)
+        kernel, static = delta_fwd, dict(decay=cfg.decay)
     out_axes = ("b t h v", "n h k v") + (("b h c k v",) if store_states else ())
-    return _kernel_call(cfg, delta_fwd, args, axes, out_axes, chunk=cfg.chunk, decay=cfg.decay,
-                        scale=cfg.scale, num_docs=cfg.num_docs, block_v=o.block_v, dots=cfg.dots,
-                        num_warps=o.num_warps, num_stages=o.num_stages, store_states=store_states)
+    return _kernel_call(cfg, kernel, args, axes, out_axes, chunk=cfg.chunk, scale=cfg.scale,
+                        num_docs=cfg.num_docs, block_v=o.block_v, dots=cfg.dots,
+                        num_warps=o.num_warps, num_stages=o.num_stages, store_states=store_states,
+                        **static)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -146,18 +205,17 @@ def _core_fwd(cfg, q, k, kw, v, beta, gamma, init, doc, first, last):
 def _core_bwd(cfg, res, cts):
     q, k, kw, v, beta, gamma, init, doc, first, last, states = res
     do, dfinal = cts
-    wy, pullback = jax.vjp(functools.partial(prepare, cfg), q, k, kw, v, beta, gamma)
+    wy, pullback = _wy(cfg, (q, k, kw, v, beta, gamma))
     o = cfg.options
-    W, U, kw_t, q_dec, P, gc = wy
-    args = dict(W=W, U=U, kw=kw_t, q=q_dec, P=P, gc=gc, states=states, do=do, dfinal=dfinal,
-                doc=doc, first=first, last=last)
-    axes = dict(W="b h t k", U="b h t v", kw="b h t k", q="b h t k", P="b h t s", gc="b h c k",
-                states="b h c k v", do="b t h v", dfinal="n h k v", **_FLAGS)
+    args = dict(zip(_WY_ARGS, wy)) | dict(states=states, do=do, dfinal=dfinal, doc=doc,
+                                          first=first, last=last)
+    axes = dict(_WY_AXES, states="b h c k v", do="b t h v", dfinal="n h k v", **_FLAGS)
     out_axes = ("j b h t k", "b h t v", "j b h t k", "j b h t k", "j b h t s", "j b h c k",
                 "n h k v")
     dW, dU, dkw, dq, dP, dgc, dinit = _kernel_call(
-        cfg, delta_bwd, args, axes, out_axes, chunk=cfg.chunk, scale=cfg.scale,
-        block_v=o.block_v, dots=cfg.dots, num_warps=o.num_warps, num_stages=o.num_stages)
+        cfg, split_backward if o.split else delta_bwd, args, axes, out_axes, chunk=cfg.chunk,
+        scale=cfg.scale, block_v=o.block_v, dots=cfg.dots, num_warps=o.num_warps,
+        num_stages=o.num_stages)
     grads = pullback((dW.sum(0), dU, dkw.sum(0), dq.sum(0), dP.sum(0), dgc.sum(0)))
     return (*grads, None if init is None else dinit, None, None, None)
 

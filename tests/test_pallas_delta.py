@@ -7,7 +7,7 @@ import pytest
 
 import precond_linattn as pla
 from pallas_kernels import REGISTRY
-from pallas_kernels.delta_rule import delta_rule_pallas
+from pallas_kernels.delta_rule import Options, delta_rule_pallas
 
 B, T, H, K, V, C = 2, 37, 2, 16, 32, 16
 DECAYS = ("none", "scalar", "vector")
@@ -146,3 +146,19 @@ def test_unsupported_calls_raise():
     y = make_inputs(7, "none")
     with pytest.raises(ValueError, match="chunk_size"):
         pla.delta_rule(y["q"], y["k"], y["v"], y["beta"], impl="pallas", chunk_size=24)
+
+
+@pytest.mark.parametrize("decay", DECAYS)
+def test_fused_kernels_match_reference(decay):
+    """The fused pipeline (Options(split=False), the measured baseline) stays exact too."""
+    x = make_inputs(3, decay)
+    opts = Options(split=False)
+
+    def loss(x):
+        o, final = delta_rule_pallas(x["q"], x["k"], x["write_key"], x["v"], x["beta"],
+                                     x.get("log_decay"), K ** -0.5, x["initial_state"], None, C,
+                                     opts)
+        return jnp.sum(jnp.sin(3.0 * o)) + jnp.sum(final * jnp.cos(final)), (o, final)
+
+    (_, (o, final)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(x)
+    assert_runs_match((o, final, grads), run("reference", x), 2e-5)

@@ -1,0 +1,189 @@
+"""Per-chunk WY tensors of the delta core (SPEC 2.1) and their pullback, Pallas Triton lowering.
+
+One program per (batch row, head, chunk): grid B × H × NC, nothing carried between chunks. In a
+chunk (rows i, j = 0 .. C − 1; γ the cumulative log decay from the chunk start, 0 without decay,
+Γ = exp γ; D_ij = Γ_i/Γ_j for i ≥ j, else 0; A = K K̃ᵀ ⊙ D):
+
+    L = strict_tril(Diag(β) A)    P = tril(Q K̃ᵀ ⊙ D)    T = (I + L)^-1     (doubling product)
+    W = T Diag(β)(K ⊙ Γ)    U = T Diag(β) V    K̃' = K̃ ⊙ Γ_C/Γ    Q' = Q ⊙ Γ    Γ_C = exp γ_C
+
+``wy_fwd`` writes ``delta_rule.prepare``'s outputs. ``wy_bwd`` recomputes T and applies
+the pullback to the cotangents (dW, dU, dK̃', dQ', dP, dΓ_C; dΓ_C is broadcast over K, so its
+channels are summed):
+
+    dT = dW (Diag(β) K⊙Γ)ᵀ + dU (Diag(β) V)ᵀ        dL = strict_tril(−Tᵀ dT Tᵀ)
+    G_K = Diag(β) dL ⊙ D                            G_Q = tril(dP) ⊙ D
+    dK  = G_K K̃ + Diag(βΓ) Tᵀ dW                    dV  = Diag(β) Tᵀ dU
+    dK̃  = G_Kᵀ K + G_Qᵀ Q + dK̃' ⊙ Γ_C/Γ              dQ  = G_Q K̃ + dQ' ⊙ Γ
+    dβ  = rowsum(dL ⊙ A) + Γ rowsum(Tᵀ dW ⊙ K) + rowsum(Tᵀ dU ⊙ V)
+    dγ  = rowsum(E) − colsum(E) + βΓ rowsum(Tᵀ dW ⊙ K) + rowsum(dQ' ⊙ Q') − e
+          + δ_{i,C−1} (Σ e + Γ_C Σ dΓ_C),     E = dL ⊙ L + dP ⊙ P,   e = rowsum(dK̃' ⊙ K̃')
+
+The doubling product is a polynomial in L equal to (I + L)^-1 on strictly lower-triangular L,
+so along strictly lower-triangular directions its derivative is that of the inverse, −T dL T:
+the formulas above are the exact pullback of ``prepare``. Value columns are processed in tiles
+of ``block_v`` inside the program (registers); everything else is held whole ([C, K], [C, C]).
+Inputs are in the kernels' layout (q, k, kw [B, Tp, H, K], v [B, Tp, H, V], beta, gamma
+[B, Tp, H]), any float dtype; math and outputs are float32.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltr
+
+from pallas_kernels.triton_common import Dots, iota2, unit_lower_inverse
+
+
+def _chunk(k, kw, beta, g_ref, dots, C):
+    """Shared recomputation: (β, Γ, Γ_C/Γ [C], Γ_C, D, A, L, T [C, C])."""
+    f32 = jnp.float32
+    i, j = iota2(C)
+    if g_ref is None:
+        g, g_last = jnp.zeros((C,), f32), jnp.float32(0.0)
+    else:
+        g, g_last = g_ref[...].astype(f32), g_ref[C - 1].astype(f32)
+    D = jnp.exp(jnp.where(i >= j, g[:, None] - g[None, :], -jnp.inf))
+    A = dots.nt(k, kw) * D
+    L = jnp.where(i > j, beta[:, None] * A, 0.0)
+    return (beta, jnp.exp(g), jnp.exp(g_last - g), jnp.exp(g_last), D, A, L,
+            unit_lower_inverse(L, dots))
+
+
+def _v_tiles(V, block_v):
+    """Static column slices of the value tiles."""
+    BV = min(block_v, V)
+    return [pl.ds(t * BV, BV) for t in range(V // BV)]
+
+
+def _fwd_kernel(*refs, dots, block_v, has_decay):
+    """One chunk's W, U, K̃', Q', P and Γ_C (module docstring)."""
+    q_ref, k_ref, kw_ref, v_ref, beta_ref, *refs = refs
+    g_ref = refs.pop(0) if has_decay else None
+    W_ref, U_ref, kwt_ref, qd_ref, P_ref, gc_ref = refs
+    C, K = k_ref.shape
+    k, kw, q = k_ref[...], kw_ref[...], q_ref[...]
+    beta, Gam, tail, gc, D, _, _, T = _chunk(k, kw, beta_ref[...].astype(jnp.float32), g_ref,
+                                             dots, C)
+    b, Gcol = beta[:, None], Gam[:, None]
+    W_ref[...] = dots.nn(T, b * Gcol * k.astype(jnp.float32))
+    for cols in _v_tiles(v_ref.shape[-1], block_v):
+        U_ref[:, cols] = dots.nn(T, b * v_ref[:, cols].astype(jnp.float32))
+    kwt_ref[...] = kw.astype(jnp.float32) * tail[:, None]
+    qd_ref[...] = q.astype(jnp.float32) * Gcol
+    P_ref[...] = dots.nt(q, kw) * D
+    gc_ref[...] = jnp.full((K,), gc, jnp.float32)
+
+
+def _bwd_kernel(*refs, dots, block_v, has_decay):
+    """One chunk's dQ, dK, dK̃, dV, dβ and dγ (module docstring), in the order the formulas
+    consume the cotangents so that few [C, K] tiles are live at once."""
+    q_ref, k_ref, kw_ref, v_ref, beta_ref, *refs = refs
+    g_ref = refs.pop(0) if has_decay else None
+    dW_ref, dU_ref, dkwt_ref, dqd_ref, dP_ref, dgc_ref, dq_ref, dk_ref, dkw_ref, dv_ref, db_ref = \
+        refs[:11]
+    dg_ref = refs[11] if has_decay else None
+    C = k_ref.shape[0]
+    f32 = jnp.float32
+    i, j = iota2(C)
+    k, kw = k_ref[...], kw_ref[...]
+    kf, kwf = k.astype(f32), kw.astype(f32)
+    beta, Gam, tail, gc, D, A, L, T = _chunk(k, kw, beta_ref[...].astype(f32), g_ref, dots, C)
+    b, Gcol = beta[:, None], Gam[:, None]
+
+    # W = T Diag(βΓ) K
+    dW = dW_ref[...]
+    dT = dots.nt(dW, b * Gcol * kf)
+    dKg = dots.tn(T, dW)
+    dk = b * Gcol * dKg
+    s = Gam * jnp.sum(dKg * kf, axis=1)
+    db = s
+    # U = T Diag(β) V, by value tiles
+    for cols in _v_tiles(v_ref.shape[-1], block_v):
+        v, dU = v_ref[:, cols].astype(f32), dU_ref[:, cols]
+        dT = dT + dots.nt(dU, b * v)
+        dVb = dots.tn(T, dU)
+        dv_ref[:, cols] = b * dVb
+        db = db + jnp.sum(dVb * v, axis=1)
+    # T = (I + L)^-1, L = strict_tril(Diag(β) A)
+    dL = jnp.where(i > j, -dots.nt(dots.tn(T, dT), T), 0.0)
+    db = db + jnp.sum(dL * A, axis=1)
+    GK = b * dL * D
+    dk_ref[...] = dk + dots.nn(GK, kwf)
+    dkw = dots.tn(GK, kf)
+    # P = tril(Q K̃ᵀ ⊙ D), Q' = Q ⊙ Γ
+    q, dqd = q_ref[...], dqd_ref[...]
+    qf = q.astype(f32)
+    dP = jnp.where(i >= j, dP_ref[...], 0.0)
+    GQ = dP * D
+    dq_ref[...] = dots.nn(GQ, kwf) + dqd * Gcol
+    dkw = dkw + dots.tn(GQ, qf)
+    # K̃' = K̃ ⊙ Γ_C/Γ
+    dkwt = dkwt_ref[...]
+    dkw_ref[...] = dkw + dkwt * tail[:, None]
+    db_ref[...] = db
+    if has_decay:  # γ enters through D, Γ, Γ_C/Γ and Γ_C
+        E = dL * L + GQ * dots.nt(q, kw)
+        e = tail * jnp.sum(dkwt * kwf, axis=1)
+        last = jnp.sum(e) + gc * jnp.sum(dgc_ref[...])
+        at_last = lax.broadcasted_iota(jnp.int32, (C,), 0) == C - 1
+        dg_ref[...] = (beta * s + jnp.sum(E, axis=1) - jnp.sum(E, axis=0)
+                       + Gam * jnp.sum(dqd * qf, axis=1) - e + jnp.where(at_last, last, 0.0))
+
+
+def _layout(q, v, gamma, chunk):
+    """(the inputs' block specs, the WY tensors' block specs, grid (B, H, NC)): one chunk per
+    program. Raises ValueError for a per-channel gamma or Tp not a multiple of chunk."""
+    if gamma is not None and gamma.ndim != 3:
+        raise ValueError(f"gamma must be None or [B, Tp, H] (decay 'none' or 'scalar'), got shape "
+                         f"{gamma.shape}; per-channel decay takes delta_rule.prepare")
+    B, Tp, H, K = q.shape
+    V = v.shape[-1]
+    if Tp % chunk or v.shape[1] != Tp:
+        raise ValueError(f"q and v need Tp a multiple of chunk={chunk}, got {q.shape}, {v.shape}")
+    tok = lambda *d: pl.BlockSpec((None, chunk, None, *d),  # noqa: E731
+                                  lambda b, h, c: (b, c, h) + (0,) * len(d))
+    rows = lambda d: pl.BlockSpec((None, None, chunk, d), lambda b, h, c: (b, h, c, 0))  # noqa: E731
+    per_chunk = pl.BlockSpec((None, None, None, K), lambda b, h, c: (b, h, c, 0))
+    in_specs = [tok(K), tok(K), tok(K), tok(V), tok()] + ([tok()] if gamma is not None else [])
+    wy_specs = [rows(K), rows(V), rows(K), rows(K), rows(chunk), per_chunk]
+    return in_specs, wy_specs, (B, H, Tp // chunk)
+
+
+def _call(kernel, name, grid, in_specs, out_specs, out_shape, args, gamma, block_v, dots,
+          num_warps, num_stages):
+    kernel = functools.partial(kernel, dots=dots, block_v=block_v, has_decay=gamma is not None)
+    return pl.pallas_call(
+        kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=dots.interpret, name=name,
+    )(*args)
+
+
+def wy_fwd(q, k, kw, v, beta, gamma, *, chunk, block_v, dots: Dots, num_warps, num_stages):
+    """W, U, K̃ ⊙ Γ_C/Γ, Q ⊙ Γ [B, H, Tp, ·], P [B, H, Tp, C] and Γ_C [B, H, NC, K], float32:
+    ``delta_rule.prepare``'s outputs by the same formulas (module docstring). gamma: None or
+    [B, Tp, H]."""
+    in_specs, wy_specs, grid = _layout(q, v, gamma, chunk)
+    B, H, nc = grid
+    K, V = q.shape[-1], v.shape[-1]
+    out_shape = [jax.ShapeDtypeStruct((B, H, nc * chunk, d), jnp.float32)
+                 for d in (K, V, K, K, chunk)] + [jax.ShapeDtypeStruct((B, H, nc, K), jnp.float32)]
+    args = [x for x in (q, k, kw, v, beta, gamma) if x is not None]
+    return _call(_fwd_kernel, "wy_fwd", grid, in_specs, wy_specs, out_shape, args, gamma,
+                 block_v, dots, num_warps, num_stages)
+
+
+def wy_bwd(q, k, kw, v, beta, gamma, dW, dU, dkw_t, dq_dec, dP, dgc, *, chunk, block_v,
+           dots: Dots, num_warps, num_stages):
+    """Cotangents of q, k, kw [B, Tp, H, K], v [B, Tp, H, V], beta [B, Tp, H] and, if gamma is
+    given, of gamma [B, Tp, H] (float32), from those of ``wy_fwd``'s outputs (module docstring)."""
+    in_specs, wy_specs, grid = _layout(q, v, gamma, chunk)
+    args = [x for x in (q, k, kw, v, beta, gamma) if x is not None]
+    out_shape = [jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in args]
+    return _call(_bwd_kernel, "wy_bwd", grid, in_specs + wy_specs, in_specs, out_shape,
+                 args + [dW, dU, dkw_t, dq_dec, dP, dgc], gamma, block_v, dots, num_warps,
+                 num_stages)
