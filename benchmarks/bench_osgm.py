@@ -1,7 +1,7 @@
 """Device benchmark of osgm_precondition(impl="pallas") (OSDN phase 1): checks, then timings.
 
     PYTHONPATH=. python3 benchmarks/bench_osgm.py [--shape B T H K] [--budget-s 100]
-        [--sections checks,time,osdn] [--variants 4/4/64,4/4/32]  # prefetch/num_warps/chunk
+        [--sections checks,time,osdn] [--variants 4/1,8/1]   # kernel options prefetch/num_warps
 
 Checks (fresh random inputs; device memory filled with NaN before each run): pallas vs the
 token-by-token reference, k̃, final d and the gradients of k, β, r and d_1 for a random
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 import precond_linattn as pla
 from benchmarks.bench_delta import BARS, Guard, elapsed, rel_rms, timeit, values_and_grads
-from pallas_kernels.osgm_precond import Options, fast_path_chunks, osgm_pallas
+from pallas_kernels.osgm_precond import Options, osgm_pallas
 
 
 def make_inputs(key, B, T, H, K, dtype, skewed=False):
@@ -36,13 +36,13 @@ def make_inputs(key, B, T, H, K, dtype, skewed=False):
                 d0=jnp.ones((B, H, K), jnp.float32)), ks[3]
 
 
-def phase1(impl, eta=0.003, beta_aware=True, apf=True, options=None, chunk=64):
+def phase1(impl, eta=0.003, beta_aware=True, apf=True, options=None):
     """(inputs) -> (k̃, final d)."""
     def f(x):
         r = x["r"] if apf else None
         if options is not None:
             return osgm_pallas(x["k"], x["beta"], r, eta, 0.5, 2.0, beta_aware, 1e-6, x["d0"],
-                               None, chunk, options)
+                               None, 64, options)
         return pla.osgm_precondition(x["k"], x["beta"], eta=eta, retention=r,
                                      beta_aware=beta_aware, initial_state=x["d0"],
                                      output_final_state=True, impl=impl)
@@ -88,8 +88,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", type=int, nargs=4, default=(8, 2048, 8, 128))
     p.add_argument("--sections", default="checks,time,osdn")
-    p.add_argument("--variants", default="4/4/64,4/8/64,4/4/32",
-                   help="kernel options prefetch/num_warps/chunk; the first is the timed default")
+    p.add_argument("--variants", default="4/1,8/1,4/2")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--budget-s", type=float, default=100)
     a = p.parse_args()
@@ -107,17 +106,11 @@ def main():
             return check(name, phase1("pallas", **hyper), phase1("reference", **hyper), x, kc, dtype)
         results.append(guarded(f"check {name}", one))
     x, _ = make_inputs(jax.random.fold_in(key, 9), B, T, H, K, jnp.bfloat16)
-    variants = [(Options(*map(int, v.split("/")[:2])), int(v.split("/")[2]), v)
-                for v in a.variants.split(",")]
-    if "time" in a.sections:  # how many chunks keep the active-set solution on these inputs
-        for apf in (True, False):
-            fast = fast_path_chunks(x["k"], x["beta"], x["r"] if apf else None, 0.003, 0.5, 2.0,
-                                    True, 1e-6, x["d0"], None, 64)
-            print(json.dumps(dict(fast_chunk_fraction=float(jnp.mean(fast)), apf=apf)), flush=True)
+    variants = [Options(*map(int, v.split("/"))) for v in a.variants.split(",")]
     jobs = []
     if "time" in a.sections:  # the first variant, the chunked form; other variants after osdn
-        jobs += [(f"phase 1 pallas[{variants[0][2]}] APF",
-                  phase1("pallas", options=variants[0][0], chunk=variants[0][1])),
+        jobs += [(f"phase 1 pallas[{variants[0].prefetch}/{variants[0].num_warps}] APF",
+                  phase1("pallas", options=variants[0])),
                  ("phase 1 chunked APF", phase1("chunked")),
                  ("phase 1 pallas vanilla", phase1("pallas", apf=False)),
                  ("phase 1 chunked vanilla", phase1("chunked", apf=False))]
@@ -130,8 +123,8 @@ def main():
                  ("OSDN (pallas phase 1 + core)", osdn("pallas", False)),
                  ("OSDN-APF (pallas phase 1 + core)", osdn("pallas", True))]
     if "time" in a.sections:
-        jobs += [(f"phase 1 pallas[{tag}] APF", phase1("pallas", options=o, chunk=c))
-                 for o, c, tag in variants[1:]]
+        jobs += [(f"phase 1 pallas[{o.prefetch}/{o.num_warps}] APF", phase1("pallas", options=o))
+                 for o in variants[1:]]
     for label, f in jobs:
         timings.append(guarded(f"time {label}", lambda label=label, f=f: time_op(label, f, x, a.reps)))
 

@@ -7,19 +7,16 @@ import pytest
 
 import precond_linattn as pla
 from pallas_kernels import REGISTRY
-from pallas_kernels.osgm_precond import fast_path_chunks, osgm_pallas
+from pallas_kernels.osgm_precond import osgm_pallas
 
 B, T, H, K = 2, 37, 2, 24
 D_MIN, D_MAX = 0.5, 2.0
-CHUNK = 16  # T = 37: three chunks, the last one padded
 
 
 def make_inputs(seed, *, b=B, t=T, k_dim=K, n_init=B, skewed=False, init="inside",
-                retention=(0.9, 1.0), dtype=jnp.float32):
+                dtype=jnp.float32):
     """Keys (``skewed``: a few large coordinates, some exactly zero, so that the clip pins them),
-    β in (0.05, 0.95), retention uniform in ``retention``, initial d inside, on or outside the
-    box. Retention in (0.9, 1) decays d from inside the box onto d_min within T; in (0.995, 1)
-    it keeps d inside (0.7 · 0.995^37 > 0.58)."""
+    β in (0.05, 0.95), retention in (0.9, 1), initial d inside, on or outside the box."""
     rng = np.random.default_rng(seed)
     k = rng.standard_normal((b, t, H, k_dim))
     if skewed:
@@ -29,13 +26,12 @@ def make_inputs(seed, *, b=B, t=T, k_dim=K, n_init=B, skewed=False, init="inside
              "bounds": lambda: np.resize([D_MIN, D_MAX, 1.0], (n_init, H, k_dim)),
              "outside": lambda: rng.choice([0.2, 0.5, 1.0, 2.0, 2.6], (n_init, H, k_dim))}[init]()
     x = dict(k=jnp.asarray(k, dtype), beta=jnp.asarray(rng.uniform(0.05, 0.95, (b, t, H)), dtype),
-             retention=jnp.asarray(rng.uniform(*retention, (b, t, H)), dtype),
+             retention=jnp.asarray(rng.uniform(0.9, 1.0, (b, t, H)), dtype),
              initial_state=jnp.asarray(state, jnp.float32))
     return x
 
 
-def run(impl, x, *, eta, beta_aware=True, retention=True, cu_seqlens=None, initial=True,
-        chunk_size=CHUNK):
+def run(impl, x, *, eta, beta_aware=True, retention=True, cu_seqlens=None, initial=True):
     """k̃, final d and the gradients of a fixed nonlinear loss w.r.t. every input."""
 
     def loss(x):
@@ -43,7 +39,7 @@ def run(impl, x, *, eta, beta_aware=True, retention=True, cu_seqlens=None, initi
             x["k"], x["beta"], eta=eta, d_min=D_MIN, d_max=D_MAX,
             retention=x["retention"] if retention else None, beta_aware=beta_aware,
             initial_state=x["initial_state"] if initial else None, output_final_state=True,
-            cu_seqlens=cu_seqlens, impl=impl, chunk_size=chunk_size)
+            cu_seqlens=cu_seqlens, impl=impl)
         kw = kw.astype(jnp.float32)
         return jnp.sum(jnp.sin(3.0 * kw)) + jnp.sum(final * jnp.cos(final)), (kw, final)
 
@@ -73,13 +69,6 @@ def clipped_fraction(x, eta, **kw):
     return float(jnp.mean((final == D_MIN) | (final == D_MAX)))
 
 
-def fast_chunks(x, eta, *, beta_aware=True, retention=True, cu_seqlens=None):
-    """[B, H, NC] bool: the chunks whose active-set solution the forward kernel kept."""
-    return np.asarray(fast_path_chunks(
-        x["k"], x["beta"], x["retention"] if retention else None, eta, D_MIN, D_MAX, beta_aware,
-        1e-6, x["initial_state"], cu_seqlens, CHUNK))
-
-
 def test_registered():
     supports, kernel = REGISTRY["osgm_precondition"]
     assert kernel is osgm_pallas
@@ -91,58 +80,17 @@ def test_registered():
 @pytest.mark.parametrize("retention", [True, False])
 @pytest.mark.parametrize("clip", ["active", "inactive"])
 def test_matches_reference(beta_aware, retention, clip):
-    """Forward, final state and gradients (k, β, r, d_1); T not a multiple of the chunk, padded K.
-    Clip active inside chunks (η = 2, skewed keys: coordinates cross into and out of the box, so
-    chunks fall back to the token loop) or never reached (the paper's η = 0.003, retention near
-    1: every chunk keeps the active-set solution, so a kernel that always fell back fails)."""
+    """Forward, final state and gradients (k, β, r, d_1); odd T, padded K; the clip pinning many
+    coordinates (large η, skewed keys) or never reached (the paper's η = 0.003)."""
     active = clip == "active"
-    x = make_inputs(0, skewed=active, retention=(0.9, 1.0) if active else (0.995, 1.0))
+    x = make_inputs(0, skewed=active)
     eta = 2.0 if active else 0.003
-    fast = fast_chunks(x, eta, beta_aware=beta_aware, retention=retention)
     if active:
-        assert clipped_fraction(x, eta) > 0.2 and not fast.all()
-    else:
-        assert fast.all()
+        assert clipped_fraction(x, eta) > 0.2
     grads = ("k", "beta", "initial_state") + (("retention",) if retention else ())
     assert_runs_match(run("pallas", x, eta=eta, beta_aware=beta_aware, retention=retention),
                       run("reference", x, eta=eta, beta_aware=beta_aware, retention=retention),
                       2e-5, grads)
-
-
-def test_retention_pins_coordinates_on_d_min():
-    """APF retention in (0.5, 0.7): d decays onto d_min within the first chunk (the token loop),
-    then every coordinate stays pinned there (p = r d_min + u s <= d_min): the later chunks take
-    the active-set path with pinned coordinates, and the backward crosses both kinds of chunk."""
-    x = make_inputs(8, retention=(0.5, 0.7))
-    fast = fast_chunks(x, 0.003)
-    assert not fast[..., 0].any() and fast[..., 1:].all()
-    assert clipped_fraction(x, 0.003, retention=x["retention"]) == 1.0
-    assert_runs_match(run("pallas", x, eta=0.003), run("reference", x, eta=0.003), 2e-5)
-
-
-def test_pinned_and_free_coordinates_in_fast_chunks():
-    """d_1 on d_min, on d_max and inside (1.0) by coordinate, zero keys on the pinned ones: they
-    stay on their bounds while the others move inside the box, all on the active-set path."""
-    x = make_inputs(9, init="bounds")
-    x["k"] = jnp.where(jnp.arange(K) % 3 == 2, x["k"], 0.0)  # the coordinates starting at 1.0
-    fast = fast_chunks(x, 0.003, retention=False)
-    assert fast.all()
-    assert_runs_match(run("pallas", x, eta=0.003, retention=False),
-                      run("reference", x, eta=0.003, retention=False), 2e-5,
-                      ("k", "beta", "initial_state"))
-
-
-def test_fast_chunk_between_fallback_chunks():
-    """η = 1, skewed keys, no retention, β = 0 on the middle chunk: the clip acts in the first and
-    last chunks (token loop) while the middle one keeps d, with coordinates pinned on d_min, on
-    the active-set path; λ crosses fallback -> fast -> fallback in the backward."""
-    x = make_inputs(10, skewed=True)
-    t = jnp.arange(T)
-    x["beta"] = jnp.where(((t >= CHUNK) & (t < 2 * CHUNK))[None, :, None], 0.0, x["beta"])
-    assert (fast_chunks(x, 1.0, retention=False) == [False, True, False]).all()
-    assert_runs_match(run("pallas", x, eta=1.0, retention=False),
-                      run("reference", x, eta=1.0, retention=False), 2e-5,
-                      ("k", "beta", "initial_state"))
 
 
 @pytest.mark.parametrize("init", ["bounds", "outside"])
@@ -161,23 +109,14 @@ def test_default_initial_state():
 
 
 @pytest.mark.parametrize("initial", [True, False])
-@pytest.mark.parametrize("clip", ["active", "inactive"])
-def test_packed_documents(initial, clip):
-    """cu_seqlens: d restarts at each document (from its own initial state, or ones); documents
-    of 5, 17 and 15 tokens in chunks of 16 (one unused trailing chunk). Clip active (η = 2, the
-    token loop) or not (η = 0.003, retention near 1: the active-set path in every chunk)."""
+def test_packed_documents(initial):
+    """cu_seqlens: d restarts at each document (from its own initial state, or ones)."""
     cu = jnp.asarray([0, 5, 22, 37], jnp.int32)
-    active = clip == "active"
-    x = make_inputs(3, b=1, n_init=3, skewed=active,
-                    retention=(0.9, 1.0) if active else (0.995, 1.0))
-    eta = 2.0 if active else 0.003
-    if active:
-        assert clipped_fraction(x, eta, cu_seqlens=cu) > 0.2
-    else:
-        assert fast_chunks(x, eta, cu_seqlens=cu).all()
+    x = make_inputs(3, b=1, n_init=3, skewed=True)
+    assert clipped_fraction(x, 2.0, cu_seqlens=cu) > 0.2
     grads = ("k", "beta", "retention") + (("initial_state",) if initial else ())
-    assert_runs_match(run("pallas", x, eta=eta, cu_seqlens=cu, initial=initial),
-                      run("reference", x, eta=eta, cu_seqlens=cu, initial=initial), 2e-5, grads)
+    assert_runs_match(run("pallas", x, eta=2.0, cu_seqlens=cu, initial=initial),
+                      run("reference", x, eta=2.0, cu_seqlens=cu, initial=initial), 2e-5, grads)
 
 
 def test_bf16_inputs():
@@ -219,7 +158,5 @@ def test_unsupported_calls_raise():
     with pytest.raises(ValueError, match="K <= 128"):
         pla.osgm_precondition(x["k"], x["beta"], impl="pallas")
     y = make_inputs(7)
-    with pytest.raises(ValueError, match="chunk_size"):
-        pla.osgm_precondition(y["k"], y["beta"], impl="pallas", chunk_size=24)
     with pytest.raises(ValueError, match="traced"):
         jax.jit(lambda eta: pla.osgm_precondition(y["k"], y["beta"], eta=eta, impl="pallas"))(0.1)
