@@ -156,17 +156,18 @@ def time_op(label, f, x, reps):
     return r
 
 
-def breakdown(core, x, reps):
+def breakdown(core, x, reps, options):
     """Time the pieces of the split pallas forward+backward for one core (dense rows, T a
-    multiple of 64): the WY kernel (or ``prepare`` for a per-channel decay), the forward
-    recurrence + outputs, the backward recurrence + per-chunk cotangents, the WY pullback."""
+    multiple of 64) with kernel ``options``: the WY kernel (or ``prepare`` for a per-channel
+    decay), the forward recurrence + outputs, the backward recurrence + per-chunk cotangents,
+    the WY pullback."""
     from pallas_kernels import delta_rule as dr
     from pallas_kernels.state_bwd_triton import split_backward
     from pallas_kernels.state_fwd_triton import split_forward
     from pallas_kernels.triton_common import Dots, interpret_default
     B, T, H, D = x["q"].shape
     nc, decay = T // 64, {None: "none", 3: "scalar", 4: "vector"}[DECAYS[core]]
-    cfg = dr._Config(64, decay, D ** -0.5, None, dr.Options(), Dots("tf32", interpret_default()))
+    cfg = dr._Config(64, decay, D ** -0.5, None, options, Dots("tf32", interpret_default()))
     g = x.get("g")
     gamma = None
     if g is not None:  # cumulative log decay from each chunk's start
@@ -175,7 +176,8 @@ def breakdown(core, x, reps):
              jnp.broadcast_to((jnp.arange(nc) == 0).astype(jnp.int32), (B, nc)),
              jnp.broadcast_to((jnp.arange(nc) == nc - 1).astype(jnp.int32), (B, nc)))
     ins = (x["q"], x["k"], x["kw"], x["v"], x["beta"], gamma)
-    kernel = dict(chunk=64, scale=cfg.scale, block_v=64, dots=cfg.dots, num_warps=4, num_stages=1)
+    kernel = dict(chunk=64, scale=cfg.scale, block_v=options.block_v, dots=cfg.dots,
+                  num_warps=options.num_warps, num_stages=options.num_stages)
     wy_f = jax.jit(lambda ins: dr._wy(cfg, ins, pullback=False))
     wy = wy_f(ins)
     fwd = jax.jit(lambda wy: split_forward(*wy, None, *flags, num_docs=None, store_states=True,
@@ -269,7 +271,7 @@ def main():
                 label, jla_ops()[f] if isinstance(f, str) else f, inputs[core], a.reps)))
     for core in DECAYS if "breakdown" in sections else ():
         x, _ = make_inputs(jax.random.fold_in(key, 8), B, T, H, D, DECAYS[core], jnp.bfloat16)
-        guarded(f"breakdown {core}", lambda: breakdown(core, x, a.reps))
+        guarded(f"breakdown {core}", lambda: breakdown(core, x, a.reps, variants[0]))
 
     print(f"\n{'check':40s} {'ok':>5s} {'err_o':>9s} {'err_final':>9s} {'err_grad':>9s}")
     for r in filter(None, results):
