@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 benchmarks/bench_delta.py [--shape B T H D] [--budget-s 420]
         [--sections checks,packed,time,jla,chunked,breakdown] [--check-dtypes bf16,fp32]
-        [--variants auto/64/4,auto/64/4/fused]  # kernel options precision/block_v/num_warps[/fused]
+        [--variants auto/64/4,auto/64/4/fused]  # precision/block_v/num_warps[/num_stages][/fused]
 
 Checks (fresh random inputs per check; the device allocator is filled with NaN before each run so
 an unwritten output element shows): pallas vs the chunked pure-JAX form, outputs, final states
@@ -215,8 +215,8 @@ def main():
     p.add_argument("--sections", default="checks,packed,time,jla,chunked,breakdown")
     p.add_argument("--check-dtypes", default="bf16,fp32")
     p.add_argument("--variants", default="auto/64/4,auto/64/4/fused",
-                   help="kernel options precision/block_v/num_warps[/fused]; the first is checked in bf16"
-                        " and fp32, the others in bf16")
+                   help="kernel options precision/block_v/num_warps[/num_stages][/fused]; the "
+                        "first is checked in bf16 and fp32, the others in bf16")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--budget-s", type=float, default=420,
                    help="start no new item after this many seconds from process start")
@@ -233,15 +233,18 @@ def main():
 
     guarded = Guard(a.budget_s)
 
-    def variant(v):  # precision/block_v/num_warps[/fused]
+    def variant(v):  # precision/block_v/num_warps[/num_stages][/fused]
         f = v.split("/")
-        return Options(None if f[0] == "auto" else f[0], int(f[1]), int(f[2]),
-                       split=f[3:] != ["fused"])
+        fused = f[-1] == "fused"
+        stages = int(f[3]) if len(f) > 3 + fused else 1
+        return Options(None if f[0] == "auto" else f[0], int(f[1]), int(f[2]), stages,
+                       split=not fused)
     variants = [variant(v) for v in a.variants.split(",")]
     names = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
     check_dtypes = [names[d] for d in a.check_dtypes.split(",")]
     for n_variant, opt in enumerate(variants):
-        tag = f"{opt.precision or 'auto'}/{opt.block_v}/{opt.num_warps}" + ("" if opt.split else "/fused")
+        tag = (f"{opt.precision or 'auto'}/{opt.block_v}/{opt.num_warps}/{opt.num_stages}"
+               + ("" if opt.split else "/fused"))
         dtypes = check_dtypes if n_variant == 0 else (jnp.bfloat16,)
         for dtype in dtypes if "checks" in sections else ():
             for core in DECAYS:
