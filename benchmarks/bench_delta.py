@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 benchmarks/bench_delta.py [--shape B T H D] [--budget-s 420]
         [--sections checks,packed,time,jla,chunked,breakdown] [--check-dtypes bf16,fp32]
-        [--variants auto/64/4,auto/64/4/fused]  # precision/block_v/num_warps[/num_stages][/fused]
+        [--variants auto/64/4,auto/64/4/fused]  # precision/block_v/num_warps[/num_stages][/fused|/save]
 
 Checks (fresh random inputs per check; the device allocator is filled with NaN before each run so
 an unwritten output element shows): pallas vs the chunked pure-JAX form, outputs, final states
@@ -157,13 +157,13 @@ def time_op(label, f, x, reps):
 
 
 def breakdown(core, x, reps, options):
-    """Time the pieces of the split pallas forward+backward for one core (dense rows, T a
-    multiple of 64) with kernel ``options``: the WY kernel (or ``prepare`` for a per-channel
-    decay), the forward recurrence + outputs, the backward recurrence + per-chunk cotangents,
-    the WY pullback."""
+    """Time each kernel of the split pallas forward+backward alone for one core (dense rows, T a
+    multiple of 64) with kernel ``options``: forward = WY (``wy_fwd``, or ``prepare`` in XLA for
+    a per-channel decay), serial state pass, chunk outputs; backward = WY again, dO products,
+    serial state pass, per-chunk cotangents, WY pullback (``wy_bwd`` or ``prepare``'s vjp)."""
     from pallas_kernels import delta_rule as dr
-    from pallas_kernels.state_bwd_triton import split_backward
-    from pallas_kernels.state_fwd_triton import split_forward
+    from pallas_kernels import state_bwd_triton as sb
+    from pallas_kernels import state_fwd_triton as sf
     from pallas_kernels.triton_common import Dots, interpret_default
     B, T, H, D = x["q"].shape
     nc, decay = T // 64, {None: "none", 3: "scalar", 4: "vector"}[DECAYS[core]]
@@ -176,21 +176,30 @@ def breakdown(core, x, reps, options):
              jnp.broadcast_to((jnp.arange(nc) == 0).astype(jnp.int32), (B, nc)),
              jnp.broadcast_to((jnp.arange(nc) == nc - 1).astype(jnp.int32), (B, nc)))
     ins = (x["q"], x["k"], x["kw"], x["v"], x["beta"], gamma)
-    kernel = dict(chunk=64, scale=cfg.scale, block_v=options.block_v, dots=cfg.dots,
-                  num_warps=options.num_warps, num_stages=options.num_stages)
-    wy_f = jax.jit(lambda ins: dr._wy(cfg, ins, pullback=False))
-    wy = wy_f(ins)
-    fwd = jax.jit(lambda wy: split_forward(*wy, None, *flags, num_docs=None, store_states=True,
-                                           out_dtype=x["v"].dtype, **kernel))
-    o, final, states = fwd(wy)
-    bwd = jax.jit(lambda wy, states, do, dfinal: split_backward(*wy, states, do, dfinal, *flags,
-                                                                **kernel))
-    cts = bwd(wy, states, o, final)
-    pull = jax.jit(lambda ins, cts: dr._wy(cfg, ins)[1]((cts[0][0], cts[1], *(c[0] for c in cts[2:6]))))
-    r = dict(breakdown=core, wy_ms=timeit(wy_f, ins, reps=reps),
-             fwd_recurrence_ms=timeit(fwd, wy, reps=reps),
-             bwd_recurrence_ms=timeit(bwd, wy, states, o, final, reps=reps),
-             wy_pullback_ms=timeit(pull, ins, cts, reps=reps), t_s=round(elapsed()))
+    kw = dict(chunk=64, block_v=options.block_v, dots=cfg.dots, num_warps=options.num_warps,
+              num_stages=options.num_stages)
+    steps = dict(
+        wy=lambda ins: dr._wy(cfg, ins, pullback=False),
+        state_fwd=lambda W, U, k, gc: sf.state_pass(W, U, k, gc, None, *flags, num_docs=None, **kw),
+        chunk_output=lambda q, P, S, R: sf.chunk_output(q, P, S, R, scale=cfg.scale,
+                                                        out_dtype=x["v"].dtype, **kw),
+        dout_products=lambda P, q, do: sb.dout_products(P, q, do, scale=cfg.scale, **kw),
+        state_bwd=lambda W, k, gc, A, G, df: sb.state_pass(W, k, gc, A, G, df, *flags, **kw),
+        chunk_grads=lambda *a: sb.chunk_grads(*a, scale=cfg.scale, **kw),
+        wy_pullback=lambda ins, cts: dr._wy(cfg, ins)[1](cts))
+    f = {n: jax.jit(fn) for n, fn in steps.items()}
+    W, U, kt, qd, P, gc = f["wy"](ins)
+    states, R, final = f["state_fwd"](W, U, kt, gc)
+    o = f["chunk_output"](qd, P, states, R)
+    A, G = f["dout_products"](P, qd, o)
+    dU, dstates, _ = f["state_bwd"](W, kt, gc, A, G, final)
+    dW, dkt, dq, dP, dgc = f["chunk_grads"](W, U, states, dstates, dU, o)
+    args = dict(wy=(ins,), state_fwd=(W, U, kt, gc), chunk_output=(qd, P, states, R),
+                dout_products=(P, qd, o), state_bwd=(W, kt, gc, A, G, final),
+                chunk_grads=(W, U, states, dstates, dU, o),
+                wy_pullback=(ins, (dW, dU, dkt, dq, dP, dgc)))
+    r = dict(breakdown=core, **{f"{n}_ms": timeit(f[n], *args[n], reps=reps) for n in steps},
+             t_s=round(elapsed()))
     print(json.dumps(r), flush=True)
     return r
 
@@ -215,7 +224,7 @@ def main():
     p.add_argument("--sections", default="checks,packed,time,jla,chunked,breakdown")
     p.add_argument("--check-dtypes", default="bf16,fp32")
     p.add_argument("--variants", default="auto/64/4,auto/64/4/fused",
-                   help="kernel options precision/block_v/num_warps[/num_stages][/fused]; the "
+                   help="kernel options precision/block_v/num_warps[/num_stages][/fused|/save]; the "
                         "first is checked in bf16 and fp32, the others in bf16")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--budget-s", type=float, default=420,
@@ -233,18 +242,18 @@ def main():
 
     guarded = Guard(a.budget_s)
 
-    def variant(v):  # precision/block_v/num_warps[/num_stages][/fused]
+    def variant(v):  # precision/block_v/num_warps[/num_stages][/fused|/save]
         f = v.split("/")
-        fused = f[-1] == "fused"
-        stages = int(f[3]) if len(f) > 3 + fused else 1
+        flags = [t for t in f[3:] if not t.isdigit()]
+        stages = int(f[3]) if len(f) > 3 and f[3].isdigit() else 1
         return Options(None if f[0] == "auto" else f[0], int(f[1]), int(f[2]), stages,
-                       split=not fused)
+                       split="fused" not in flags, save_wy="save" in flags)
     variants = [variant(v) for v in a.variants.split(",")]
     names = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
     check_dtypes = [names[d] for d in a.check_dtypes.split(",")]
     for n_variant, opt in enumerate(variants):
         tag = (f"{opt.precision or 'auto'}/{opt.block_v}/{opt.num_warps}/{opt.num_stages}"
-               + ("" if opt.split else "/fused"))
+               + ("" if opt.split else "/fused") + ("/save" if opt.save_wy else ""))
         dtypes = check_dtypes if n_variant == 0 else (jnp.bfloat16,)
         for dtype in dtypes if "checks" in sections else ():
             for core in DECAYS:

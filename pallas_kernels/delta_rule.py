@@ -54,7 +54,9 @@ from precond_linattn.varlen import chunk_layout, from_chunks, to_chunks
 class Options:
     """Kernel tuning (static). ``split``: run the chunk recurrence as the split kernels (serial
     state passes with 2 matmuls per chunk, everything else chunk-parallel) rather than the fused
-    ones (all per-chunk work inside the serial loop). ``precision``: that of float32 dots on
+    ones (all per-chunk work inside the serial loop). ``save_wy``: the backward reuses the
+    forward's WY tensors (W, U, K̃', Q', P, Γ_C: ~5 float32 [B, H, T, 128] arrays more residual
+    memory) instead of recomputing them. ``precision``: that of float32 dots on
     tensor cores ("tf32", "tf32x3", "ieee"); None picks "tf32" when q, k, k̃ and v are all
     16-bit and "tf32x3" (about fp32) otherwise: see benchmarks/NOTES.md for the errors measured with each."""
 
@@ -63,6 +65,7 @@ class Options:
     num_warps: int = 4
     num_stages: int = 1
     split: bool = True  # the split kernels (state_*_triton) instead of the fused delta_fwd/bwd
+    save_wy: bool = False  # split, no / scalar decay: keep the WY tensors for the backward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,10 +171,11 @@ _WY_ARGS = ("W", "U", "kw", "q", "P", "gc")  # the recurrence kernels' names for
 _WY_AXES = dict(zip(_WY_ARGS, _WY_OUT.values()))
 
 
-def _forward(cfg, q, k, kw, v, beta, gamma, init, doc, first, last, store_states):
+def _forward(cfg, q, k, kw, v, beta, gamma, init, doc, first, last, store_states, wy=None):
     o = cfg.options
     if o.split:
-        wy = _wy(cfg, (q, k, kw, v, beta, gamma), pullback=False)
+        if wy is None:
+            wy = _wy(cfg, (q, k, kw, v, beta, gamma), pullback=False)
         args = dict(zip(_WY_ARGS, wy)) | dict(initial_state=init, doc=doc, first=first, last=last)
         axes = dict(_WY_AXES, initial_state="n h k v", **_FLAGS)
         kernel, static = split_forward, dict(out_dtype=v.dtype)
@@ -198,14 +202,20 @@ def _core(cfg, q, k, kw, v, beta, gamma, init, doc, first, last):
 
 
 def _core_fwd(cfg, q, k, kw, v, beta, gamma, init, doc, first, last):
-    o, final, states = _forward(cfg, q, k, kw, v, beta, gamma, init, doc, first, last, True)
-    return (o, final), (q, k, kw, v, beta, gamma, init, doc, first, last, states)
+    save = cfg.options.split and cfg.options.save_wy and cfg.decay != "vector"
+    wy = _wy(cfg, (q, k, kw, v, beta, gamma), pullback=False) if save else None
+    o, final, states = _forward(cfg, q, k, kw, v, beta, gamma, init, doc, first, last, True, wy)
+    return (o, final), (q, k, kw, v, beta, gamma, init, doc, first, last, states, wy)
 
 
 def _core_bwd(cfg, res, cts):
-    q, k, kw, v, beta, gamma, init, doc, first, last, states = res
+    q, k, kw, v, beta, gamma, init, doc, first, last, states, wy = res
     do, dfinal = cts
-    wy, pullback = _wy(cfg, (q, k, kw, v, beta, gamma))
+    ins = (q, k, kw, v, beta, gamma)
+    if wy is None:
+        wy, pullback = _wy(cfg, ins)
+    else:  # the forward's WY tensors; wy_bwd recomputes what it needs in the kernel
+        pullback = functools.partial(_wy_kernel, cfg, wy_bwd, ins)
     o = cfg.options
     args = dict(zip(_WY_ARGS, wy)) | dict(states=states, do=do, dfinal=dfinal, doc=doc,
                                           first=first, last=last)

@@ -80,6 +80,65 @@ def _grads_kernel(W_ref, U_ref, S_ref, dS_ref, dR_ref, do_ref, dW_ref, dkw_ref, 
     dW_ref[...], dkw_ref[...], dq_ref[...], dP_ref[...], dgc_ref[...] = dW, dkw, dq, dP, dgc
 
 
+def dout_products(P, q, do, *, chunk, scale, block_v, dots: Dots, num_warps, num_stages):
+    """Kernel 1: A = scale Pᵀ dO [B, H, Tp, V] and G = scale Q'ᵀ dO [B, H, NC, K, V] per chunk."""
+    B, H, Tp, K = q.shape
+    V, nc, BV = do.shape[-1], Tp // chunk, min(block_v, do.shape[-1])
+    c = chunk_specs(chunk, K, BV)
+    return pl.pallas_call(
+        functools.partial(_dout_kernel, scale=scale, dots=dots),
+        grid=(B, H, nc, V // BV), in_specs=[c["c"], c["k"], c["btv"]],
+        out_specs=[c["v"], c["state"]],
+        out_shape=[jax.ShapeDtypeStruct((B, H, Tp, V), jnp.float32),
+                   jax.ShapeDtypeStruct((B, H, nc, K, V), jnp.float32)],
+        compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=dots.interpret, name="dout_products",
+    )(P, q, do)
+
+
+def state_pass(W, kw, gc, A, G, dfinal, doc, first, last, *, chunk, block_v, dots: Dots,
+               num_warps, num_stages):
+    """Kernel 2, serial: dU = dR [B, H, Tp, V], the chunk-end cotangents dS_C [B, H, NC, K, V]
+    and dS_0 [N, H, K, V]."""
+    B, H, Tp, K = W.shape
+    V, N, nc = A.shape[-1], dfinal.shape[0], Tp // chunk
+    BV, f32 = min(block_v, V), jnp.float32
+    s = serial_specs(nc, Tp, K, BV, N)
+    return pl.pallas_call(
+        functools.partial(_serial_kernel, chunk=chunk, dots=dots, num_chunks=nc),
+        grid=(B, H, V // BV),
+        in_specs=[s["flags"]] * 3 + [s["seq_k"], s["seq_k"], s["per_chunk_k"], s["seq_v"],
+                                     s["states"], s["docs"]],
+        out_specs=[s["seq_v"], s["states"], s["docs"]],
+        out_shape=[jax.ShapeDtypeStruct((B, H, Tp, V), f32),
+                   jax.ShapeDtypeStruct((B, H, nc, K, V), f32),
+                   jax.ShapeDtypeStruct((N, H, K, V), f32)],
+        compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=dots.interpret, name="state_bwd",
+    )(doc, first, last, W, kw, gc, A, G, dfinal)
+
+
+def chunk_grads(W, U, states, dstates, dU, do, *, chunk, scale, block_v, dots: Dots, num_warps,
+                num_stages):
+    """Kernel 3: dW, dK̃', dQ' [B, H, Tp, K], dP [B, H, Tp, C], dΓ_C [B, H, NC, K]."""
+    B, H, Tp, K = W.shape
+    V, nc, BV, f32 = U.shape[-1], Tp // chunk, min(block_v, U.shape[-1]), jnp.float32
+    rows = lambda n: pl.BlockSpec((None, None, chunk, n), lambda b, h, i: (b, h, i, 0))  # noqa: E731
+    state = pl.BlockSpec((None, None, None, K, V), lambda b, h, i: (b, h, i, 0, 0))
+    return pl.pallas_call(
+        functools.partial(_grads_kernel, scale=scale, dots=dots, block_v=BV),
+        grid=(B, H, nc),
+        in_specs=[rows(K), rows(V), state, state, rows(V),
+                  pl.BlockSpec((None, chunk, None, V), lambda b, h, i: (b, i, h, 0))],
+        out_specs=[rows(K)] * 3 + [rows(chunk),
+                                   pl.BlockSpec((None, None, None, K), lambda b, h, i: (b, h, i, 0))],
+        out_shape=[jax.ShapeDtypeStruct((B, H, Tp, K), f32)] * 3 + [
+            jax.ShapeDtypeStruct((B, H, Tp, chunk), f32), jax.ShapeDtypeStruct((B, H, nc, K), f32)],
+        compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=dots.interpret, name="chunk_grads",
+    )(W, U, states, dstates, dU, do)
+
+
 def split_backward(W, U, kw, q, P, gc, states, do, dfinal, doc, first, last, *, chunk, scale,
                    block_v, dots: Dots, num_warps, num_stages):
     """``delta_bwd`` in three kernels; arguments and results as ``delta_bwd``: W, kw (K̃'), q (Q')
@@ -89,44 +148,11 @@ def split_backward(W, U, kw, q, P, gc, states, do, dfinal, doc, first, last, *, 
     Returns dW, dK̃', dQ' [1, B, H, Tp, K], dU [B, H, Tp, V], dP [1, B, H, Tp, C], dΓ_C
     [1, B, H, NC, K] (already summed over V: the leading axis of ``delta_bwd``'s per-tile partial
     sums has size 1) and dS_0 [N, H, K, V]."""
-    B, H, Tp, K = W.shape
-    V, N, nc = U.shape[-1], dfinal.shape[0], Tp // chunk
-    BV = check_inputs(W, U, P, chunk=chunk, block_v=block_v)
-    f32 = jnp.float32
-    params = pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    c = chunk_specs(chunk, K, BV)
-    A, G = pl.pallas_call(
-        functools.partial(_dout_kernel, scale=scale, dots=dots),
-        grid=(B, H, nc, V // BV), in_specs=[c["c"], c["k"], c["btv"]],
-        out_specs=[c["v"], c["state"]],
-        out_shape=[jax.ShapeDtypeStruct((B, H, Tp, V), f32),
-                   jax.ShapeDtypeStruct((B, H, nc, K, V), f32)],
-        compiler_params=params, interpret=dots.interpret, name="dout_products",
-    )(P, q, do)
-    s = serial_specs(nc, Tp, K, BV, N)
-    dU, dstates, dinit = pl.pallas_call(
-        functools.partial(_serial_kernel, chunk=chunk, dots=dots, num_chunks=nc),
-        grid=(B, H, V // BV),
-        in_specs=[s["flags"]] * 3 + [s["seq_k"], s["seq_k"], s["per_chunk_k"], s["seq_v"],
-                                     s["states"], s["docs"]],
-        out_specs=[s["seq_v"], s["states"], s["docs"]],
-        out_shape=[jax.ShapeDtypeStruct((B, H, Tp, V), f32),
-                   jax.ShapeDtypeStruct((B, H, nc, K, V), f32),
-                   jax.ShapeDtypeStruct((N, H, K, V), f32)],
-        compiler_params=params, interpret=dots.interpret, name="state_bwd",
-    )(doc, first, last, W, kw, gc, A, G, dfinal)
-    rows = lambda n: pl.BlockSpec((None, None, chunk, n), lambda b, h, i: (b, h, i, 0))  # noqa: E731
-    state = pl.BlockSpec((None, None, None, K, V), lambda b, h, i: (b, h, i, 0, 0))
-    grads = pl.pallas_call(
-        functools.partial(_grads_kernel, scale=scale, dots=dots, block_v=BV),
-        grid=(B, H, nc),
-        in_specs=[rows(K), rows(V), state, state, rows(V),
-                  pl.BlockSpec((None, chunk, None, V), lambda b, h, i: (b, i, h, 0))],
-        out_specs=[rows(K)] * 3 + [rows(chunk),
-                                   pl.BlockSpec((None, None, None, K), lambda b, h, i: (b, h, i, 0))],
-        out_shape=[jax.ShapeDtypeStruct((B, H, Tp, K), f32)] * 3 + [
-            jax.ShapeDtypeStruct((B, H, Tp, chunk), f32), jax.ShapeDtypeStruct((B, H, nc, K), f32)],
-        compiler_params=params, interpret=dots.interpret, name="chunk_grads",
-    )(W, U, states, dstates, dU, do)
+    check_inputs(W, U, P, chunk=chunk, block_v=block_v)
+    opts = dict(chunk=chunk, block_v=block_v, dots=dots, num_warps=num_warps,
+                num_stages=num_stages)
+    A, G = dout_products(P, q, do, scale=scale, **opts)
+    dU, dstates, dinit = state_pass(W, kw, gc, A, G, dfinal, doc, first, last, **opts)
+    grads = chunk_grads(W, U, states, dstates, dU, do, scale=scale, **opts)
     dW, dkw, dq, dP, dgc = (x[None] for x in grads)
     return dW, dU, dkw, dq, dP, dgc, dinit

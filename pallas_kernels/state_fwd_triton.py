@@ -95,6 +95,48 @@ def _output_kernel(q_ref, P_ref, S_ref, R_ref, o_ref, *, scale, dots):
     o_ref[...] = o.astype(o_ref.dtype)
 
 
+def state_pass(W, U, kw, gc, initial_state, doc, first, last, *, chunk, num_docs, block_v,
+               dots: Dots, num_warps, num_stages):
+    """Kernel 1, serial: the chunk-start states [B, H, NC, K, V], R = U − W S [B, H, Tp, V] and
+    the final states [N, H, K, V], all float32."""
+    B, H, Tp, K = W.shape
+    V, nc, f32 = U.shape[-1], Tp // chunk, jnp.float32
+    BV, N = min(block_v, V), B if num_docs is None else num_docs
+    s = serial_specs(nc, Tp, K, BV, N)
+    args = [doc, first, last, W, U, kw, gc]
+    specs = [s["flags"]] * 3 + [s["seq_k"], s["seq_v"], s["seq_k"], s["per_chunk_k"]]
+    if initial_state is not None:
+        args.append(initial_state)
+        specs.append(s["docs"])
+    return pl.pallas_call(
+        functools.partial(_serial_kernel, chunk=chunk, dots=dots,
+                          has_init=initial_state is not None, num_chunks=nc),
+        grid=(B, H, V // BV), in_specs=specs,
+        out_specs=[s["states"], s["seq_v"], s["docs"]],
+        out_shape=[jax.ShapeDtypeStruct((B, H, nc, K, V), f32),
+                   jax.ShapeDtypeStruct((B, H, Tp, V), f32),
+                   jax.ShapeDtypeStruct((N, H, K, V), f32)],
+        compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=dots.interpret, name="state_fwd",
+    )(*args)
+
+
+def chunk_output(q, P, states, R, *, chunk, scale, block_v, dots: Dots, num_warps, num_stages,
+                 out_dtype):
+    """Kernel 2, parallel over chunks: o = scale (Q' S + P R) [B, Tp, H, V] in ``out_dtype``."""
+    B, H, Tp, K = q.shape
+    V = R.shape[-1]
+    BV = min(block_v, V)
+    c = chunk_specs(chunk, K, BV)
+    return pl.pallas_call(
+        functools.partial(_output_kernel, scale=scale, dots=dots),
+        grid=(B, H, Tp // chunk, V // BV), in_specs=[c["k"], c["c"], c["state"], c["v"]],
+        out_specs=c["btv"], out_shape=jax.ShapeDtypeStruct((B, Tp, H, V), out_dtype),
+        compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=dots.interpret, name="chunk_output",
+    )(q, P, states, R)
+
+
 def split_forward(W, U, kw, q, P, gc, initial_state, doc, first, last, *, chunk, scale, num_docs,
                   block_v, dots: Dots, num_warps, num_stages, store_states,
                   out_dtype=jnp.float32):
@@ -105,34 +147,10 @@ def split_forward(W, U, kw, q, P, gc, initial_state, doc, first, last, *, chunk,
     Returns o [B, Tp, H, V] (``out_dtype``), final [N, H, K, V] float32 and, if ``store_states``,
     the state at the start of every chunk [B, H, NC, K, V] float32 (always computed: the output
     kernel reads it)."""
-    B, H, Tp, K = W.shape
-    V = U.shape[-1]
-    BV = check_inputs(W, U, P, chunk=chunk, block_v=block_v)
-    N = B if num_docs is None else num_docs
-    nc = Tp // chunk
-    f32 = jnp.float32
-    params = pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    s = serial_specs(nc, Tp, K, BV, N)
-    args = [doc, first, last, W, U, kw, gc]
-    specs = [s["flags"]] * 3 + [s["seq_k"], s["seq_v"], s["seq_k"], s["per_chunk_k"]]
-    if initial_state is not None:
-        args.append(initial_state)
-        specs.append(s["docs"])
-    states, R, final = pl.pallas_call(
-        functools.partial(_serial_kernel, chunk=chunk, dots=dots,
-                          has_init=initial_state is not None, num_chunks=nc),
-        grid=(B, H, V // BV), in_specs=specs,
-        out_specs=[s["states"], s["seq_v"], s["docs"]],
-        out_shape=[jax.ShapeDtypeStruct((B, H, nc, K, V), f32),
-                   jax.ShapeDtypeStruct((B, H, Tp, V), f32),
-                   jax.ShapeDtypeStruct((N, H, K, V), f32)],
-        compiler_params=params, interpret=dots.interpret, name="state_fwd",
-    )(*args)
-    c = chunk_specs(chunk, K, BV)
-    o = pl.pallas_call(
-        functools.partial(_output_kernel, scale=scale, dots=dots),
-        grid=(B, H, nc, V // BV), in_specs=[c["k"], c["c"], c["state"], c["v"]],
-        out_specs=c["btv"], out_shape=jax.ShapeDtypeStruct((B, Tp, H, V), out_dtype),
-        compiler_params=params, interpret=dots.interpret, name="chunk_output",
-    )(q, P, states, R)
+    check_inputs(W, U, P, chunk=chunk, block_v=block_v)
+    opts = dict(chunk=chunk, block_v=block_v, dots=dots, num_warps=num_warps,
+                num_stages=num_stages)
+    states, R, final = state_pass(W, U, kw, gc, initial_state, doc, first, last,
+                                  num_docs=num_docs, **opts)
+    o = chunk_output(q, P, states, R, scale=scale, out_dtype=out_dtype, **opts)
     return (o, final) + ((states,) if store_states else ())

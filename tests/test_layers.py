@@ -171,3 +171,22 @@ def test_mixed_precision(rand):
     assert rel_err(y16, y32) <= 3e-2
     y_step, cache = nnx.jit(type(layer16).step)(layer16, x[:, 0], layer16.init_cache(2))
     assert y_step.dtype == jnp.bfloat16 and cache.memory.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("pre", PRECONDITIONERS)
+@pytest.mark.parametrize("backbone", BACKBONES)
+def test_fused_input_projection_equals_each_linear(backbone, pre, rand):
+    """``_project`` (one matmul for every Linear(D, ·) fed by x) == each ``nnx.Linear`` applied
+    alone, bias (APF retention, KDA gate) included, in the compute dtype."""
+    layer = PrecondDeltaAttention(LayerConfig(D, H, backbone=backbone, preconditioner=pre,
+                                              use_gate=True), rngs=nnx.Rngs(0))
+    for m in layer._input_linears().values():  # non-zero biases, so a dropped bias shows
+        if m.bias is not None:
+            m.bias[...] = rand.normal(*m.bias.shape)
+    x = rand.normal(3, 5, D)
+    fused = layer._project(x)
+    assert set(fused) >= {"q_proj", "k_proj", "v_proj", "b_proj", "g_proj"}
+    for name, m in layer._input_linears().items():
+        want = m(x)
+        assert fused[name].dtype == want.dtype and fused[name].shape == want.shape, name
+        assert rel_err(fused[name], want) == 0.0, name  # the same products and sums on the CPU

@@ -148,11 +148,13 @@ def test_unsupported_calls_raise():
         pla.delta_rule(y["q"], y["k"], y["v"], y["beta"], impl="pallas", chunk_size=24)
 
 
+@pytest.mark.parametrize("opts", [Options(split=False), Options(save_wy=True)],
+                         ids=["fused", "save_wy"])
 @pytest.mark.parametrize("decay", DECAYS)
-def test_fused_kernels_match_reference(decay):
-    """The fused pipeline (Options(split=False), the measured baseline) stays exact too."""
+def test_kernel_options_match_reference(decay, opts):
+    """The fused pipeline (the measured baseline) and the split one that keeps the WY tensors
+    for the backward stay exact too."""
     x = make_inputs(3, decay)
-    opts = Options(split=False)
 
     def loss(x):
         o, final = delta_rule_pallas(x["q"], x["k"], x["write_key"], x["v"], x["beta"],

@@ -31,6 +31,7 @@ d_1 = exp(log_d_init), zero at init; with ``learn_init_scale``) and ``retention_
 kernel [D, H], bias [H] = logit(init_retention)).
 """
 
+import itertools
 import math
 from typing import NamedTuple
 
@@ -110,24 +111,52 @@ class PrecondDeltaAttention(nnx.Module):
 
     # ---- per-token parts (any leading dims [..., D]) ----
 
-    def _gates(self, x):
-        """β, the memory's decay g, and the preconditioner's per-token inputs, all float32."""
+    def _input_linears(self):
+        """The layer's Linear(D, ·) maps applied to x itself, by name (first layers of the
+        low-rank KDA maps ``f_proj`` / ``g_proj``)."""
+        c = self.config
+        names = ["q_proj", "k_proj", "v_proj", "b_proj"]
+        names += {"gdn": ["a_proj"], "kda": ["f_proj"]}.get(c.backbone, [])
+        names += {"atk": ["a_atk_proj", "b_atk_proj"], "osgm_apf": ["retention_proj"]}.get(
+            c.preconditioner, [])
+        names += ["g_proj"] if c.use_gate else []
+        first = lambda m: m.layers[0] if isinstance(m, nnx.Sequential) else m  # noqa: E731
+        return {n: first(getattr(self, n)) for n in names}
+
+    def _project(self, x):
+        """All input projections in one matmul, y_n = x W_n + b_n for every map n of
+        ``_input_linears``: x [..., D] @ [W_q | W_k | …] then split (one kernel instead of up to
+        nine, which matters for one-token decode steps). Same dtypes as ``nnx.Linear``."""
+        c = self.config
+        mods = self._input_linears()
+        W = jnp.concatenate([m.kernel[...] for m in mods.values()], axis=1).astype(c.dtype)
+        y = jnp.dot(x.astype(c.dtype), W)
+        if any(m.bias is not None for m in mods.values()):
+            y = y + jnp.concatenate([jnp.zeros(m.kernel.shape[1], c.param_dtype) if m.bias is None
+                                     else m.bias[...] for m in mods.values()]).astype(c.dtype)
+        sizes = [m.kernel.shape[1] for m in mods.values()]
+        parts = jnp.split(y, list(itertools.accumulate(sizes))[:-1], axis=-1)
+        return dict(zip(mods, parts))
+
+    def _gates(self, p):
+        """β, the memory's decay g, and the preconditioner's per-token inputs, all float32, from
+        the input projections ``p``."""
         c = self.config
         H, K = c.num_heads, c.head_dim
-        beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32)) * (2.0 if c.allow_neg_eigval else 1.0)
+        beta = jax.nn.sigmoid(p["b_proj"].astype(jnp.float32)) * (2.0 if c.allow_neg_eigval else 1.0)
         g = None
         if c.backbone == "gdn":
-            g = _softplus_decay(self.a_proj(x), self.A_log[...], self.dt_bias[...])
+            g = _softplus_decay(p["a_proj"], self.A_log[...], self.dt_bias[...])
         elif c.backbone == "kda":
-            f = self.f_proj(x).reshape(*x.shape[:-1], H, K)
+            f = self.f_proj.layers[1](p["f_proj"]).reshape(*p["f_proj"].shape[:-1], H, K)
             g = _softplus_decay(f, self.A_log[...][:, None], self.dt_bias[...].reshape(H, K))
         pre = {}
         if c.preconditioner == "atk":
-            pre = dict(log_decay=_softplus_decay(self.a_atk_proj(x), self.A_log_atk[...],
+            pre = dict(log_decay=_softplus_decay(p["a_atk_proj"], self.A_log_atk[...],
                                                  self.dt_bias_atk[...]),
-                       gain=jax.nn.sigmoid(self.b_atk_proj(x).astype(jnp.float32)))
+                       gain=jax.nn.sigmoid(p["b_atk_proj"].astype(jnp.float32)))
         elif c.preconditioner == "osgm_apf":
-            pre = dict(retention=jax.nn.sigmoid(self.retention_proj(x).astype(jnp.float32)))
+            pre = dict(retention=jax.nn.sigmoid(p["retention_proj"].astype(jnp.float32)))
         return beta, g, pre
 
     def _heads(self, q, k, v):
@@ -136,11 +165,12 @@ class PrecondDeltaAttention(nnx.Module):
         return (_l2norm(split(q, c.head_dim)), _l2norm(split(k, c.head_dim)),
                 split(v, c.head_v_dim))
 
-    def _output(self, o, x):
+    def _output(self, o, p):
         c = self.config
         gate = None
         if c.use_gate:
-            gate = self.g_proj(x).reshape(*x.shape[:-1], c.num_heads, c.head_v_dim)
+            gate = self.g_proj.layers[1](p["g_proj"]) if c.backbone == "kda" else p["g_proj"]
+            gate = gate.reshape(*gate.shape[:-1], c.num_heads, c.head_v_dim)
         o = self.o_norm(o.astype(c.dtype), gate)
         return self.o_proj(o.reshape(*o.shape[:-2], c.value_dim))
 
@@ -156,9 +186,10 @@ class PrecondDeltaAttention(nnx.Module):
         c = self.config
         x = x.astype(c.dtype)
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-        pre_conv = (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        p = self._project(x)
+        pre_conv = (p["q_proj"], p["k_proj"], p["v_proj"])
         q, k, v = self._heads(*(m(a, cu_seqlens=cu_seqlens) for m, a in zip(convs, pre_conv)))
-        beta, g, pre = self._gates(x)
+        beta, g, pre = self._gates(p)
         run = dict(output_final_state=want_cache, cu_seqlens=cu_seqlens, impl=c.impl,
                    chunk_size=c.chunk_size)
         k_write, p_state = k, None
@@ -172,7 +203,7 @@ class PrecondDeltaAttention(nnx.Module):
                 k, beta, eta=o.eta, d_min=o.d_min, d_max=o.d_max, retention=pre.get("retention"),
                 beta_aware=o.beta_aware, eps=o.eps, initial_state=self._d_init(n), **run)
         out, S = delta_rule(q, k, v, beta, write_key=k_write, log_decay=g, **run)
-        y = self._output(out, x)
+        y = self._output(out, p)
         if not want_cache:
             return y, None
         tails = tuple(m.tail(a, cu_seqlens=cu_seqlens) for m, a in zip(convs, pre_conv))
@@ -205,10 +236,11 @@ class PrecondDeltaAttention(nnx.Module):
         c = self.config
         x = x.astype(c.dtype)
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-        pre_conv = (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        p = self._project(x)
+        pre_conv = (p["q_proj"], p["k_proj"], p["v_proj"])
         stepped = [m.step(a, tail) for m, a, tail in zip(convs, pre_conv, cache.conv)]
         q, k, v = self._heads(*(s[0] for s in stepped))
-        beta, g, pre = self._gates(x)
+        beta, g, pre = self._gates(p)
         k_write, p_state = k, None
         if c.preconditioner == "atk":
             k_write, p_state = atk_step(k, pre["log_decay"], pre["gain"], self.log_atk_scale[...],
@@ -219,4 +251,4 @@ class PrecondDeltaAttention(nnx.Module):
                                          d_max=o.d_max, retention=pre.get("retention"),
                                          beta_aware=o.beta_aware, eps=o.eps)
         out, S = delta_rule_step(q, k, v, beta, cache.memory, write_key=k_write, log_decay=g)
-        return self._output(out, x), LayerCache(S, p_state, tuple(s[1] for s in stepped))
+        return self._output(out, p), LayerCache(S, p_state, tuple(s[1] for s in stepped))
