@@ -193,10 +193,10 @@ def breakdown(core, x, reps, options):
     o = f["chunk_output"](qd, P, states, R)
     A, G = f["dout_products"](P, qd, o)
     dU, dstates, _ = f["state_bwd"](W, kt, gc, A, G, final)
-    dW, dkt, dq, dP, dgc = f["chunk_grads"](W, U, states, dstates, dU, o)
+    dW, dkt, dq, dP, dgc = f["chunk_grads"](states, dstates, dU, R, o)
     args = dict(wy=(ins,), state_fwd=(W, U, kt, gc), chunk_output=(qd, P, states, R),
                 dout_products=(P, qd, o), state_bwd=(W, kt, gc, A, G, final),
-                chunk_grads=(W, U, states, dstates, dU, o),
+                chunk_grads=(states, dstates, dU, R, o),
                 wy_pullback=(ins, (dW, dU, dkt, dq, dP, dgc)))
     r = dict(breakdown=core, **{f"{n}_ms": timeit(f[n], *args[n], reps=reps) for n in steps},
              t_s=round(elapsed()))

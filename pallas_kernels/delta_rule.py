@@ -189,7 +189,8 @@ def _forward(cfg, q, k, kw, v, beta, gamma, init, doc, first, last, store_states
                     gamma="b t h k" if cfg.decay == "vector" else "b t h", A="b h t s",
                     P="b h t s", initial_state="n h k v", **_FLAGS)
         kernel, static = delta_fwd, dict(decay=cfg.decay)
-    out_axes = ("b t h v", "n h k v") + (("b h c k v",) if store_states else ())
+    saved = ("b h c k v",) + (("b h t v",) if o.split else ())  # states (and R) for the backward
+    out_axes = ("b t h v", "n h k v") + (saved if store_states else ())
     return _kernel_call(cfg, kernel, args, axes, out_axes, chunk=cfg.chunk, scale=cfg.scale,
                         num_docs=cfg.num_docs, block_v=o.block_v, dots=cfg.dots,
                         num_warps=o.num_warps, num_stages=o.num_stages, store_states=store_states,
@@ -204,12 +205,12 @@ def _core(cfg, q, k, kw, v, beta, gamma, init, doc, first, last):
 def _core_fwd(cfg, q, k, kw, v, beta, gamma, init, doc, first, last):
     save = cfg.options.split and cfg.options.save_wy and cfg.decay != "vector"
     wy = _wy(cfg, (q, k, kw, v, beta, gamma), pullback=False) if save else None
-    o, final, states = _forward(cfg, q, k, kw, v, beta, gamma, init, doc, first, last, True, wy)
-    return (o, final), (q, k, kw, v, beta, gamma, init, doc, first, last, states, wy)
+    o, final, *saved = _forward(cfg, q, k, kw, v, beta, gamma, init, doc, first, last, True, wy)
+    return (o, final), (q, k, kw, v, beta, gamma, init, doc, first, last, saved, wy)
 
 
 def _core_bwd(cfg, res, cts):
-    q, k, kw, v, beta, gamma, init, doc, first, last, states, wy = res
+    q, k, kw, v, beta, gamma, init, doc, first, last, saved, wy = res
     do, dfinal = cts
     ins = (q, k, kw, v, beta, gamma)
     if wy is None:
@@ -217,9 +218,10 @@ def _core_bwd(cfg, res, cts):
     else:  # the forward's WY tensors; wy_bwd recomputes what it needs in the kernel
         pullback = functools.partial(_wy_kernel, cfg, wy_bwd, ins)
     o = cfg.options
-    args = dict(zip(_WY_ARGS, wy)) | dict(states=states, do=do, dfinal=dfinal, doc=doc,
-                                          first=first, last=last)
-    axes = dict(_WY_AXES, states="b h c k v", do="b t h v", dfinal="n h k v", **_FLAGS)
+    args = dict(zip(_WY_ARGS, wy)) | dict(zip(("states", "R"), saved)) | dict(
+        do=do, dfinal=dfinal, doc=doc, first=first, last=last)
+    axes = dict(_WY_AXES, states="b h c k v", R="b h t v", do="b t h v", dfinal="n h k v",
+                **_FLAGS)
     out_axes = ("j b h t k", "b h t v", "j b h t k", "j b h t k", "j b h t s", "j b h c k",
                 "n h k v")
     dW, dU, dkw, dq, dP, dgc, dinit = _kernel_call(

@@ -31,29 +31,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
+from pallas_kernels.triton_common import column, prefetched_loop
+
 AUX = 8  # columns of the per-token row: beta, retention, doc, first, last, (unused)
 BETA, RET, DOC, FIRST, LAST = range(5)
-
-
-def _col(row, i):
-    """Column i of a loaded aux row, as a scalar (loaded values cannot be indexed)."""
-    return jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, row.shape, 0) == i, row, 0.0))
-
-
-def _prefetched_loop(n, reverse, prefetch, loads, body, carry):
-    """``body(t, rows, carry) -> carry`` for t over [0, n) (descending if ``reverse``), where
-    ``rows = loads(t)`` was issued ``prefetch`` iterations earlier (indices clamped into range)."""
-    def at(i):
-        return jnp.clip(n - 1 - i if reverse else i, 0, n - 1)
-
-    def step(i, state):
-        carry, queue = state
-        t = at(i)
-        carry = body(t, queue[0], carry)
-        return carry, (*queue[1:], loads(at(i + prefetch)))
-
-    queue = tuple(loads(at(i)) for i in range(prefetch))
-    return lax.fori_loop(0, n, step, (carry, queue))[0]
 
 
 def _coefficients(k, aux, eta, eps, beta_aware):
@@ -61,8 +42,8 @@ def _coefficients(k, aux, eta, eps, beta_aware):
     s = k * k
     ss = jnp.sum(s)
     n = jnp.maximum(ss, eps)
-    g = _col(aux, BETA) if beta_aware else 1.0
-    return s, ss, n, g, eta * g / n, _col(aux, RET)
+    g = column(aux, BETA) if beta_aware else 1.0
+    return s, ss, n, g, eta * g / n, column(aux, RET)
 
 
 def _fwd_kernel(k_ref, aux_ref, init_ref, out_ref, final_ref, *, hyper, beta_aware, packed,
@@ -75,21 +56,21 @@ def _fwd_kernel(k_ref, aux_ref, init_ref, out_ref, final_ref, *, hyper, beta_awa
 
     def body(t, rows, d):
         k, aux = rows
-        doc = _col(aux, DOC).astype(jnp.int32)
+        doc = column(aux, DOC).astype(jnp.int32)
         if packed:
-            d = lax.cond(_col(aux, FIRST) != 0, lambda: init_ref[doc], lambda: d)
+            d = lax.cond(column(aux, FIRST) != 0, lambda: init_ref[doc], lambda: d)
         out_ref[t] = d if emit_d else (d * k).astype(out_ref.dtype)
         s, _, _, g, w, r = _coefficients(k, aux, eta, eps, beta_aware)
         p = r * d + w * (1.0 - g * jnp.sum(d * s)) * s
         d = jnp.where(p >= d_max, d_max, jnp.where(p <= d_min, d_min, p))
         if packed:
-            @pl.when(_col(aux, LAST) != 0)
+            @pl.when(column(aux, LAST) != 0)
             def _():
                 final_ref[doc] = d
         return d
 
     d0 = jnp.ones(k_ref.shape[-1:], jnp.float32) if packed else init_ref[...]
-    d = _prefetched_loop(T, False, prefetch, loads, body, d0)
+    d = prefetched_loop(T, False, prefetch, loads, body, d0)
     if not packed:
         final_ref[...] = d
 
@@ -106,9 +87,9 @@ def _bwd_kernel(k_ref, aux_ref, d_ref, dkw_ref, dfinal_ref, dk_ref, daux_ref, di
 
     def body(t, rows, lam):
         k, aux, d, dkw = rows
-        doc = _col(aux, DOC).astype(jnp.int32)
+        doc = column(aux, DOC).astype(jnp.int32)
         if packed:
-            lam = lax.cond(_col(aux, LAST) != 0, lambda: dfinal_ref[doc], lambda: lam)
+            lam = lax.cond(column(aux, LAST) != 0, lambda: dfinal_ref[doc], lambda: lam)
         s, ss, n, g, w, r = _coefficients(k, aux, eta, eps, beta_aware)
         a = jnp.sum(d * s)
         v = 1.0 - g * a
@@ -123,13 +104,13 @@ def _bwd_kernel(k_ref, aux_ref, d_ref, dkw_ref, dfinal_ref, dk_ref, daux_ref, di
         daux_ref[t] = jnp.where(col == BETA, dbeta, jnp.where(col == RET, jnp.sum(mu * d), 0.0))
         lam = r * mu + ga * s + dkw * k
         if packed:
-            @pl.when(_col(aux, FIRST) != 0)
+            @pl.when(column(aux, FIRST) != 0)
             def _():
                 dinit_ref[doc] = lam
         return lam
 
     lam0 = jnp.zeros(k_ref.shape[-1:], jnp.float32) if packed else dfinal_ref[...]
-    lam = _prefetched_loop(T, True, prefetch, loads, body, lam0)
+    lam = prefetched_loop(T, True, prefetch, loads, body, lam0)
     if not packed:
         dinit_ref[...] = lam
 

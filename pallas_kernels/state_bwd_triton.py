@@ -10,7 +10,8 @@ the cotangent of the chunk-end state and R = U − W S, in three kernels:
        dS_C ← dfinal[doc] after a doc's last chunk;  store dS_C
        dR = A + K̃' dS_C   (= dU, stored)        dS = Γ_C ⊙ dS_C + G − Wᵀ dR
        dinit[doc] = dS at a doc's first chunk, where the carry restarts at 0
-3. parallel over (batch row, head, chunk), summing over V tiles in registers:
+3. parallel over (batch row, head, chunk, tile of key rows), summing over V tiles in registers
+   (R is the forward's; key tiles keep the accumulators small):
        dW = −dR Sᵀ    dQ' = scale dO Sᵀ    dP = scale dO Rᵀ    dK̃' = R dS_Cᵀ    dΓ_C = rowsum(dS_C ⊙ S)
 
 No atomics: every output element is written by one program (deterministic).
@@ -59,25 +60,29 @@ def _serial_kernel(doc_ref, first_ref, last_ref, W_ref, kw_ref, gc_ref, A_ref, G
     lax.fori_loop(0, num_chunks, body, jnp.zeros((K, BV), jnp.float32))
 
 
-def _grads_kernel(W_ref, U_ref, S_ref, dS_ref, dR_ref, do_ref, dW_ref, dkw_ref, dq_ref, dP_ref,
-                  dgc_ref, *, scale, dots, block_v):
-    """dW, dK̃', dQ', dP, dΓ_C of one chunk, summed over the V tiles of block_v columns."""
-    C, K = W_ref.shape
-    W = W_ref[...]
+def _grads_kernel(S_ref, dS_ref, dR_ref, R_ref, do_ref, dW_ref, dkw_ref, dq_ref, dP_ref, dgc_ref,
+                  *, scale, dots, block_v):
+    """One chunk and one tile κ of key rows, summed over the V tiles of block_v columns:
+    dW[:, κ] = −dR S[κ]ᵀ, dK̃'[:, κ] = R dS[κ]ᵀ, dQ'[:, κ] = scale dO S[κ]ᵀ, dΓ_C[κ] =
+    rowsum(dS[κ] ⊙ S[κ]); the program of tile 0 also writes dP = scale dO Rᵀ."""
+    C, BK = dW_ref.shape
 
     def tile(j, acc):
         dW, dkw, dq, dP, dgc = acc
         cols = pl.ds(pl.multiple_of(j * block_v, block_v), block_v)
-        S, dS, dR = S_ref[:, cols], dS_ref[:, cols], dR_ref[:, cols]
+        S, dS, dR, R = S_ref[:, cols], dS_ref[:, cols], dR_ref[:, cols], R_ref[:, cols]
         dO = do_ref[:, cols].astype(jnp.float32)
-        R = U_ref[:, cols] - dots.nn(W, S)
         return (dW - dots.nt(dR, S), dkw + dots.nt(R, dS), dq + scale * dots.nt(dO, S),
                 dP + scale * dots.nt(dO, R), dgc + jnp.sum(dS * S, axis=1))
 
     f32 = jnp.float32
-    zeros = (jnp.zeros((C, K), f32),) * 3 + (jnp.zeros((C, C), f32), jnp.zeros((K,), f32))
-    dW, dkw, dq, dP, dgc = lax.fori_loop(0, U_ref.shape[-1] // block_v, tile, zeros)
-    dW_ref[...], dkw_ref[...], dq_ref[...], dP_ref[...], dgc_ref[...] = dW, dkw, dq, dP, dgc
+    zeros = (jnp.zeros((C, BK), f32),) * 3 + (jnp.zeros((C, C), f32), jnp.zeros((BK,), f32))
+    dW, dkw, dq, dP, dgc = lax.fori_loop(0, dR_ref.shape[-1] // block_v, tile, zeros)
+    dW_ref[...], dkw_ref[...], dq_ref[...], dgc_ref[...] = dW, dkw, dq, dgc
+
+    @pl.when(pl.program_id(3) == 0)
+    def _():
+        dP_ref[...] = dP
 
 
 def dout_products(P, q, do, *, chunk, scale, block_v, dots: Dots, num_warps, num_stages):
@@ -118,32 +123,36 @@ def state_pass(W, kw, gc, A, G, dfinal, doc, first, last, *, chunk, block_v, dot
     )(doc, first, last, W, kw, gc, A, G, dfinal)
 
 
-def chunk_grads(W, U, states, dstates, dU, do, *, chunk, scale, block_v, dots: Dots, num_warps,
-                num_stages):
-    """Kernel 3: dW, dK̃', dQ' [B, H, Tp, K], dP [B, H, Tp, C], dΓ_C [B, H, NC, K]."""
-    B, H, Tp, K = W.shape
-    V, nc, BV, f32 = U.shape[-1], Tp // chunk, min(block_v, U.shape[-1]), jnp.float32
-    rows = lambda n: pl.BlockSpec((None, None, chunk, n), lambda b, h, i: (b, h, i, 0))  # noqa: E731
-    state = pl.BlockSpec((None, None, None, K, V), lambda b, h, i: (b, h, i, 0, 0))
+def chunk_grads(states, dstates, dU, R, do, *, chunk, scale, block_v, dots: Dots, num_warps,
+                num_stages, block_k=64):
+    """Kernel 3, parallel over (row, head, chunk, tile of ``block_k`` key rows): dW, dK̃', dQ'
+    [B, H, Tp, K], dP [B, H, Tp, C], dΓ_C [B, H, NC, K] from the chunk-start states, the
+    chunk-end cotangents, dR (= dU) and R = U − W S [B, H, Tp, V] (kept by the forward)."""
+    B, H, nc, K, V = states.shape
+    Tp, BV, BK, f32 = nc * chunk, min(block_v, V), min(block_k, K), jnp.float32
+    rows = lambda n, kt=False: pl.BlockSpec(  # noqa: E731
+        (None, None, chunk, n), lambda b, h, i, t: (b, h, i, t if kt else 0))
+    state = pl.BlockSpec((None, None, None, BK, V), lambda b, h, i, t: (b, h, i, t, 0))
     return pl.pallas_call(
         functools.partial(_grads_kernel, scale=scale, dots=dots, block_v=BV),
-        grid=(B, H, nc),
-        in_specs=[rows(K), rows(V), state, state, rows(V),
-                  pl.BlockSpec((None, chunk, None, V), lambda b, h, i: (b, i, h, 0))],
-        out_specs=[rows(K)] * 3 + [rows(chunk),
-                                   pl.BlockSpec((None, None, None, K), lambda b, h, i: (b, h, i, 0))],
+        grid=(B, H, nc, K // BK),
+        in_specs=[state, state, rows(V), rows(V),
+                  pl.BlockSpec((None, chunk, None, V), lambda b, h, i, t: (b, i, h, 0))],
+        out_specs=[rows(BK, True)] * 3 + [
+            rows(chunk), pl.BlockSpec((None, None, None, BK), lambda b, h, i, t: (b, h, i, t))],
         out_shape=[jax.ShapeDtypeStruct((B, H, Tp, K), f32)] * 3 + [
             jax.ShapeDtypeStruct((B, H, Tp, chunk), f32), jax.ShapeDtypeStruct((B, H, nc, K), f32)],
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=dots.interpret, name="chunk_grads",
-    )(W, U, states, dstates, dU, do)
+    )(states, dstates, dU, R, do)
 
 
-def split_backward(W, U, kw, q, P, gc, states, do, dfinal, doc, first, last, *, chunk, scale,
-                   block_v, dots: Dots, num_warps, num_stages):
-    """``delta_bwd`` in three kernels; arguments and results as ``delta_bwd``: W, kw (K̃'), q (Q')
-    [B, H, Tp, K]; U [B, H, Tp, V]; P [B, H, Tp, C]; gc (Γ_C) [B, H, NC, K]; states (chunk-start)
-    [B, H, NC, K, V]; do [B, Tp, H, V]; dfinal [N, H, K, V]; doc, first, last [B, NC].
+def split_backward(W, U, kw, q, P, gc, states, R, do, dfinal, doc, first, last, *, chunk, scale,
+                   block_v, dots: Dots, num_warps, num_stages, block_k=64):
+    """``delta_bwd`` in three kernels; arguments and results as ``delta_bwd``, plus R = U − W S
+    from the forward: W, kw (K̃'), q (Q') [B, H, Tp, K]; U, R [B, H, Tp, V]; P [B, H, Tp, C];
+    gc (Γ_C) [B, H, NC, K]; states (chunk-start) [B, H, NC, K, V]; do [B, Tp, H, V]; dfinal
+    [N, H, K, V]; doc, first, last [B, NC]; ``block_k``: key rows per program of kernel 3.
 
     Returns dW, dK̃', dQ' [1, B, H, Tp, K], dU [B, H, Tp, V], dP [1, B, H, Tp, C], dΓ_C
     [1, B, H, NC, K] (already summed over V: the leading axis of ``delta_bwd``'s per-tile partial
@@ -153,6 +162,6 @@ def split_backward(W, U, kw, q, P, gc, states, do, dfinal, doc, first, last, *, 
                 num_stages=num_stages)
     A, G = dout_products(P, q, do, scale=scale, **opts)
     dU, dstates, dinit = state_pass(W, kw, gc, A, G, dfinal, doc, first, last, **opts)
-    grads = chunk_grads(W, U, states, dstates, dU, do, scale=scale, **opts)
+    grads = chunk_grads(states, dstates, dU, R, do, scale=scale, block_k=block_k, **opts)
     dW, dkw, dq, dP, dgc = (x[None] for x in grads)
     return dW, dU, dkw, dq, dP, dgc, dinit

@@ -145,12 +145,12 @@ def split_forward(W, U, kw, q, P, gc, initial_state, doc, first, last, *, chunk,
     first, last [B, NC] int32; ``num_docs``: N, or None for one document per batch row (N = B).
 
     Returns o [B, Tp, H, V] (``out_dtype``), final [N, H, K, V] float32 and, if ``store_states``,
-    the state at the start of every chunk [B, H, NC, K, V] float32 (always computed: the output
-    kernel reads it)."""
+    what the backward reads: the state at the start of every chunk [B, H, NC, K, V] and R = U − W S
+    [B, H, Tp, V], float32 (always computed: the output kernel reads them)."""
     check_inputs(W, U, P, chunk=chunk, block_v=block_v)
     opts = dict(chunk=chunk, block_v=block_v, dots=dots, num_warps=num_warps,
                 num_stages=num_stages)
     states, R, final = state_pass(W, U, kw, gc, initial_state, doc, first, last,
                                   num_docs=num_docs, **opts)
     o = chunk_output(q, P, states, R, scale=scale, out_dtype=out_dtype, **opts)
-    return (o, final) + ((states,) if store_states else ())
+    return (o, final) + ((states, R) if store_states else ())

@@ -5,7 +5,8 @@ The lowering takes 2-D dots only (every dimension >= 16), power-of-two tensor si
 of loaded values (load the rows you need from a ref instead). float32 dots run on tensor cores at
 the precision named here: "tf32" (one pass, operands rounded to 10 mantissa bits), "tf32x3"
 (three passes, about fp32) or "ieee" (CUDA cores, exact fp32, slow). In interpret mode (CPU)
-every float32 dot is exact fp32 (XLA:CPU has no tf32).
+every float32 dot is exact fp32 (XLA:CPU has no tf32). The token-loop kernels (OSGM, ATK) share
+``column`` (a scalar out of a loaded per-token row) and ``prefetched_loop``.
 """
 
 import dataclasses
@@ -94,3 +95,24 @@ def unit_lower_inverse(L, dots: Dots):
         T = T + dots.nn(T, X)
         n *= 2
     return T
+
+
+def column(row, i):
+    """Column i of a loaded aux row, as a scalar (loaded values cannot be indexed)."""
+    return jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, row.shape, 0) == i, row, 0.0))
+
+
+def prefetched_loop(n, reverse, prefetch, loads, body, carry):
+    """``body(t, rows, carry) -> carry`` for t over [0, n) (descending if ``reverse``), where
+    ``rows = loads(t)`` was issued ``prefetch`` iterations earlier (indices clamped into range)."""
+    def at(i):
+        return jnp.clip(n - 1 - i if reverse else i, 0, n - 1)
+
+    def step(i, state):
+        carry, queue = state
+        t = at(i)
+        carry = body(t, queue[0], carry)
+        return carry, (*queue[1:], loads(at(i + prefetch)))
+
+    queue = tuple(loads(at(i)) for i in range(prefetch))
+    return lax.fori_loop(0, n, step, (carry, queue))[0]

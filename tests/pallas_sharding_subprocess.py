@@ -1,6 +1,7 @@
 """delta_rule(impl="pallas") inside a jit over 8 fake CPU devices, run by tests/test_pallas_sharding.py.
 
-    python tests/pallas_sharding_subprocess.py CASE   # dense_scalar, dense_vector, packed, osdn_dense
+    python tests/pallas_sharding_subprocess.py CASE   # dense_scalar, dense_vector, packed, osdn_dense,
+                                                      # atk_head, atk_channel
 
 Mesh (data=4, tensor=2); batch over data, heads over tensor (packed documents: one batch row,
 heads over tensor; osdn_dense: OSDN-APF, the Pallas OSGM phase 1 then the Pallas core). Checks
@@ -81,5 +82,45 @@ def main(case):
     print("ok")
 
 
+def atk_main(decay):
+    """atk_precondition(impl="pallas") alone (per-head or per-channel decay), batch over data and
+    heads over tensor: the same checks as ``main``."""
+    from test_pallas_atk import make_inputs as atk_inputs
+
+    mesh = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2)
+    x = atk_inputs(0, b=B, t=21, h=2, n_init=B, decay=decay)
+
+    def loss(x):
+        kw, final = pla.atk_precondition(x["k"], x["log_decay"], x["gain"], x["center"],
+                                         initial_state=x["initial_state"],
+                                         output_final_state=True, impl="pallas")
+        return jnp.sum(jnp.sin(3.0 * kw)) + jnp.sum(final * jnp.cos(final)), (kw, final)
+
+    step = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    spec = {name: P("data", None, "tensor", *(None,) * (a.ndim - 3)) for name, a in x.items()}
+    spec["initial_state"] = P("data", "tensor", None)
+    spec["center"] = P("tensor")
+    sharded = {name: jax.device_put(a, NamedSharding(mesh, spec[name])) for name, a in x.items()}
+    want = jax.device_get(step(x))
+    got = step(sharded)
+    (_, (kw, final)), grads = got
+    for name, a in [("k", kw), ("initial_state", final), *grads.items()]:  # still sharded
+        assert a.sharding.is_equivalent_to(NamedSharding(mesh, spec[name]), a.ndim), (name, a.sharding)
+    (loss, aux), g = jax.device_get(got)
+    np.testing.assert_allclose(loss, want[0][0], rtol=1e-5)  # a sum over devices: another order
+    for name, a, b in zip(["k_write", "final", *g], jax.tree.leaves((aux, g)),
+                          jax.tree.leaves((want[0][1], want[1]))):
+        if name == "center":  # summed over batch rows: across devices, in another order
+            np.testing.assert_allclose(a, b, rtol=1e-6, err_msg=name)
+        else:
+            np.testing.assert_array_equal(a, b, err_msg=name)
+    hlo = step.lower(sharded).compile().as_text()
+    assert "all-gather" not in hlo, [ln for ln in hlo.splitlines() if "all-gather" in ln][:5]
+    print("ok")
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1].startswith("atk_"):
+        atk_main(sys.argv[1][4:])
+    else:
+        main(sys.argv[1])

@@ -13,7 +13,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("case", ["dense_scalar", "dense_vector", "packed", "osdn_dense"])
+@pytest.mark.parametrize("case", ["dense_scalar", "dense_vector", "packed", "osdn_dense",
+                                  "atk_head", "atk_channel"])
 def test_sharded_equals_one_device(case):
     """Mesh (data=4, tensor=2): outputs, final states and gradients equal the one-device run,
     stay sharded, and the compiled program has no all-gather."""

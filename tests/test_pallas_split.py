@@ -51,6 +51,7 @@ def check_split(seed, decay, cu_seqlens=None, with_init=True, **shape):
     want = _forward(cfg, q, k, kw, v, beta, gamma, init, doc, first, last, True)
     got = split_forward(*wy, init, doc, first, last, num_docs=cfg.num_docs, store_states=True,
                         out_dtype=v.dtype, **KERNEL)
+    assert len(got) == 4  # o, final, states and R for the backward
     for name, a, b in zip(("o", "final", "states"), got, want):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert_close(a, b, TOL, name)
@@ -59,7 +60,12 @@ def check_split(seed, decay, cu_seqlens=None, with_init=True, **shape):
     do = jnp.asarray(rng.standard_normal(v.shape), jnp.float32)
     dfinal = jnp.asarray(rng.standard_normal(want[1].shape), jnp.float32)
     args = (*wy, want[2], do, dfinal, doc, first, last)
-    got, want = split_backward(*args, **KERNEL), delta_bwd(*args, **KERNEL)
+    R = got[3]  # R = U − W S per chunk
+    W_chunks = wy[0].reshape(*R.shape[:2], -1, C, wy[0].shape[-1])
+    WS = jnp.einsum("bhnck,bhnkv->bhncv", W_chunks, want[2], precision="highest")
+    assert_close(R, wy[1] - WS.reshape(R.shape), TOL, "R")
+    got = split_backward(*wy, want[2], R, do, dfinal, doc, first, last, block_k=16, **KERNEL)
+    want = delta_bwd(*args, **KERNEL)
     for name, a, b in zip(("dW", "dU", "dK̃'", "dQ'", "dP", "dΓ_C", "dS_0"), got, want):
         if name not in ("dU", "dS_0"):
             assert a.shape[0] == 1, name
@@ -75,6 +81,7 @@ def test_dense_with_initial_state(decay):
 
 
 def test_dense_without_initial_state_k_above_v():
+    """K = 32 > V = 16: two key tiles of 16 rows in the per-chunk cotangent kernel."""
     check_split(1, "scalar", with_init=False, k_dim=32, v_dim=16)
 
 
@@ -94,7 +101,7 @@ def test_bad_inputs_raise():
         split_forward(W, U, W, W, P, gc, None, flags, flags, flags, num_docs=None,
                       store_states=False, **KERNEL)
     with pytest.raises(ValueError, match="block_v"):
-        split_backward(U, U, U, U, P, gc, states, U, states[0], flags, flags, flags,
+        split_backward(U, U, U, U, P, gc, states, U, U, states[0], flags, flags, flags,
                        **{**KERNEL, "block_v": 24})
     with pytest.raises(ValueError, match="P must be"):
-        split_backward(U, U, U, U, U, gc, states, U, states[0], flags, flags, flags, **KERNEL)
+        split_backward(U, U, U, U, U, gc, states, U, U, states[0], flags, flags, flags, **KERNEL)
