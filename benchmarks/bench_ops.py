@@ -9,8 +9,9 @@ preconditioner (none, OSGM, OSGM with APF retention, ATK), phase 1 then the delt
     PYTHONPATH=. python3 benchmarks/bench_ops.py [--shape B T H D] [--models osdn,pgdn,...]
         [--sections checks,time] [--impl auto] [--budget-s 300]
 
-Checks: ``--impl`` against ``impl="chunked"`` on the same fresh inputs at ``--check-shape`` (bf16;
-bars of bench_delta: outputs 6e-3, gradients of every input 8e-3). Timings: forward and
+Timings run first, then checks (one time budget for both). Checks: ``--impl`` against
+``impl="chunked"`` on the same fresh inputs at ``--check-shape`` (bf16; bars of bench_delta:
+outputs 6e-3, gradients of every input 8e-3). Timings: forward and
 forward+backward (gradients of every input) at ``--shape``, bf16, with the ratio to the same
 backbone without a preconditioner (issue 4's targets: OSDN and OSDN-APF <= 1.10x DeltaNet's core,
 PGDN / PKDA <= 1.2x jax-linear-attention's GDN / KDA). Records go to benchmarks/RESULTS.md.
@@ -82,6 +83,10 @@ def main():
     key, guarded = jax.random.key(int(time.time())), Guard(a.budget_s)
     models = [(b, pc, n) for (b, pc), n in NAMES.items() if n in wanted]
     checks, times = [], {}
+    for backbone, precond, name in models if "time" in a.sections else ():
+        x = inputs(jax.random.fold_in(key, 7), *a.shape, backbone, jnp.bfloat16)
+        times[name] = guarded(f"time {name}", lambda: time_op(name, composed(precond, a.impl), x,
+                                                              a.reps))
     for i, (backbone, precond, name) in enumerate(models if "checks" in a.sections else ()):
         def one(backbone=backbone, precond=precond, name=name, i=i):
             x = inputs(jax.random.fold_in(key, i), *a.check_shape, backbone, jnp.bfloat16)
@@ -89,10 +94,6 @@ def main():
                          composed(precond, "chunked"), x, jax.random.fold_in(key, 100 + i),
                          jnp.bfloat16)
         checks.append(guarded(f"check {name}", one))
-    for backbone, precond, name in models if "time" in a.sections else ():
-        x = inputs(jax.random.fold_in(key, 7), *a.shape, backbone, jnp.bfloat16)
-        times[name] = guarded(f"time {name}", lambda: time_op(name, composed(precond, a.impl), x,
-                                                              a.reps))
 
     print(f"\n{'check':32s} {'ok':>5s} {'err_o':>9s} {'err_final':>9s} {'err_grad':>9s}")
     for r in filter(None, checks):

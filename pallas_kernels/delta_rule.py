@@ -63,9 +63,9 @@ class Options:
     precision: str | None = None
     block_v: int = 64
     num_warps: int = 4
-    num_stages: int = 1
+    num_stages: int = 2  # software pipelining of the serial loops' loads (RESULTS run 13)
     split: bool = True  # the split kernels (state_*_triton) instead of the fused delta_fwd/bwd
-    save_wy: bool = False  # split, no / scalar decay: keep the WY tensors for the backward
+    save_wy: bool = True  # split, no / scalar decay: keep the WY tensors for the backward
 
 
 @dataclasses.dataclass(frozen=True)
