@@ -1,8 +1,8 @@
 """``osgm_precondition`` (SPEC 3.1) on Pallas kernels: layout, ``custom_vjp`` wrapper, ``supports``.
 
 Forward: the token loop of ``osgm_triton`` (one program per batch row and head, d in registers,
-exact clip, no host synchronisation). Backward (exact): the forward kernel is run again to write
-every d_t (float32, a transient of the backward, not a residual of the forward), then the reverse
+exact clip, no host synchronisation). Backward (exact): under differentiation the forward kernel
+writes every d_t (float32, kept as the residual; k̃ = d ⊙ k is formed from it), then the reverse
 kernel propagates λ = ∂L/∂d through the clipped recurrence and emits the cotangents of k, β, r
 and the initial state. The clip's derivative is that of ``reference.osgm.clip_box`` (0 on and
 beyond a bound).
@@ -26,7 +26,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.osgm_triton import AUX, BETA, DOC, FIRST, LAST, RET, osgm_bwd, osgm_fwd
 from pallas_kernels.partition import sharded_call
-from pallas_kernels.triton_common import MAX_HEAD_DIM, interpret_default, pad_last, pow2_dim
+from pallas_kernels.triton_common import (
+    MAX_HEAD_DIM, interpret_default, pad_last, pow2_dim, vary_alike)
 from precond_linattn.numerics import f32
 from precond_linattn.varlen import segments
 
@@ -76,13 +77,16 @@ def _scan(cfg, k, aux, init):
 
 
 def _scan_fwd(cfg, k, aux, init):
-    return _forward(cfg, k, aux, init, False), (k, aux, init)
+    """Under differentiation the kernel emits every d_t (kept for the backward, which then does
+    not re-run the token loop); k̃ = d ⊙ k is the kernel's own product and cast, so equal bit
+    for bit."""
+    d, final = _forward(cfg, k, aux, init, True)
+    return ((d * k.astype(jnp.float32)).astype(k.dtype), final), (k, aux, d)
 
 
 def _scan_bwd(cfg, res, cts):
-    k, aux, init = res
+    k, aux, d = res
     dkw, dfinal = cts
-    d, _ = _forward(cfg, k, aux, init, True)
     dk, daux, dinit = _call(cfg, osgm_bwd, [k, aux, d, dkw, dfinal],
                             ["b t h k", "b t h a", "b t h k", "b t h k", "n h k"],
                             ["b t h k", "b t h a", "n h k"])
@@ -120,5 +124,5 @@ def osgm_pallas(k, beta, retention, eta, d_min, d_max, beta_aware, eps, initial_
             jnp.pad(f32(initial_state), [(0, 0), (0, 0), (0, Kp - K)], constant_values=1.0))
     cfg = _Config(tuple(float(x) for x in hyper), beta_aware, cu_seqlens is not None, options,
                   interpret_default() if interpret is None else interpret)
-    k_write, final = _scan(cfg, pad_last(k, Kp), aux, init)
+    k_write, final = _scan(cfg, *vary_alike(pad_last(k, Kp), aux, init))
     return k_write[..., :K], final[..., :K]
