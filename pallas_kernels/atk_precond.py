@@ -27,7 +27,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.atk_triton import AUX, CENTER, DECAY, DOC, FIRST, GAIN, LAST, atk_bwd, atk_fwd
 from pallas_kernels.partition import sharded_call
-from pallas_kernels.triton_common import MAX_HEAD_DIM, interpret_default, pad_last, pow2_dim
+from pallas_kernels.triton_common import (
+    MAX_HEAD_DIM, interpret_default, pad_last, pow2_dim, vary_alike)
 from precond_linattn.numerics import f32
 from precond_linattn.varlen import segments
 
@@ -147,5 +148,6 @@ def atk_pallas(k, log_decay, gain, center, x, eps, initial_state, cu_seqlens, ch
     cfg = _Config((math.log(float(x)), float(eps)), cu_seqlens is not None,
                   min(bk, Kp), options,
                   interpret_default() if interpret is None else interpret)
-    k_write, final = _scan(cfg, jnp.pad(pad_last(k, Kp), pad_t), jnp.pad(aux, pad_t), g, init)
+    k_write, final = _scan(cfg, *vary_alike(jnp.pad(pad_last(k, Kp), pad_t), jnp.pad(aux, pad_t),
+                                            g, init))
     return k_write[:, :T, :, :K], final[..., :K]

@@ -33,14 +33,13 @@ the first token).
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.osgm_triton import AUX, DOC, FIRST, LAST
-from pallas_kernels.triton_common import column, prefetched_loop
+from pallas_kernels.triton_common import column, out_struct, prefetched_loop
 
 GAIN, DECAY, CENTER = 0, 1, 5  # aux columns (DOC, FIRST, LAST as OSGM's)
 
@@ -191,9 +190,9 @@ def atk_fwd(k, aux, g, initial_state, *, hyper, packed, block_t, block_k, prefet
                                prefetch=prefetch, has_g=has_g)
     args = [k, aux] + ([g] if has_g else []) + [initial_state]
     in_specs = [seq_k, seq_aux] + ([seq_k] if has_g else []) + [state]
-    out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype),
-                 jax.ShapeDtypeStruct((N, H, K), jnp.float32),
-                 jax.ShapeDtypeStruct((B, T // block_t, H, K), jnp.float32)]
+    out_shape = [out_struct(k.shape, k.dtype, *args),
+                 out_struct((N, H, K), jnp.float32, *args),
+                 out_struct((B, T // block_t, H, K), jnp.float32, *args)]
     return _pallas(kernel, "atk_fwd", args, in_specs, [seq_k, state, starts], out_shape,
                    (B, H, K // block_k), num_warps, interpret)
 
@@ -214,7 +213,7 @@ def atk_bwd(k, aux, g, initial_state, starts, dkw, dfinal, *, hyper, packed, blo
     args = [k, aux] + ([g] if has_g else []) + [initial_state, starts, dkw, dfinal]
     in_specs = ([seq_k, seq_aux] + ([seq_k] if has_g else [])
                 + [state, starts_spec, seq_k, state])
-    f32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
+    f32 = lambda shape: out_struct(shape, jnp.float32, *args)  # noqa: E731
     out_shape = [f32(k.shape), f32((B, T, H, nk * AUX))] + ([f32(k.shape)] if has_g else []) + [
         f32((N, H, K))]
     out_specs = [seq_k, daux_spec] + ([seq_k] if has_g else []) + [state]

@@ -19,13 +19,12 @@ dP, dK̃', dΓ_C) are written per V tile and summed by the caller (no atomics: d
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels.triton_common import Dots
+from pallas_kernels.triton_common import Dots, out_struct
 
 
 def _kernel(doc_ref, first_ref, last_ref, W_ref, U_ref, kw_ref, q_ref, P_ref, gc_ref, states_ref,
@@ -84,13 +83,10 @@ def delta_bwd(W, U, kw, q, P, gc, states, do, dfinal, doc, first, last, *, chunk
     state = pl.BlockSpec((N, None, K, BV), lambda b, h, j: (0, h, 0, j))
     part = lambda *blk: pl.BlockSpec((None, None, None, *blk),  # noqa: E731
                                      lambda b, h, j: (j, b, h, 0, 0))
-    out_shape = [jax.ShapeDtypeStruct((nt, B, H, Tp, K), f32),
-                 jax.ShapeDtypeStruct((B, H, Tp, V), f32),
-                 jax.ShapeDtypeStruct((nt, B, H, Tp, K), f32),
-                 jax.ShapeDtypeStruct((nt, B, H, Tp, K), f32),
-                 jax.ShapeDtypeStruct((nt, B, H, Tp, chunk), f32),
-                 jax.ShapeDtypeStruct((nt, B, H, nc, K), f32),
-                 jax.ShapeDtypeStruct((N, H, K, V), f32)]
+    args = [doc, first, last, W, U, kw, q, P, gc, states, do, dfinal]
+    out_shape = [out_struct(shape, f32, *args) for shape in (
+        (nt, B, H, Tp, K), (B, H, Tp, V), (nt, B, H, Tp, K), (nt, B, H, Tp, K),
+        (nt, B, H, Tp, chunk), (nt, B, H, nc, K), (N, H, K, V))]
     out_specs = [part(Tp, K), seq_v, part(Tp, K), part(Tp, K), part(Tp, chunk), part(nc, K), state]
     kernel = functools.partial(_kernel, chunk=chunk, scale=scale, dots=dots, num_chunks=nc)
     return pl.pallas_call(
@@ -100,4 +96,4 @@ def delta_bwd(W, U, kw, q, P, gc, states, do, dfinal, doc, first, last, *, chunk
         out_specs=out_specs, out_shape=out_shape,
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=dots.interpret, name="delta_bwd",
-    )(doc, first, last, W, U, kw, q, P, gc, states, do, dfinal)
+    )(*args)

@@ -19,13 +19,12 @@ Inputs use the document-aligned chunk layout of ``precond_linattn.varlen`` flatt
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels.triton_common import Dots, iota2, unit_lower_inverse
+from pallas_kernels.triton_common import Dots, iota2, out_struct, unit_lower_inverse
 
 
 def _kernel(*refs, chunk, decay, scale, dots, has_init, store_states, num_chunks):
@@ -123,11 +122,11 @@ def delta_fwd(q, k, kw, v, beta, gamma, A, P, initial_state, doc, first, last, *
     if initial_state is not None:
         args.append(initial_state)
         specs.append(state)
-    out_shape = [jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype),
-                 jax.ShapeDtypeStruct((num_docs, H, K, V), jnp.float32)]
+    out_shape = [out_struct((B, Tp, H, V), v.dtype, *args),
+                 out_struct((num_docs, H, K, V), jnp.float32, *args)]
     out_specs = [seq_v, state]
     if store_states:
-        out_shape.append(jax.ShapeDtypeStruct((B, H, nc, K, V), jnp.float32))
+        out_shape.append(out_struct((B, H, nc, K, V), jnp.float32, *args))
         out_specs.append(pl.BlockSpec((None, None, nc, K, BV), lambda b, h, j: (b, h, 0, 0, j)))
     kernel = functools.partial(_kernel, chunk=chunk, decay=decay, scale=scale, dots=dots,
                                has_init=initial_state is not None, store_states=store_states,

@@ -42,7 +42,7 @@ from pallas_kernels.partition import sharded_call
 from pallas_kernels.state_bwd_triton import split_backward
 from pallas_kernels.state_fwd_triton import split_forward
 from pallas_kernels.triton_common import (
-    MAX_HEAD_DIM, Dots, interpret_default, pad_last, pow2_dim, unit_lower_inverse)
+    MAX_HEAD_DIM, Dots, interpret_default, pad_last, pow2_dim, unit_lower_inverse, vary_alike)
 from pallas_kernels.wy_triton import wy_bwd, wy_fwd
 from precond_linattn.chunked.delta import chunk_grams, chunk_wy
 from precond_linattn.numerics import f32
@@ -273,7 +273,8 @@ def delta_rule_pallas(q, k, kw, v, beta, log_decay, scale, initial_state, cu_seq
         "tf32" if all(jnp.dtype(x.dtype).itemsize == 2 for x in (q, k, kw, v)) else "tf32x3")
     cfg = _Config(chunk_size, decay, float(scale),
                   None if cu_seqlens is None else layout.num_docs, options, Dots(precision, interpret))
-    o, final = _core(cfg, *qk, kernel_layout(v, Vp), kernel_layout(beta), gamma, init,
-                     layout.doc.astype(jnp.int32), layout.first.astype(jnp.int32), last)
+    o, final = _core(cfg, *vary_alike(*qk, kernel_layout(v, Vp), kernel_layout(beta), gamma, init,
+                                      layout.doc.astype(jnp.int32), layout.first.astype(jnp.int32),
+                                      last))
     o = from_chunks(o.reshape(B, nc, chunk_size, H, Vp), layout)[..., :V]
     return o, final[:, :, :K, :V]

@@ -25,13 +25,12 @@ final[doc] after its last.
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels.triton_common import column, prefetched_loop
+from pallas_kernels.triton_common import column, out_struct, prefetched_loop
 
 AUX = 8  # columns of the per-token row: beta, retention, doc, first, last, (unused)
 BETA, RET, DOC, FIRST, LAST = range(5)
@@ -136,8 +135,8 @@ def osgm_fwd(k, aux, initial_state, *, hyper, beta_aware, packed, emit_d, prefet
                                emit_d=emit_d, prefetch=prefetch)
     return pl.pallas_call(
         kernel, grid=(B, H), in_specs=[seq_k, seq_aux, state], out_specs=[seq_k, state],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, jnp.float32 if emit_d else k.dtype),
-                   jax.ShapeDtypeStruct((N, H, K), jnp.float32)],
+        out_shape=[out_struct(k.shape, jnp.float32 if emit_d else k.dtype, k, aux, initial_state),
+                   out_struct((N, H, K), jnp.float32, k, aux, initial_state)],
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret, name="osgm_fwd",
     )(k, aux, initial_state)
@@ -155,9 +154,8 @@ def osgm_bwd(k, aux, d, dkw, dfinal, *, hyper, beta_aware, packed, prefetch, num
     return pl.pallas_call(
         kernel, grid=(B, H), in_specs=[seq_k, seq_aux, seq_k, seq_k, state],
         out_specs=[seq_k, seq_aux, state],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, jnp.float32),
-                   jax.ShapeDtypeStruct(aux.shape, jnp.float32),
-                   jax.ShapeDtypeStruct((N, H, K), jnp.float32)],
+        out_shape=[out_struct(shape, jnp.float32, k, aux, d, dkw, dfinal)
+                   for shape in (k.shape, aux.shape, (N, H, K))],
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret, name="osgm_bwd",
     )(k, aux, d, dkw, dfinal)

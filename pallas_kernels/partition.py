@@ -11,8 +11,9 @@ operands and run it whole on every device. ``sharded_call`` wraps a kernel call 
   the dimension) and runs the same call on each device's shard: the kernels' grids are over
   (batch, head, ...) already, so a shard is a smaller call of the same kind.
 
-On one device, or inside a ``shard_map`` that made every mesh axis manual, ``custom_partitioning``
-inlines the call unchanged, so single-device programs are the same as without the wrapper.
+On one device ``custom_partitioning`` inlines the call unchanged, so single-device programs are
+the same as without the wrapper. Inside a ``shard_map`` (any manual mesh axis) the call is made
+directly, on the local shards: there is no mesh left to partition over.
 It has no batching rule, so the wrapper is also a ``custom_vmap`` whose rule vmaps the plain call
 (Pallas batches it over a new grid axis); under ``vmap`` the call is therefore not partitioned.
 It has no differentiation rule either: the kernels sit inside ``custom_vjp``'s forward and
@@ -57,6 +58,8 @@ def sharded_call(fn, args, in_axes, out_axes, *, shard_batch=True):
     ``in_axes``/``out_axes``: one string of factor names per operand/result, e.g. "b t h k";
     ``b`` and ``h`` may be sharded (``b`` only if ``shard_batch``), all other factors are whole.
     A factor name means the same dimension size everywhere it appears."""
+    if jax.sharding.get_abstract_mesh().manual_axes:
+        return fn(*args)
     free = {"h"} | ({"b"} if shard_batch else set())
     names = dict.fromkeys(n for a in (*in_axes, *out_axes) for n in a.split())  # Shardy's order
     rule = ", ".join(in_axes) + " -> " + ", ".join(out_axes)

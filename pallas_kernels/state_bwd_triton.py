@@ -19,14 +19,13 @@ No atomics: every output element is written by one program (deterministic).
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.state_fwd_triton import check_inputs, chunk_specs, serial_specs
-from pallas_kernels.triton_common import Dots
+from pallas_kernels.triton_common import Dots, out_struct
 
 
 def _dout_kernel(P_ref, q_ref, do_ref, A_ref, G_ref, *, scale, dots):
@@ -94,8 +93,8 @@ def dout_products(P, q, do, *, chunk, scale, block_v, dots: Dots, num_warps, num
         functools.partial(_dout_kernel, scale=scale, dots=dots),
         grid=(B, H, nc, V // BV), in_specs=[c["c"], c["k"], c["btv"]],
         out_specs=[c["v"], c["state"]],
-        out_shape=[jax.ShapeDtypeStruct((B, H, Tp, V), jnp.float32),
-                   jax.ShapeDtypeStruct((B, H, nc, K, V), jnp.float32)],
+        out_shape=[out_struct(shape, jnp.float32, P, q, do) for shape in ((B, H, Tp, V),
+                                                                            (B, H, nc, K, V))],
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=dots.interpret, name="dout_products",
     )(P, q, do)
@@ -115,9 +114,8 @@ def state_pass(W, kw, gc, A, G, dfinal, doc, first, last, *, chunk, block_v, dot
         in_specs=[s["flags"]] * 3 + [s["seq_k"], s["seq_k"], s["per_chunk_k"], s["seq_v"],
                                      s["states"], s["docs"]],
         out_specs=[s["seq_v"], s["states"], s["docs"]],
-        out_shape=[jax.ShapeDtypeStruct((B, H, Tp, V), f32),
-                   jax.ShapeDtypeStruct((B, H, nc, K, V), f32),
-                   jax.ShapeDtypeStruct((N, H, K, V), f32)],
+        out_shape=[out_struct(shape, f32, doc, first, last, W, kw, gc, A, G, dfinal)
+                   for shape in ((B, H, Tp, V), (B, H, nc, K, V), (N, H, K, V))],
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=dots.interpret, name="state_bwd",
     )(doc, first, last, W, kw, gc, A, G, dfinal)
@@ -140,8 +138,8 @@ def chunk_grads(states, dstates, dU, R, do, *, chunk, scale, block_v, dots: Dots
                   pl.BlockSpec((None, chunk, None, V), lambda b, h, i, t: (b, i, h, 0))],
         out_specs=[rows(BK, True)] * 3 + [
             rows(chunk), pl.BlockSpec((None, None, None, BK), lambda b, h, i, t: (b, h, i, t))],
-        out_shape=[jax.ShapeDtypeStruct((B, H, Tp, K), f32)] * 3 + [
-            jax.ShapeDtypeStruct((B, H, Tp, chunk), f32), jax.ShapeDtypeStruct((B, H, nc, K), f32)],
+        out_shape=[out_struct(shape, f32, states, dstates, dU, R, do) for shape in (
+            (B, H, Tp, K), (B, H, Tp, K), (B, H, Tp, K), (B, H, Tp, chunk), (B, H, nc, K))],
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=dots.interpret, name="chunk_grads",
     )(states, dstates, dU, R, do)

@@ -17,13 +17,12 @@ per-chunk flags ``doc``, ``first``, ``last`` are [B, NC] int32, as for ``delta_f
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels.triton_common import Dots
+from pallas_kernels.triton_common import Dots, out_struct
 
 
 def check_inputs(W, U, P, *, chunk, block_v):
@@ -113,9 +112,8 @@ def state_pass(W, U, kw, gc, initial_state, doc, first, last, *, chunk, num_docs
                           has_init=initial_state is not None, num_chunks=nc),
         grid=(B, H, V // BV), in_specs=specs,
         out_specs=[s["states"], s["seq_v"], s["docs"]],
-        out_shape=[jax.ShapeDtypeStruct((B, H, nc, K, V), f32),
-                   jax.ShapeDtypeStruct((B, H, Tp, V), f32),
-                   jax.ShapeDtypeStruct((N, H, K, V), f32)],
+        out_shape=[out_struct(shape, f32, *args) for shape in ((B, H, nc, K, V), (B, H, Tp, V),
+                                                                 (N, H, K, V))],
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=dots.interpret, name="state_fwd",
     )(*args)
@@ -131,7 +129,7 @@ def chunk_output(q, P, states, R, *, chunk, scale, block_v, dots: Dots, num_warp
     return pl.pallas_call(
         functools.partial(_output_kernel, scale=scale, dots=dots),
         grid=(B, H, Tp // chunk, V // BV), in_specs=[c["k"], c["c"], c["state"], c["v"]],
-        out_specs=c["btv"], out_shape=jax.ShapeDtypeStruct((B, Tp, H, V), out_dtype),
+        out_specs=c["btv"], out_shape=out_struct((B, Tp, H, V), out_dtype, q, P, states, R),
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=dots.interpret, name="chunk_output",
     )(q, P, states, R)

@@ -7,6 +7,10 @@ the precision named here: "tf32" (one pass, operands rounded to 10 mantissa bits
 (three passes, about fp32) or "ieee" (CUDA cores, exact fp32, slow). In interpret mode (CPU)
 every float32 dot is exact fp32 (XLA:CPU has no tf32). The token-loop kernels (OSGM, ATK) share
 ``column`` (a scalar out of a loaded per-token row) and ``prefetched_loop``.
+
+Inside ``jax.shard_map(check_vma=True)`` every value carries the mesh axes it varies over
+(``jax.typeof(x).mat.varying``): kernel results get theirs from ``out_struct`` and the arguments
+of each ``custom_vjp`` are made to agree by ``vary_alike`` (outside shard_map both sets are empty).
 """
 
 import dataclasses
@@ -14,6 +18,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import ManualAxisType
 
 _PRESETS = {
     "tf32": lax.DotAlgorithmPreset.TF32_TF32_F32,
@@ -71,6 +76,29 @@ def pad_last(x, n):
 def interpret_default() -> bool:
     """Kernels run in interpret mode unless the default backend is a GPU."""
     return jax.default_backend() != "gpu"
+
+
+def varying_axes(*xs):
+    """The manual mesh axes (inside ``jax.shard_map``) that any array of ``xs`` varies over
+    (None skipped): the union of their ``jax.typeof(x).mat.varying``; empty outside shard_map."""
+    return frozenset().union(*(jax.typeof(x).mat.varying for x in xs if x is not None))
+
+
+def out_struct(shape, dtype, *inputs):
+    """``jax.ShapeDtypeStruct(shape, dtype)`` for a kernel result computed from ``inputs``: it
+    varies over ``varying_axes(*inputs)``, as the result of any primitive does."""
+    return jax.ShapeDtypeStruct(shape, dtype,
+                                manual_axis_type=ManualAxisType(varying=varying_axes(*inputs)))
+
+
+def vary_alike(*xs):
+    """``xs`` (None stays None) each cast to vary over ``varying_axes(*xs)`` by ``lax.pcast(to=
+    "varying")``, as JAX casts the operands of a primitive: values unchanged, and the transpose
+    sums a cotangent over the axes added, so a ``custom_vjp`` whose cotangents vary like its
+    outputs gets arguments of that type."""
+    axes = varying_axes(*xs)
+    return tuple(None if x is None else lax.pcast(
+        x, tuple(sorted(axes - jax.typeof(x).mat.varying)), to="varying") for x in xs)
 
 
 def iota2(n: int):

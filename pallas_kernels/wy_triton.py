@@ -29,13 +29,12 @@ Inputs are in the kernels' layout (q, k, kw [B, Tp, H, K], v [B, Tp, H, V], beta
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels.triton_common import Dots, iota2, unit_lower_inverse
+from pallas_kernels.triton_common import Dots, iota2, out_struct, unit_lower_inverse
 
 
 def _chunk(k, kw, beta, g_ref, dots, C):
@@ -170,9 +169,9 @@ def wy_fwd(q, k, kw, v, beta, gamma, *, chunk, block_v, dots: Dots, num_warps, n
     in_specs, wy_specs, grid = _layout(q, v, gamma, chunk)
     B, H, nc = grid
     K, V = q.shape[-1], v.shape[-1]
-    out_shape = [jax.ShapeDtypeStruct((B, H, nc * chunk, d), jnp.float32)
-                 for d in (K, V, K, K, chunk)] + [jax.ShapeDtypeStruct((B, H, nc, K), jnp.float32)]
     args = [x for x in (q, k, kw, v, beta, gamma) if x is not None]
+    out_shape = [out_struct((B, H, nc * chunk, d), jnp.float32, *args)
+                 for d in (K, V, K, K, chunk)] + [out_struct((B, H, nc, K), jnp.float32, *args)]
     return _call(_fwd_kernel, "wy_fwd", grid, in_specs, wy_specs, out_shape, args, gamma,
                  block_v, dots, num_warps, num_stages)
 
@@ -183,7 +182,8 @@ def wy_bwd(q, k, kw, v, beta, gamma, dW, dU, dkw_t, dq_dec, dP, dgc, *, chunk, b
     given, of gamma [B, Tp, H] (float32), from those of ``wy_fwd``'s outputs (module docstring)."""
     in_specs, wy_specs, grid = _layout(q, v, gamma, chunk)
     args = [x for x in (q, k, kw, v, beta, gamma) if x is not None]
-    out_shape = [jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in args]
+    cts = [dW, dU, dkw_t, dq_dec, dP, dgc]
+    out_shape = [out_struct(x.shape, jnp.float32, *args, *cts) for x in args]
     return _call(_bwd_kernel, "wy_bwd", grid, in_specs + wy_specs, in_specs, out_shape,
-                 args + [dW, dU, dkw_t, dq_dec, dP, dgc], gamma, block_v, dots, num_warps,
+                 args + cts, gamma, block_v, dots, num_warps,
                  num_stages)

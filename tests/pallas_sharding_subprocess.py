@@ -1,12 +1,14 @@
 """delta_rule(impl="pallas") inside a jit over 8 fake CPU devices, run by tests/test_pallas_sharding.py.
 
     python tests/pallas_sharding_subprocess.py CASE   # dense_scalar, dense_vector, packed, osdn_dense,
-                                                      # atk_head, atk_channel
+                                                      # atk_head, atk_channel, smap_delta,
+                                                      # smap_osgm, smap_atk
 
 Mesh (data=4, tensor=2); batch over data, heads over tensor (packed documents: one batch row,
 heads over tensor; osdn_dense: OSDN-APF, the Pallas OSGM phase 1 then the Pallas core). Checks
 that outputs, final states and all gradients equal the one-device run
 and that the compiled program has no all-gather (the kernels run on each device's shard).
+The smap_* cases call the operations inside ``jax.shard_map`` (check_vma=True) instead.
 """
 
 import os
@@ -59,24 +61,38 @@ def main(case):
     spec = {name: P(batch, None, "tensor", *(None,) * (a.ndim - 3)) for name, a in x.items()}
     spec["initial_state"] = P(batch, "tensor", None, None)
     spec["d0"] = P(batch, "tensor", None)
-    sharded = {name: jax.device_put(a, NamedSharding(mesh, spec[name])) for name, a in x.items()}
+    # dβ, dg, dr, dk, dd0 sum over K or V: XLA fuses those sums per program shape
+    check_sharded(mesh, loss_fn(cu, osdn), x, spec, ("v", "initial_state"),
+                  ("beta", "log_decay", "retention", "k", "d0"))
 
-    step = loss_fn(cu, osdn)
-    want = jax.device_get(step(x))
-    got = step(sharded)
-    (_, (o, final)), grads = got
-    for name, a in [("v", o), ("initial_state", final), *grads.items()]:  # still sharded
-        assert a.sharding.is_equivalent_to(NamedSharding(mesh, spec[name]), a.ndim), (name, a.sharding)
-    (loss, aux), g = jax.device_get(got)
-    np.testing.assert_allclose(loss, want[0][0], rtol=1e-5)  # a sum over devices: another order
-    for name, a, b in zip(["o", "final", *g], jax.tree.leaves((aux, g)),
+
+def assert_matches(got, want, summed):
+    """``got`` == ``want`` (both ``((loss, (out, final)), grads)`` on the host) bit for bit, except
+    the gradients named in ``summed`` (sums over K or across devices, in another order): max
+    relative error <= 1e-6. The loss itself is not compared (a sum in another order)."""
+    (_, aux), g = got
+    for name, a, b in zip(["out", "final", *g], jax.tree.leaves((aux, g)),
                           jax.tree.leaves((want[0][1], want[1]))):
-        if name in ("beta", "log_decay", "retention", "k", "d0"):  # sums over K or V: XLA fuses
-            # them per program shape
+        if name in summed:
             err = np.max(np.abs(a - b)) / np.max(np.abs(b))
             assert err <= 1e-6, f"d{name}: relative max error {err:.3g}"
         else:
             np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+def check_sharded(mesh, step, x, spec, out_names, summed):
+    """``step`` (jitted value_and_grad) on one device == on inputs sharded as ``spec``; the
+    outputs (named by the inputs whose sharding they keep, ``out_names``) and the gradients stay
+    sharded and the compiled program has no all-gather."""
+    sharded = {name: jax.device_put(a, NamedSharding(mesh, spec[name])) for name, a in x.items()}
+    want = jax.device_get(step(x))
+    got = step(sharded)
+    (_, outs), grads = got
+    for name, a in [*zip(out_names, outs), *grads.items()]:  # still sharded
+        assert a.sharding.is_equivalent_to(NamedSharding(mesh, spec[name]), a.ndim), (name, a.sharding)
+    got = jax.device_get(got)
+    np.testing.assert_allclose(got[0][0], want[0][0], rtol=1e-5)  # a sum over devices
+    assert_matches(got, want, summed)
     hlo = step.lower(sharded).compile().as_text()
     assert "all-gather" not in hlo, [ln for ln in hlo.splitlines() if "all-gather" in ln][:5]
     print("ok")
@@ -100,27 +116,94 @@ def atk_main(decay):
     spec = {name: P("data", None, "tensor", *(None,) * (a.ndim - 3)) for name, a in x.items()}
     spec["initial_state"] = P("data", "tensor", None)
     spec["center"] = P("tensor")
-    sharded = {name: jax.device_put(a, NamedSharding(mesh, spec[name])) for name, a in x.items()}
-    want = jax.device_get(step(x))
-    got = step(sharded)
-    (_, (kw, final)), grads = got
-    for name, a in [("k", kw), ("initial_state", final), *grads.items()]:  # still sharded
-        assert a.sharding.is_equivalent_to(NamedSharding(mesh, spec[name]), a.ndim), (name, a.sharding)
-    (loss, aux), g = jax.device_get(got)
-    np.testing.assert_allclose(loss, want[0][0], rtol=1e-5)  # a sum over devices: another order
-    for name, a, b in zip(["k_write", "final", *g], jax.tree.leaves((aux, g)),
-                          jax.tree.leaves((want[0][1], want[1]))):
-        if name == "center":  # summed over batch rows: across devices, in another order
-            np.testing.assert_allclose(a, b, rtol=1e-6, err_msg=name)
-        else:
-            np.testing.assert_array_equal(a, b, err_msg=name)
-    hlo = step.lower(sharded).compile().as_text()
-    assert "all-gather" not in hlo, [ln for ln in hlo.splitlines() if "all-gather" in ln][:5]
+    # dcenter sums over batch rows: across devices, in another order
+    check_sharded(mesh, step, x, spec, ("k", "initial_state"), ("center",))
+
+
+def interpret_without_vma():
+    """Lower interpret-mode ``pallas_call``s on the CPU with the varying-axes types stripped: jax
+    0.11.2's HLO interpreter evaluates the kernel body under shard_map's check_vma, mixing the
+    kernel's constants (invariant) with blocks of varying operands ("Primitive mul requires varying
+    manual axes to match"); the Triton lowering never sees those types. Test-only; values are
+    unchanged."""
+    from jax._src import config, core
+    from jax._src.interpreters import mlir
+    from jax._src.pallas import pallas_call
+
+    def strip(avals):
+        return [a.update_manual_axis_type(core.empty_mat) if isinstance(a, core.ShapedArray)
+                else a for a in avals]
+
+    def lower(ctx, *args, **params):
+        ctx = ctx.replace(avals_in=strip(ctx.avals_in), avals_out=strip(ctx.avals_out))
+        with config._check_vma(False):
+            return pallas_call._pallas_call_lowering(ctx, *args, **params)
+
+    mlir.register_lowering(pallas_call.pallas_call_p, lower, platform="cpu")
+
+
+def smap_case(op):
+    """(fn(x) -> (output, final state), inputs, their specs, the output's spec, the names of the
+    gradients that are sums over K or across devices) for op = delta | osgm | atk."""
+    from test_pallas_atk import make_inputs as atk_inputs
+    from test_pallas_osgm import make_inputs as osgm_inputs
+
+    bthk = P("data", None, "tensor", None)
+    if op == "delta":  # dense, scalar decay, write key, initial states
+        x = make_inputs(0, "scalar", b=B, n_init=B)
+        spec = dict.fromkeys(x, bthk) | dict(beta=P("data", None, "tensor"),
+                                            log_decay=P("data", None, "tensor"),
+                                            initial_state=P("data", "tensor", None, None))
+
+        def fn(x):
+            return pla.delta_rule(x["q"], x["k"], x["v"], x["beta"], write_key=x["write_key"],
+                                  log_decay=x["log_decay"], initial_state=x["initial_state"],
+                                  output_final_state=True, impl="pallas", chunk_size=C)
+        return fn, x, spec, bthk, ("beta", "log_decay")
+    if op == "osgm":  # no initial state: the kernel's d_0 = 1 is invariant, k varying
+        x = osgm_inputs(0, b=B)
+        del x["initial_state"]
+        spec = dict(k=bthk, beta=P("data", None, "tensor"), retention=P("data", None, "tensor"))
+
+        def fn(x):
+            return pla.osgm_precondition(x["k"], x["beta"], eta=0.5, retention=x["retention"],
+                                         output_final_state=True, impl="pallas")
+        return fn, x, spec, bthk, ("beta", "retention", "k")
+    x = atk_inputs(0, b=B, t=21, h=2, n_init=B)  # per-head decay; centres per head only
+    spec = dict(k=bthk, log_decay=P("data", None, "tensor"), gain=P("data", None, "tensor"),
+                center=P("tensor"), initial_state=P("data", "tensor", None))
+
+    def fn(x):
+        return pla.atk_precondition(x["k"], x["log_decay"], x["gain"], x["center"],
+                                    initial_state=x["initial_state"], output_final_state=True,
+                                    impl="pallas")
+    return fn, x, spec, bthk, ("center",)
+
+
+def smap_main(op):
+    """``op`` inside ``jax.shard_map`` (check_vma=True) over the (data=4, tensor=2) mesh, batch
+    over data and heads over tensor: outputs, final states and the gradients of every input equal
+    the one-device run (bit for bit; sums over K or across devices within 1e-6 relative)."""
+    interpret_without_vma()
+    mesh = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2)
+    fn, x, spec, out_spec, summed = smap_case(op)
+    final_spec = P("data", "tensor")
+    sharded_fn = jax.shard_map(fn, mesh=mesh, in_specs=(spec,), out_specs=(out_spec, final_spec))
+
+    def step(f):
+        def loss(x):
+            o, final = f(x)
+            return jnp.sum(jnp.sin(3.0 * o)) + jnp.sum(final * jnp.cos(final)), (o, final)
+        return jax.jit(jax.value_and_grad(loss, has_aux=True))
+
+    assert_matches(jax.device_get(step(sharded_fn)(x)), jax.device_get(step(fn)(x)), summed)
     print("ok")
 
 
 if __name__ == "__main__":
-    if sys.argv[1].startswith("atk_"):
+    if sys.argv[1].startswith("smap_"):
+        smap_main(sys.argv[1][5:])
+    elif sys.argv[1].startswith("atk_"):
         atk_main(sys.argv[1][4:])
     else:
         main(sys.argv[1])

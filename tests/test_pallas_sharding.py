@@ -1,4 +1,5 @@
-"""delta_rule(impl="pallas") inside a jit over a device mesh: batch and heads stay sharded.
+"""delta_rule(impl="pallas") inside a jit over a device mesh: batch and heads stay sharded; the
+Pallas operations inside ``jax.shard_map`` (check_vma=True) run on the local shards.
 
 Each case runs tests/pallas_sharding_subprocess.py in a fresh process on 8 fake CPU devices (the
 device count must be set before jax is imported)."""
@@ -18,9 +19,23 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_sharded_equals_one_device(case):
     """Mesh (data=4, tensor=2): outputs, final states and gradients equal the one-device run,
     stay sharded, and the compiled program has no all-gather."""
+    _run_case(case)
+
+
+def _run_case(case):
+    """Runs one case of tests/pallas_sharding_subprocess.py; it prints "ok" when its checks pass."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("XLA_FLAGS", None)
     script = ROOT / "tests" / "pallas_sharding_subprocess.py"
     done = subprocess.run([sys.executable, str(script), case], capture_output=True, text=True,
                           env=env, timeout=120)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("op", ["delta", "osgm", "atk"])
+def test_shard_map_equals_one_device(op):
+    """delta_rule (dense, scalar decay), osgm_precondition (no initial state: an invariant d_0)
+    and atk_precondition (centres invariant over the batch axis) inside ``jax.shard_map`` with
+    check_vma=True on mesh (data=4, tensor=2): outputs, final states and the gradients of every
+    input equal the one-device run."""
+    _run_case(f"smap_{op}")
