@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.atk_triton import AUX, CENTER, DECAY, DOC, FIRST, GAIN, LAST, atk_bwd, atk_fwd
-from pallas_kernels.partition import sharded_call
+from pallas_kernels.partition import match_types, sharded_call
 from pallas_kernels.triton_common import (
     MAX_HEAD_DIM, interpret_default, pad_last, pow2_dim, vary_alike)
 from precond_linattn.numerics import f32
@@ -104,7 +104,7 @@ def _scan_bwd(cfg, res, cts):
     B, T, H, _ = k.shape
     daux = jnp.sum(daux.reshape(B, T, H, -1, AUX), axis=3)
     dg = None if g is None else out[2].astype(g.dtype)
-    return dk.astype(k.dtype), daux, dg, dinit
+    return match_types((dk.astype(k.dtype), daux, dg, dinit), (k, aux, g, init))
 
 
 _scan.defvjp(_scan_fwd, _scan_bwd)
@@ -132,12 +132,12 @@ def atk_pallas(k, log_decay, gain, center, x, eps, initial_state, cu_seqlens, ch
     seg = segments(B, T, cu_seqlens)
     gain = f32(gain)
     per_head = log_decay.ndim == 3
-    columns = {GAIN: gain, CENTER: jnp.broadcast_to(f32(center), gain.shape)}
+    zero = jnp.zeros_like(gain)
+    columns = {GAIN: gain, CENTER: zero + f32(center)}
     if per_head:
         columns[DECAY] = f32(log_decay)
     for i, flag in ((DOC, seg.doc), (FIRST, seg.first), (LAST, seg.last)):
-        columns[i] = jnp.broadcast_to(flag.astype(jnp.float32)[..., None], gain.shape)
-    zero = jnp.zeros_like(gain)
+        columns[i] = zero + flag.astype(jnp.float32)[..., None]  # gain's sharding
     aux = jnp.stack([columns.get(i, zero) for i in range(AUX)], axis=-1)
     Kp = pow2_dim(K)
     U = options.block_t

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.delta_bwd_triton import delta_bwd
 from pallas_kernels.delta_fwd_triton import delta_fwd
-from pallas_kernels.partition import sharded_call
+from pallas_kernels.partition import match_types, sharded_call
 from pallas_kernels.state_bwd_triton import split_backward
 from pallas_kernels.state_fwd_triton import split_forward
 from pallas_kernels.triton_common import (
@@ -229,7 +229,8 @@ def _core_bwd(cfg, res, cts):
         scale=cfg.scale, block_v=o.block_v, dots=cfg.dots, num_warps=o.num_warps,
         num_stages=o.num_stages)
     grads = pullback((dW.sum(0), dU, dkw.sum(0), dq.sum(0), dP.sum(0), dgc.sum(0)))
-    return (*grads, None if init is None else dinit, None, None, None)
+    return (*match_types((*grads, None if init is None else dinit),
+                         (q, k, kw, v, beta, gamma, init)), None, None, None)
 
 
 _core.defvjp(_core_fwd, _core_bwd)

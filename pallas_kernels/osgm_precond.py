@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.osgm_triton import AUX, BETA, DOC, FIRST, LAST, RET, osgm_bwd, osgm_fwd
-from pallas_kernels.partition import sharded_call
+from pallas_kernels.partition import match_types, sharded_call
 from pallas_kernels.triton_common import (
     MAX_HEAD_DIM, interpret_default, pad_last, pow2_dim, vary_alike)
 from precond_linattn.numerics import f32
@@ -81,16 +81,16 @@ def _scan_fwd(cfg, k, aux, init):
     not re-run the token loop); k̃ = d ⊙ k is the kernel's own product and cast, so equal bit
     for bit."""
     d, final = _forward(cfg, k, aux, init, True)
-    return ((d * k.astype(jnp.float32)).astype(k.dtype), final), (k, aux, d)
+    return ((d * k.astype(jnp.float32)).astype(k.dtype), final), (k, aux, d, init)
 
 
 def _scan_bwd(cfg, res, cts):
-    k, aux, d = res
+    k, aux, d, init = res
     dkw, dfinal = cts
     dk, daux, dinit = _call(cfg, osgm_bwd, [k, aux, d, dkw, dfinal],
                             ["b t h k", "b t h a", "b t h k", "b t h k", "n h k"],
                             ["b t h k", "b t h a", "n h k"])
-    return dk.astype(k.dtype), daux, dinit
+    return match_types((dk.astype(k.dtype), daux, dinit), (k, aux, init))
 
 
 _scan.defvjp(_scan_fwd, _scan_bwd)
@@ -114,10 +114,10 @@ def osgm_pallas(k, beta, retention, eta, d_min, d_max, beta_aware, eps, initial_
                          "numbers, not traced values (or use impl='chunked')")
     seg = segments(B, T, cu_seqlens)
     beta = f32(beta)
+    zero = jnp.zeros_like(beta)
     columns = {BETA: beta, RET: jnp.ones_like(beta) if retention is None else f32(retention)}
     for i, flag in ((DOC, seg.doc), (FIRST, seg.first), (LAST, seg.last)):
-        columns[i] = jnp.broadcast_to(flag.astype(jnp.float32)[..., None], beta.shape)
-    zero = jnp.zeros_like(beta)
+        columns[i] = zero + flag.astype(jnp.float32)[..., None]  # beta's sharding
     aux = jnp.stack([columns.get(i, zero) for i in range(AUX)], axis=-1)
     Kp = pow2_dim(K)
     init = (jnp.ones((seg.num_docs, H, Kp), jnp.float32) if initial_state is None else

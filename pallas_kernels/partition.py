@@ -13,7 +13,9 @@ operands and run it whole on every device. ``sharded_call`` wraps a kernel call 
 
 On one device ``custom_partitioning`` inlines the call unchanged, so single-device programs are
 the same as without the wrapper. Inside a ``shard_map`` (any manual mesh axis) the call is made
-directly, on the local shards: there is no mesh left to partition over.
+directly, on the local shards: there is no mesh left to partition over. On a mesh with
+``Explicit`` axes (shardings in the operands' types; Pallas refuses integer indexing of sharded
+refs) the call runs under a ``shard_map`` over the axes kept on ``b`` and ``h``.
 It has no batching rule, so the wrapper is also a ``custom_vmap`` whose rule vmaps the plain call
 (Pallas batches it over a new grid axis); under ``vmap`` the call is therefore not partitioned.
 It has no differentiation rule either: the kernels sit inside ``custom_vjp``'s forward and
@@ -52,15 +54,44 @@ def _kept_axes(mesh, shapes, axes, free):
     return kept
 
 
+def _explicit_call(mesh, fn, args, in_axes, out_axes, free):
+    """On a mesh with ``Explicit`` axes the operands' shardings are part of their types: keep the
+    mesh axes they carry on the factors in ``free`` (``_kept_axes``), reshard every other factor
+    whole, and run ``fn`` under ``shard_map`` on the local shards."""
+    kept = _kept_axes(mesh, [jax.typeof(a) for a in args], in_axes, free)
+
+    def spec(names):
+        return PartitionSpec(*(kept.get(n) for n in names.split()))
+
+    in_specs = tuple(spec(a) for a in in_axes)
+    args = [jax.sharding.reshard(a, s) for a, s in zip(args, in_specs)]
+    # check_vma off: the kernels hold no collectives, and interpret mode cannot run under it
+    return jax.shard_map(lambda *xs: tuple(fn(*xs)), in_specs=in_specs,
+                         out_specs=tuple(spec(a) for a in out_axes), check_vma=False)(*args)
+
+
+def match_types(cts, primals):
+    """Cotangents resharded to their primals' shardings on a mesh with ``Explicit`` axes, where a
+    ``custom_vjp`` backward must return exactly the primals' types (a kernel's cotangent follows
+    the operands' kept axes); unchanged on other meshes."""
+    if not jax.sharding.get_abstract_mesh().explicit_axes:
+        return cts
+    return tuple(None if c is None else jax.sharding.reshard(c, jax.typeof(p).sharding.spec)
+                 for c, p in zip(cts, primals))
+
+
 def sharded_call(fn, args, in_axes, out_axes, *, shard_batch=True):
     """``fn(*args)`` (a tuple of arrays) with the batch and head axes of its operands kept sharded.
 
     ``in_axes``/``out_axes``: one string of factor names per operand/result, e.g. "b t h k";
     ``b`` and ``h`` may be sharded (``b`` only if ``shard_batch``), all other factors are whole.
     A factor name means the same dimension size everywhere it appears."""
-    if jax.sharding.get_abstract_mesh().manual_axes:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.manual_axes:
         return fn(*args)
     free = {"h"} | ({"b"} if shard_batch else set())
+    if mesh.explicit_axes:
+        return _explicit_call(mesh, fn, args, in_axes, out_axes, free)
     names = dict.fromkeys(n for a in (*in_axes, *out_axes) for n in a.split())  # Shardy's order
     rule = ", ".join(in_axes) + " -> " + ", ".join(out_axes)
 

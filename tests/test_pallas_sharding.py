@@ -1,5 +1,6 @@
 """delta_rule(impl="pallas") inside a jit over a device mesh: batch and heads stay sharded; the
-Pallas operations inside ``jax.shard_map`` (check_vma=True) run on the local shards.
+Pallas operations inside ``jax.shard_map`` (check_vma=True) and on meshes with Explicit axes run
+on the local shards.
 
 Each case runs tests/pallas_sharding_subprocess.py in a fresh process on 8 fake CPU devices (the
 device count must be set before jax is imported)."""
@@ -39,3 +40,10 @@ def test_shard_map_equals_one_device(op):
     check_vma=True on mesh (data=4, tensor=2): outputs, final states and the gradients of every
     input equal the one-device run."""
     _run_case(f"smap_{op}")
+
+
+@pytest.mark.parametrize("op", ["delta", "osgm", "atk"])
+def test_explicit_mesh_equals_one_device(op):
+    """The same ops under ``jit`` on a mesh with ``Explicit`` axes (shardings in the types):
+    equal to one device, gradients keep their inputs' shardings, no all-gather."""
+    _run_case(f"explicit_{op}")
