@@ -2,7 +2,8 @@
 
     PYTHONPATH=. python3 benchmarks/bench_delta.py [--shape B T H D] [--budget-s 420]
         [--sections checks,packed,time,jla,chunked,breakdown] [--check-dtypes bf16,fp32]
-        [--variants auto/64/4,auto/64/4/fused]  # precision/block_v/num_warps[/num_stages][/fused][/recompute]
+        [--variants auto/64/4,auto/64/4/fused]
+        # a variant: precision/block_v/num_warps[/num_stages][/fused][/recompute][/vkernel]
 
 Checks (fresh random inputs per check; the device allocator is filled with NaN before each run so
 an unwritten output element shows): pallas vs the chunked pure-JAX form, outputs, final states
@@ -224,8 +225,9 @@ def main():
     p.add_argument("--sections", default="checks,packed,time,jla,chunked,breakdown")
     p.add_argument("--check-dtypes", default="bf16,fp32")
     p.add_argument("--variants", default="auto/64/4,auto/64/4/fused",
-                   help="kernel options precision/block_v/num_warps[/num_stages][/fused][/recompute]; the "
-                        "first is checked in every --check-dtypes")
+                   help="kernel options precision/block_v/num_warps[/num_stages]"
+                        "[/fused][/recompute][/vkernel]; the first is checked in every "
+                        "--check-dtypes")
     p.add_argument("--check-all-variants", action="store_true",
                    help="also check the other variants (bf16); by default only the first")
     p.add_argument("--reps", type=int, default=20)
@@ -244,18 +246,20 @@ def main():
 
     guarded = Guard(a.budget_s)
 
-    def variant(v):  # precision/block_v/num_warps[/num_stages][/fused][/recompute]
+    def variant(v):  # precision/block_v/num_warps[/num_stages][/fused][/recompute][/vkernel]
         f = v.split("/")
         flags = [t for t in f[3:] if not t.isdigit()]
         stages = int(f[3]) if len(f) > 3 and f[3].isdigit() else Options().num_stages
         return Options(None if f[0] == "auto" else f[0], int(f[1]), int(f[2]), stages,
-                       split="fused" not in flags, save_wy="recompute" not in flags)
+                       split="fused" not in flags, save_wy="recompute" not in flags,
+                       vector_wy="kernel" if "vkernel" in flags else "xla")
     variants = [variant(v) for v in a.variants.split(",")]
     names = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
     check_dtypes = [names[d] for d in a.check_dtypes.split(",")]
     for n_variant, opt in enumerate(variants):
         tag = (f"{opt.precision or 'auto'}/{opt.block_v}/{opt.num_warps}/{opt.num_stages}"
-               + ("" if opt.split else "/fused") + ("" if opt.save_wy else "/recompute"))
+               + ("" if opt.split else "/fused") + ("" if opt.save_wy else "/recompute")
+               + ("/vkernel" if opt.vector_wy == "kernel" else ""))
         dtypes = check_dtypes if n_variant == 0 else (jnp.bfloat16,) if a.check_all_variants else ()
         for dtype in dtypes if "checks" in sections else ():
             for core in DECAYS:

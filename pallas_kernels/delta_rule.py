@@ -4,12 +4,13 @@ Two pipelines, both exact (``Options.split`` picks; the split one is the default
 
 split (``state_fwd_triton``, ``state_bwd_triton``): the per-chunk tensors of the WY form (SPEC
 2.1), W = (I + L)^-1 Diag(β)(K ⊙ Γ), U = (I + L)^-1 Diag(β) V, K̃ ⊙ Γ_C/Γ, Q ⊙ Γ, P and Γ_C,
-come from the chunk-parallel kernel ``wy_triton.wy_fwd`` (no decay, scalar decay) or from
-``prepare`` in plain JAX (per-channel decay); a serial kernel carries the state through the
+come from the chunk-parallel kernel ``wy_triton.wy_fwd`` (no decay, scalar decay), and with a
+per-channel decay from ``prepare`` in plain JAX or ``wy_vector_triton.wy_vector_fwd``
+(``Options.vector_wy``); a serial kernel carries the state through the
 chunks with 2 matmuls per chunk and chunk-parallel kernels form the outputs. The backward
 recomputes the WY tensors, runs the reverse state pass the same way (2 matmuls per chunk) and
-the per-chunk cotangents in parallel, then the pullback of the WY step (``wy_triton.wy_bwd``,
-recomputing T in the kernel, or ``prepare``'s ``jax.vjp``).
+the per-chunk cotangents in parallel, then the pullback of the WY step (``wy_bwd`` /
+``wy_vector_bwd``, recomputing T in the kernel, or ``prepare``'s ``jax.vjp``).
 
 fused (``delta_fwd_triton``, ``delta_bwd_triton``): one kernel per direction does all the
 per-chunk work inside its serial chunk loop (the WY tensors are still recomputed outside for the
@@ -44,6 +45,7 @@ from pallas_kernels.state_fwd_triton import split_forward
 from pallas_kernels.triton_common import (
     MAX_HEAD_DIM, Dots, interpret_default, pad_last, pow2_dim, unit_lower_inverse, vary_alike)
 from pallas_kernels.wy_triton import wy_bwd, wy_fwd
+from pallas_kernels.wy_vector_triton import wy_vector_bwd, wy_vector_fwd
 from precond_linattn.chunked.delta import chunk_grams, chunk_wy
 from precond_linattn.numerics import f32
 from precond_linattn.varlen import chunk_layout, from_chunks, to_chunks
@@ -58,7 +60,10 @@ class Options:
     forward's WY tensors (W, U, K̃', Q', P, Γ_C: ~5 float32 [B, H, T, 128] arrays more residual
     memory) instead of recomputing them. ``precision``: that of float32 dots on
     tensor cores ("tf32", "tf32x3", "ieee"); None picks "tf32" when q, k, k̃ and v are all
-    16-bit and "tf32x3" (about fp32) otherwise: see benchmarks/NOTES.md for the errors measured with each."""
+    16-bit and "tf32x3" (about fp32) otherwise: see benchmarks/NOTES.md for the errors measured with each.
+    ``vector_wy``: with a per-channel decay, the split pipeline's WY tensors and their pullback
+    come from ``prepare`` and its ``jax.vjp`` in plain JAX ("xla") or from the chunk-parallel
+    kernels of ``wy_vector_triton`` ("kernel"; then ``save_wy`` applies too)."""
 
     precision: str | None = None
     block_v: int = 64
@@ -66,6 +71,11 @@ class Options:
     num_stages: int = 2  # software pipelining of the serial loops' loads (RESULTS run 13)
     split: bool = True  # the split kernels (state_*_triton) instead of the fused delta_fwd/bwd
     save_wy: bool = True  # split, no / scalar decay: keep the WY tensors for the backward
+    vector_wy: str = "xla"  # "xla" | "kernel": the per-channel-decay WY step
+
+    def __post_init__(self):
+        if self.vector_wy not in ("xla", "kernel"):
+            raise ValueError(f"Options.vector_wy must be 'xla' or 'kernel', got {self.vector_wy!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,15 +148,22 @@ _WY_OUT = dict(dW="b h t k", dU="b h t v", dkw_t="b h t k", dq_dec="b h t k", dP
                dgc="b h c k")  # wy_fwd's outputs, named as wy_bwd's cotangent arguments
 
 
+def _wy_kernels(cfg):
+    """The WY step's (forward, pullback) kernels for ``cfg.decay``."""
+    return (wy_vector_fwd, wy_vector_bwd) if cfg.decay == "vector" else (wy_fwd, wy_bwd)
+
+
 def _wy_kernel(cfg, kernel, ins, cts=None):
-    """``wy_fwd(*ins)``, or ``wy_bwd(*ins, *cts)`` (cotangents of q, k, kw, v, beta and gamma,
-    cast to the inputs' dtypes; None for a missing gamma), through ``_kernel_call``."""
+    """``kernel(*ins)`` (a forward of ``_wy_kernels``), or ``kernel(*ins, *cts)`` (a pullback:
+    cotangents of q, k, kw, v, beta and gamma, cast to the inputs' dtypes; None for a missing
+    gamma), through ``_kernel_call``."""
     o = cfg.options
-    args, axes, out_axes = dict(zip(_WY_IN, ins)), dict(_WY_IN), tuple(_WY_OUT.values())
+    in_axes = _WY_IN | (dict(gamma="b t h k") if cfg.decay == "vector" else {})
+    args, axes, out_axes = dict(zip(in_axes, ins)), dict(in_axes), tuple(_WY_OUT.values())
     if cts is not None:
         args |= dict(zip(_WY_OUT, cts))
         axes |= _WY_OUT
-        out_axes = tuple(a for a, x in zip(_WY_IN.values(), ins) if x is not None)
+        out_axes = tuple(a for a, x in zip(in_axes.values(), ins) if x is not None)
     outs = _kernel_call(cfg, kernel, args, axes, out_axes, chunk=cfg.chunk, block_v=o.block_v,
                         dots=cfg.dots, num_warps=o.num_warps, num_stages=o.num_stages)
     if cts is None:
@@ -157,14 +174,15 @@ def _wy_kernel(cfg, kernel, ins, cts=None):
 
 def _wy(cfg, ins, pullback=True):
     """The WY tensors of ``ins`` = (q, k, kw, v, beta, gamma) (and, if ``pullback``, their
-    pullback): chunk-parallel kernels without decay or with a scalar decay, ``prepare`` in plain
-    JAX with a per-channel decay."""
-    if cfg.decay == "vector":
+    pullback): chunk-parallel kernels (``_wy_kernels``), or with a per-channel decay and
+    ``vector_wy="xla"`` ``prepare`` in plain JAX."""
+    if cfg.decay == "vector" and cfg.options.vector_wy == "xla":
         if not pullback:
             return prepare(cfg, *ins)
         return jax.vjp(functools.partial(prepare, cfg), *ins)
-    wy = _wy_kernel(cfg, wy_fwd, ins)
-    return (wy, functools.partial(_wy_kernel, cfg, wy_bwd, ins)) if pullback else wy
+    fwd, bwd = _wy_kernels(cfg)
+    wy = _wy_kernel(cfg, fwd, ins)
+    return (wy, functools.partial(_wy_kernel, cfg, bwd, ins)) if pullback else wy
 
 
 _WY_ARGS = ("W", "U", "kw", "q", "P", "gc")  # the recurrence kernels' names for the WY tensors
@@ -203,7 +221,8 @@ def _core(cfg, q, k, kw, v, beta, gamma, init, doc, first, last):
 
 
 def _core_fwd(cfg, q, k, kw, v, beta, gamma, init, doc, first, last):
-    save = cfg.options.split and cfg.options.save_wy and cfg.decay != "vector"
+    opts = cfg.options
+    save = opts.split and opts.save_wy and (cfg.decay != "vector" or opts.vector_wy == "kernel")
     wy = _wy(cfg, (q, k, kw, v, beta, gamma), pullback=False) if save else None
     o, final, *saved = _forward(cfg, q, k, kw, v, beta, gamma, init, doc, first, last, True, wy)
     return (o, final), (q, k, kw, v, beta, gamma, init, doc, first, last, saved, wy)
@@ -215,8 +234,8 @@ def _core_bwd(cfg, res, cts):
     ins = (q, k, kw, v, beta, gamma)
     if wy is None:
         wy, pullback = _wy(cfg, ins)
-    else:  # the forward's WY tensors; wy_bwd recomputes what it needs in the kernel
-        pullback = functools.partial(_wy_kernel, cfg, wy_bwd, ins)
+    else:  # the forward's WY tensors; the pullback kernel recomputes what it needs
+        pullback = functools.partial(_wy_kernel, cfg, _wy_kernels(cfg)[1], ins)
     o = cfg.options
     args = dict(zip(_WY_ARGS, wy)) | dict(zip(("states", "R"), saved)) | dict(
         do=do, dfinal=dfinal, doc=doc, first=first, last=last)

@@ -58,6 +58,25 @@ def _v_tiles(V, block_v):
     return [pl.ds(t * BV, BV) for t in range(V // BV)]
 
 
+def u_fwd(T, b, v_ref, U_ref, dots, block_v):
+    """U = T Diag(β) V, by value tiles (b = β[:, None])."""
+    for cols in _v_tiles(v_ref.shape[-1], block_v):
+        U_ref[:, cols] = dots.nn(T, b * v_ref[:, cols].astype(jnp.float32))
+
+
+def u_bwd(T, b, v_ref, dU_ref, dv_ref, dots, block_v):
+    """The pullback of U = T Diag(β) V by value tiles: writes dV = Diag(β) Tᵀ dU and returns
+    (dU (Diag(β) V)ᵀ, rowsum(Tᵀ dU ⊙ V)), U's parts of dT and dβ."""
+    dT = db = 0.0
+    for cols in _v_tiles(v_ref.shape[-1], block_v):
+        v, dU = v_ref[:, cols].astype(jnp.float32), dU_ref[:, cols]
+        dT = dT + dots.nt(dU, b * v)
+        dVb = dots.tn(T, dU)
+        dv_ref[:, cols] = b * dVb
+        db = db + jnp.sum(dVb * v, axis=1)
+    return dT, db
+
+
 def _fwd_kernel(*refs, dots, block_v, has_decay):
     """One chunk's W, U, K̃', Q', P and Γ_C (module docstring)."""
     q_ref, k_ref, kw_ref, v_ref, beta_ref, *refs = refs
@@ -69,8 +88,7 @@ def _fwd_kernel(*refs, dots, block_v, has_decay):
                                              dots, C)
     b, Gcol = beta[:, None], Gam[:, None]
     W_ref[...] = dots.nn(T, b * Gcol * k.astype(jnp.float32))
-    for cols in _v_tiles(v_ref.shape[-1], block_v):
-        U_ref[:, cols] = dots.nn(T, b * v_ref[:, cols].astype(jnp.float32))
+    u_fwd(T, b, v_ref, U_ref, dots, block_v)
     kwt_ref[...] = kw.astype(jnp.float32) * tail[:, None]
     qd_ref[...] = q.astype(jnp.float32) * Gcol
     P_ref[...] = dots.nt(q, kw) * D
@@ -95,18 +113,13 @@ def _bwd_kernel(*refs, dots, block_v, has_decay):
 
     # W = T Diag(βΓ) K
     dW = dW_ref[...]
-    dT = dots.nt(dW, b * Gcol * kf)
     dKg = dots.tn(T, dW)
     dk = b * Gcol * dKg
     s = Gam * jnp.sum(dKg * kf, axis=1)
-    db = s
     # U = T Diag(β) V, by value tiles
-    for cols in _v_tiles(v_ref.shape[-1], block_v):
-        v, dU = v_ref[:, cols].astype(f32), dU_ref[:, cols]
-        dT = dT + dots.nt(dU, b * v)
-        dVb = dots.tn(T, dU)
-        dv_ref[:, cols] = b * dVb
-        db = db + jnp.sum(dVb * v, axis=1)
+    dT, db = u_bwd(T, b, v_ref, dU_ref, dv_ref, dots, block_v)
+    dT = dT + dots.nt(dW, b * Gcol * kf)
+    db = db + s
     # T = (I + L)^-1, L = strict_tril(Diag(β) A)
     dL = jnp.where(i > j, -dots.nt(dots.tn(T, dT), T), 0.0)
     db = db + jnp.sum(dL * A, axis=1)
@@ -133,13 +146,16 @@ def _bwd_kernel(*refs, dots, block_v, has_decay):
                        + Gam * jnp.sum(dqd * qf, axis=1) - e + jnp.where(at_last, last, 0.0))
 
 
-def _layout(q, v, gamma, chunk):
+def layout(q, v, gamma, chunk, vector=False):
     """(the inputs' block specs, the WY tensors' block specs, grid (B, H, NC)): one chunk per
-    program. Raises ValueError for a per-channel gamma or Tp not a multiple of chunk."""
-    if gamma is not None and gamma.ndim != 3:
-        raise ValueError(f"gamma must be None or [B, Tp, H] (decay 'none' or 'scalar'), got shape "
-                         f"{gamma.shape}; per-channel decay takes delta_rule.prepare")
+    program. gamma: None or [B, Tp, H], or with ``vector`` [B, Tp, H, K]. Raises ValueError for
+    another gamma shape or Tp not a multiple of chunk."""
     B, Tp, H, K = q.shape
+    want = (B, Tp, H, K) if vector else (B, Tp, H)
+    if (gamma is None and vector) or (gamma is not None and gamma.shape != want):
+        raise ValueError(f"gamma must be {'' if vector else 'None or '}{list(want)} (decay "
+                         f"{'per channel' if vector else 'none or scalar'}), got "
+                         f"{None if gamma is None else gamma.shape}")
     V = v.shape[-1]
     if Tp % chunk or v.shape[1] != Tp:
         raise ValueError(f"q and v need Tp a multiple of chunk={chunk}, got {q.shape}, {v.shape}")
@@ -147,14 +163,15 @@ def _layout(q, v, gamma, chunk):
                                   lambda b, h, c: (b, c, h) + (0,) * len(d))
     rows = lambda d: pl.BlockSpec((None, None, chunk, d), lambda b, h, c: (b, h, c, 0))  # noqa: E731
     per_chunk = pl.BlockSpec((None, None, None, K), lambda b, h, c: (b, h, c, 0))
-    in_specs = [tok(K), tok(K), tok(K), tok(V), tok()] + ([tok()] if gamma is not None else [])
+    in_specs = [tok(K), tok(K), tok(K), tok(V), tok()]
+    if gamma is not None:
+        in_specs.append(tok(K) if vector else tok())
     wy_specs = [rows(K), rows(V), rows(K), rows(K), rows(chunk), per_chunk]
     return in_specs, wy_specs, (B, H, Tp // chunk)
 
 
-def _call(kernel, name, grid, in_specs, out_specs, out_shape, args, gamma, block_v, dots,
-          num_warps, num_stages):
-    kernel = functools.partial(kernel, dots=dots, block_v=block_v, has_decay=gamma is not None)
+def call(kernel, name, grid, in_specs, out_specs, out_shape, args, dots, num_warps, num_stages):
+    """``pl.pallas_call`` of ``kernel`` (its static arguments bound) over ``grid``."""
     return pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
@@ -162,28 +179,33 @@ def _call(kernel, name, grid, in_specs, out_specs, out_shape, args, gamma, block
     )(*args)
 
 
+def wy_shapes(q, v, grid, chunk, args):
+    """``wy_fwd``'s output structs: W, U, K̃', Q' [B, H, Tp, ·], P [B, H, Tp, C], Γ_C [B, H, NC, K]."""
+    B, H, nc = grid
+    K, V = q.shape[-1], v.shape[-1]
+    return [out_struct((B, H, nc * chunk, d), jnp.float32, *args)
+            for d in (K, V, K, K, chunk)] + [out_struct((B, H, nc, K), jnp.float32, *args)]
+
+
 def wy_fwd(q, k, kw, v, beta, gamma, *, chunk, block_v, dots: Dots, num_warps, num_stages):
     """W, U, K̃ ⊙ Γ_C/Γ, Q ⊙ Γ [B, H, Tp, ·], P [B, H, Tp, C] and Γ_C [B, H, NC, K], float32:
     ``delta_rule.prepare``'s outputs by the same formulas (module docstring). gamma: None or
     [B, Tp, H]."""
-    in_specs, wy_specs, grid = _layout(q, v, gamma, chunk)
-    B, H, nc = grid
-    K, V = q.shape[-1], v.shape[-1]
+    in_specs, wy_specs, grid = layout(q, v, gamma, chunk)
     args = [x for x in (q, k, kw, v, beta, gamma) if x is not None]
-    out_shape = [out_struct((B, H, nc * chunk, d), jnp.float32, *args)
-                 for d in (K, V, K, K, chunk)] + [out_struct((B, H, nc, K), jnp.float32, *args)]
-    return _call(_fwd_kernel, "wy_fwd", grid, in_specs, wy_specs, out_shape, args, gamma,
-                 block_v, dots, num_warps, num_stages)
+    kernel = functools.partial(_fwd_kernel, dots=dots, block_v=block_v, has_decay=gamma is not None)
+    return call(kernel, "wy_fwd", grid, in_specs, wy_specs, wy_shapes(q, v, grid, chunk, args),
+                 args, dots, num_warps, num_stages)
 
 
 def wy_bwd(q, k, kw, v, beta, gamma, dW, dU, dkw_t, dq_dec, dP, dgc, *, chunk, block_v,
            dots: Dots, num_warps, num_stages):
     """Cotangents of q, k, kw [B, Tp, H, K], v [B, Tp, H, V], beta [B, Tp, H] and, if gamma is
     given, of gamma [B, Tp, H] (float32), from those of ``wy_fwd``'s outputs (module docstring)."""
-    in_specs, wy_specs, grid = _layout(q, v, gamma, chunk)
+    in_specs, wy_specs, grid = layout(q, v, gamma, chunk)
     args = [x for x in (q, k, kw, v, beta, gamma) if x is not None]
     cts = [dW, dU, dkw_t, dq_dec, dP, dgc]
     out_shape = [out_struct(x.shape, jnp.float32, *args, *cts) for x in args]
-    return _call(_bwd_kernel, "wy_bwd", grid, in_specs + wy_specs, in_specs, out_shape,
-                 args + cts, gamma, block_v, dots, num_warps,
-                 num_stages)
+    kernel = functools.partial(_bwd_kernel, dots=dots, block_v=block_v, has_decay=gamma is not None)
+    return call(kernel, "wy_bwd", grid, in_specs + wy_specs, in_specs, out_shape, args + cts,
+                 dots, num_warps, num_stages)

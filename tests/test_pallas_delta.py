@@ -164,3 +164,22 @@ def test_kernel_options_match_reference(decay, opts):
 
     (_, (o, final)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(x)
     assert_runs_match((o, final, grads), run("reference", x), 2e-5)
+
+
+@pytest.mark.parametrize("save_wy", [True, False], ids=["saved_wy", "recompute_wy"])
+def test_vector_wy_kernel_matches_reference(save_wy):
+    """Options(vector_wy="kernel"): the per-channel-decay WY step and its pullback as kernels,
+    packed documents with initial states, padded head dims (K = 24, V = 20)."""
+    cu = jnp.asarray([0, 5, 22, 37], jnp.int32)
+    x = make_inputs(8, "vector", b=1, k_dim=24, v_dim=20, n_init=3)
+    opts = Options(vector_wy="kernel", save_wy=save_wy)
+
+    def loss(x):
+        o, final = delta_rule_pallas(x["q"], x["k"], x["write_key"], x["v"], x["beta"],
+                                     x["log_decay"], 24 ** -0.5, x["initial_state"], cu, C, opts)
+        return jnp.sum(jnp.sin(3.0 * o)) + jnp.sum(final * jnp.cos(final)), (o, final)
+
+    (_, (o, final)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(x)
+    assert_runs_match((o, final, grads), run("reference", x, cu), 2e-5)
+    with pytest.raises(ValueError, match="vector_wy"):
+        Options(vector_wy="triton")

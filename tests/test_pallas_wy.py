@@ -10,6 +10,7 @@ import pytest
 from pallas_kernels import delta_rule as dr
 from pallas_kernels.triton_common import Dots
 from pallas_kernels.wy_triton import wy_bwd, wy_fwd
+from pallas_kernels.wy_vector_triton import wy_vector_bwd, wy_vector_fwd
 from tests.conftest import rel_err
 
 B, NC, H, K, V, C = 2, 3, 3, 16, 32, 16
@@ -90,3 +91,32 @@ def test_vector_decay_is_refused(rand):
     with pytest.raises(ValueError, match="gamma"):
         wy_fwd(q, k, kw, v, beta, gamma, chunk=C, block_v=16, dots=DOTS, num_warps=4,
                num_stages=1)
+
+
+@pytest.mark.parametrize("c, k_dim, dtype", [(16, 16, jnp.float32), (32, 32, jnp.float32),
+                                             (32, 16, jnp.float32), (32, 16, jnp.bfloat16)])
+def test_vector_decay_matches_prepare(rand, c, k_dim, dtype):
+    """Per-channel decay: outputs and every cotangent against ``prepare`` on the same values in
+    float32. Decays down to −20 per token (exp(γ_i − γ_j) over a chunk would overflow; Γ
+    underflows to 0 in places): the kernels use the same 16-row blocks as ``prepare``."""
+    Tp = NC * c
+    x = rand.delta_inputs(B, Tp, H, k_dim, V, decay="vector", dtype=dtype)
+    g = -jnp.asarray(rand.rng.uniform(0.01, 20.0, (B, NC, c, H, k_dim)), jnp.float32)
+    gamma = jnp.cumsum(g, axis=2).reshape(B, Tp, H, k_dim)
+    ins = (x["q"], x["k"], x["write_key"], x["v"], x["beta"], gamma)
+    cfg = dr._Config(c, "vector", 1.0, None, dr.Options(), DOTS)
+    want_wy, pullback = jax.vjp(functools.partial(dr.prepare, cfg),
+                                *(a.astype(jnp.float32) for a in ins))
+    cts = tuple(rand.normal(*w.shape) for w in want_wy)
+    opts = dict(chunk=c, block_v=16, dots=DOTS, num_warps=4, num_stages=1)
+    got_wy = jax.jit(functools.partial(wy_vector_fwd, **opts))(*ins)
+    got_grads = jax.jit(functools.partial(wy_vector_bwd, **opts))(*ins, *cts)
+    check(got_wy, want_wy, 2e-6, WY)
+    check(got_grads, pullback(cts), 2e-6, GRADS)
+
+
+def test_vector_gamma_shape_is_checked(rand):
+    q, k, kw, v, beta, _ = inputs(rand, "none", jnp.float32)
+    with pytest.raises(ValueError, match="gamma"):
+        wy_vector_fwd(q, k, kw, v, beta, beta, chunk=C, block_v=16, dots=DOTS, num_warps=4,
+                      num_stages=1)

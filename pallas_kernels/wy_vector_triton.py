@@ -1,0 +1,200 @@
+"""Per-chunk WY tensors of the delta core with a per-channel (KDA) decay and their pullback,
+Pallas Triton lowering: ``wy_triton``'s grid, layout and formulas with γ [C, K] per channel.
+
+In a chunk (γ the cumulative log decay from the chunk start per channel, non-increasing down the
+rows, Γ = exp γ, e_ij = exp(γ_i − γ_j) [K]):
+
+    A_ij = Σ_k k_ik k̃_jk e_ijk    P_ij = Σ_k q_ik k̃_jk e_ijk    (i >= j, else 0)
+    L = strict_tril(Diag(β) A)    T = (I + L)^-1                  (doubling product)
+    W = T Diag(β)(K ⊙ Γ)    U = T Diag(β) V    K̃' = K̃ ⊙ Γ_C/Γ    Q' = Q ⊙ Γ    Γ_C = exp γ_C [K]
+
+exp(γ_i − γ_j) overflows over a whole chunk for i < j, so the grams are formed by 16-row blocks
+as ``gram.decayed_gram`` does: for blocks I > J, r the first row of I,
+A[I, J] = (K_I ⊙ exp(γ_I − γ_r))(K̃_J ⊙ exp(γ_r − γ_J))ᵀ (both exponents <= 0; one masked [C, C]
+dot per block I); the blocks I = J are summed over 16 steps, step t adding the column
+c(i) = 16⌊i/16⌋ + t of every row i >= c(i) (its k̃ and γ rows loaded from the refs).
+
+Pullback (cotangents dW, dU, dK̃', dQ', dP, dΓ_C [K]): with dT, dL as in ``wy_triton``,
+G_K = Diag(β) dL, G_Q = tril(dP) and the grams' pullback through the same blocks,
+
+    dK_A = Σ_j G_K,ij k̃_j ⊙ e_ij    dQ_P = Σ_j G_Q,ij k̃_j ⊙ e_ij
+    dK̃_AP = Σ_i (G_K,ij k_i + G_Q,ij q_i) ⊙ e_ij
+    dK = dK_A + Diag(β) Γ ⊙ Tᵀ dW    dQ = dQ_P + dQ' ⊙ Γ    dK̃ = dK̃_AP + dK̃' ⊙ Γ_C/Γ
+    dV = Diag(β) Tᵀ dU    dβ = rowsum(dL ⊙ A) + rowsum(Γ ⊙ K ⊙ Tᵀ dW) + rowsum(Tᵀ dU ⊙ V)
+    dγ = K ⊙ dK_A + Q ⊙ dQ_P − K̃ ⊙ dK̃_AP + Diag(β) Γ ⊙ K ⊙ Tᵀ dW + dQ' ⊙ Q' − dK̃' ⊙ K̃'
+         + δ_{i,C−1} (colsum(dK̃' ⊙ K̃') + Γ_C ⊙ dΓ_C)
+
+(A and P depend on γ only through γ_i − γ_j, so their part of dγ is the first three terms; the
+blocks' reference rows get none.) This is the exact pullback of ``delta_rule.prepare``.
+"""
+
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.triton_common import Dots, iota2, out_struct, unit_lower_inverse
+from pallas_kernels.wy_triton import call, layout, u_bwd, u_fwd, wy_shapes
+from precond_linattn.chunked.gram import SUB_BLOCK as SUB
+
+f32 = jnp.float32
+
+
+def _row_ids(C, K):
+    """Row index of each entry of a [C, K] tile."""
+    return lax.broadcasted_iota(jnp.int32, (C, K), 0)
+
+
+def _off_blocks(g, g_ref):
+    """For each 16-row block I >= 1 (r = 16 I): (ex, ey, M) with ex = exp(γ − γ_r) on rows >= r,
+    ey = exp(γ_r − γ) on rows < r (0 elsewhere) [C, K], and M [C, C] the entries (i in I, j < r),
+    those of the gram blocks below the diagonal that (X ⊙ ex)(Y ⊙ ey)ᵀ gives."""
+    C, K = g.shape
+    row = _row_ids(C, K)
+    i, j = iota2(C)
+    for blk in range(1, C // SUB):
+        r = blk * SUB
+        gr = g_ref[r].astype(f32)[None, :]
+        ex = jnp.exp(jnp.where(row >= r, g - gr, -jnp.inf))
+        ey = jnp.exp(jnp.where(row < r, gr - g, -jnp.inf))
+        yield ex, ey, (i // SUB == blk) & (j < r)
+
+
+def _diag_step(t, g, g_ref, kw_ref):
+    """Step t of the diagonal blocks: (k̃_c, e, sel) with k̃_c [C, K] row i = k̃ of row
+    c(i) = 16⌊i/16⌋ + t, e = exp(γ_i − γ_c(i)) for i >= c(i) (0 else), sel [C, C] the entries
+    (i, c(i))."""
+    C, K = g.shape
+    row = _row_ids(C, K)
+    kc = gc = jnp.zeros((C, K), f32)
+    for blk in range(C // SUB):
+        at = row // SUB == blk
+        kc = jnp.where(at, kw_ref[blk * SUB + t].astype(f32)[None, :], kc)
+        gc = jnp.where(at, g_ref[blk * SUB + t].astype(f32)[None, :], gc)
+    e = jnp.exp(jnp.where(row % SUB >= t, g - gc, -jnp.inf))
+    i, j = iota2(C)
+    return kc, e, j == (i // SUB) * SUB + t
+
+
+def _grams(q, k, kw, g, kw_ref, g_ref, dots):
+    """A and P [C, C] (module docstring; zero above the diagonal)."""
+    C = k.shape[0]
+    A = P = jnp.zeros((C, C), f32)
+    for ex, ey, M in _off_blocks(g, g_ref):
+        Y = kw * ey
+        A = A + jnp.where(M, dots.nt(k * ex, Y), 0.0)
+        P = P + jnp.where(M, dots.nt(q * ex, Y), 0.0)
+
+    def step(t, AP):
+        kc, e, sel = _diag_step(t, g, g_ref, kw_ref)
+        F = kc * e
+        return tuple(X + jnp.where(sel, jnp.sum(Z * F, axis=1)[:, None], 0.0)
+                     for X, Z in zip(AP, (k, q)))
+
+    return lax.fori_loop(0, SUB, step, (A, P))
+
+
+def _grams_vjp(GK, GQ, q, k, kw, g, kw_ref, g_ref, dots):
+    """(dK_A, dQ_P, dK̃_AP) [C, K]: the pullback of (A, P) = ``_grams`` along (G_K, G_Q) in K, Q
+    and K̃ (module docstring)."""
+    C, K = k.shape
+    dk = dq = dkw = jnp.zeros((C, K), f32)
+    for ex, ey, M in _off_blocks(g, g_ref):
+        GKm, GQm = jnp.where(M, GK, 0.0), jnp.where(M, GQ, 0.0)
+        Y = kw * ey
+        dk = dk + dots.nn(GKm, Y) * ex
+        dq = dq + dots.nn(GQm, Y) * ex
+        dkw = dkw + (dots.tn(GKm, k * ex) + dots.tn(GQm, q * ex)) * ey
+    row = _row_ids(C, K)
+
+    def step(t, acc):
+        dk, dq, dkw = acc
+        kc, e, sel = _diag_step(t, g, g_ref, kw_ref)
+        gk = jnp.sum(jnp.where(sel, GK, 0.0), axis=1)[:, None]
+        gq = jnp.sum(jnp.where(sel, GQ, 0.0), axis=1)[:, None]
+        Z = (gk * k + gq * q) * e  # row i's part of dK̃ row c(i)
+        for blk in range(C // SUB):
+            part = jnp.sum(jnp.where(row // SUB == blk, Z, 0.0), axis=0)[None, :]
+            dkw = dkw + jnp.where(row == blk * SUB + t, part, 0.0)
+        return dk + gk * kc * e, dq + gq * kc * e, dkw
+
+    return lax.fori_loop(0, SUB, step, (dk, dq, dkw))
+
+
+def _chunk(q_ref, k_ref, kw_ref, beta_ref, g_ref, dots):
+    """Shared recomputation: (q, k, k̃, γ [C, K], β [C], A, P, L, T [C, C]), float32."""
+    q, k, kw, g = (r[...].astype(f32) for r in (q_ref, k_ref, kw_ref, g_ref))
+    beta = beta_ref[...].astype(f32)
+    A, P = _grams(q, k, kw, g, kw_ref, g_ref, dots)
+    i, j = iota2(k.shape[0])
+    L = jnp.where(i > j, beta[:, None] * A, 0.0)
+    return q, k, kw, g, beta, A, P, L, unit_lower_inverse(L, dots)
+
+
+def _fwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, W_ref, U_ref, kwt_ref, qd_ref,
+                P_ref, gc_ref, *, dots, block_v):
+    """One chunk's W, U, K̃', Q', P and Γ_C (module docstring)."""
+    q, k, kw, g, beta, _, P, _, T = _chunk(q_ref, k_ref, kw_ref, beta_ref, g_ref, dots)
+    b, Gam, g_last = beta[:, None], jnp.exp(g), g_ref[k.shape[0] - 1].astype(f32)
+    W_ref[...] = dots.nn(T, b * Gam * k)
+    u_fwd(T, b, v_ref, U_ref, dots, block_v)
+    kwt_ref[...] = kw * jnp.exp(g_last[None, :] - g)
+    qd_ref[...] = q * Gam
+    P_ref[...] = P
+    gc_ref[...] = jnp.exp(g_last)
+
+
+def _bwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, dW_ref, dU_ref, dkwt_ref, dqd_ref,
+                dP_ref, dgc_ref, dq_ref, dk_ref, dkw_ref, dv_ref, db_ref, dg_ref, *, dots,
+                block_v):
+    """One chunk's dQ, dK, dK̃, dV, dβ and dγ (module docstring)."""
+    q, k, kw, g, beta, A, _, _, T = _chunk(q_ref, k_ref, kw_ref, beta_ref, g_ref, dots)
+    C = k.shape[0]
+    i, j = iota2(C)
+    b, Gam, g_last = beta[:, None], jnp.exp(g), g_ref[C - 1].astype(f32)
+    # W = T Diag(β)(K ⊙ Γ), U = T Diag(β) V
+    dW = dW_ref[...]
+    dKg = dots.tn(T, dW)
+    wk = Gam * k * dKg
+    dT, db = u_bwd(T, b, v_ref, dU_ref, dv_ref, dots, block_v)
+    dT = dT + dots.nt(dW, b * Gam * k)
+    # T = (I + L)^-1, L = strict_tril(Diag(β) A); P = tril(...)
+    dL = jnp.where(i > j, -dots.nt(dots.tn(T, dT), T), 0.0)
+    db_ref[...] = db + jnp.sum(wk, axis=1) + jnp.sum(dL * A, axis=1)
+    GQ = jnp.where(i >= j, dP_ref[...], 0.0)
+    dkA, dqP, dkwAP = _grams_vjp(b * dL, GQ, q, k, kw, g, kw_ref, g_ref, dots)
+    # Q' = Q ⊙ Γ, K̃' = K̃ ⊙ Γ_C/Γ, Γ_C
+    dqd, dkwt = dqd_ref[...], dkwt_ref[...]
+    tail = jnp.exp(g_last[None, :] - g)
+    dk_ref[...] = dkA + b * Gam * dKg
+    dq_ref[...] = dqP + dqd * Gam
+    dkw_ref[...] = dkwAP + dkwt * tail
+    e = dkwt * kw * tail
+    last = jnp.sum(e, axis=0) + jnp.exp(g_last) * dgc_ref[...]
+    dg_ref[...] = (k * dkA + q * dqP - kw * dkwAP + b * wk + dqd * q * Gam - e
+                   + jnp.where(_row_ids(*g.shape) == C - 1, last[None, :], 0.0))
+
+
+def wy_vector_fwd(q, k, kw, v, beta, gamma, *, chunk, block_v, dots: Dots, num_warps,
+                  num_stages):
+    """``wy_triton.wy_fwd`` for a per-channel decay, gamma [B, Tp, H, K] (the in-chunk cumsum):
+    W, U, K̃', Q' [B, H, Tp, ·], P [B, H, Tp, C] and Γ_C [B, H, NC, K], float32, equal to
+    ``delta_rule.prepare``'s outputs (module docstring)."""
+    in_specs, wy_specs, grid = layout(q, v, gamma, chunk, vector=True)
+    args = [q, k, kw, v, beta, gamma]
+    kernel = functools.partial(_fwd_kernel, dots=dots, block_v=block_v)
+    return call(kernel, "wy_vector_fwd", grid, in_specs, wy_specs,
+                wy_shapes(q, v, grid, chunk, args), args, dots, num_warps, num_stages)
+
+
+def wy_vector_bwd(q, k, kw, v, beta, gamma, dW, dU, dkw_t, dq_dec, dP, dgc, *, chunk, block_v,
+                  dots: Dots, num_warps, num_stages):
+    """Cotangents of q, k, kw [B, Tp, H, K], v [B, Tp, H, V], beta [B, Tp, H] and gamma
+    [B, Tp, H, K] (float32) from those of ``wy_vector_fwd``'s outputs (module docstring)."""
+    in_specs, wy_specs, grid = layout(q, v, gamma, chunk, vector=True)
+    args = [q, k, kw, v, beta, gamma]
+    cts = [dW, dU, dkw_t, dq_dec, dP, dgc]
+    out_shape = [out_struct(x.shape, f32, *args, *cts) for x in args]
+    kernel = functools.partial(_bwd_kernel, dots=dots, block_v=block_v)
+    return call(kernel, "wy_vector_bwd", grid, in_specs + wy_specs, in_specs, out_shape,
+                args + cts, dots, num_warps, num_stages)
