@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from pallas_kernels.atk_triton import AUX, CENTER, DECAY, DOC, FIRST, GAIN, LAST, atk_bwd, atk_fwd
 from pallas_kernels.partition import match_types, sharded_call
 from pallas_kernels.triton_common import (
-    MAX_HEAD_DIM, interpret_default, pad_last, pow2_dim, vary_alike)
+    MAX_HEAD_DIM, aux_rows, doc_columns, interpret_default, pad_last, pow2_dim, vary_alike)
 from precond_linattn.numerics import f32
 from precond_linattn.varlen import segments
 
@@ -61,21 +61,13 @@ def supports(*, K: int, dtype, decay: int = 3) -> bool:
 
 
 def _call(cfg, kernel, args, in_axes, out_axes):
-    """``kernel(*args)`` through ``sharded_call``; None arguments (no per-channel decay) are
-    passed to the kernel but not through the partitioner; "n" (states) is "b" for dense rows."""
-    docs = (lambda a: a) if cfg.packed else (lambda a: a.replace("n", "b"))
+    """``kernel(*args)`` through ``sharded_call``; None arguments (no per-channel decay) stay None."""
     o = cfg.options
-    given = [a is not None for a in args]
-
-    def fn(*xs):
-        it = iter(xs)
-        return tuple(kernel(*(next(it) if p else None for p in given), hyper=cfg.hyper,
-                            packed=cfg.packed, block_t=o.block_t, block_k=cfg.block_k,
-                            prefetch=o.prefetch, num_warps=o.num_warps, interpret=cfg.interpret))
-
-    return sharded_call(fn, [a for a in args if a is not None],
-                        [docs(x) for a, x in zip(args, in_axes) if a is not None],
-                        [docs(x) for x in out_axes], shard_batch=not cfg.packed)
+    fn = functools.partial(kernel, hyper=cfg.hyper, packed=cfg.packed, block_t=o.block_t,
+                           block_k=cfg.block_k, prefetch=o.prefetch, num_warps=o.num_warps,
+                           interpret=cfg.interpret)
+    return sharded_call(lambda *xs: tuple(fn(*xs)), args, in_axes, out_axes,
+                        shard_batch=not cfg.packed)
 
 
 def _forward(cfg, k, aux, g, init):
@@ -132,13 +124,8 @@ def atk_pallas(k, log_decay, gain, center, x, eps, initial_state, cu_seqlens, ch
     seg = segments(B, T, cu_seqlens)
     gain = f32(gain)
     per_head = log_decay.ndim == 3
-    zero = jnp.zeros_like(gain)
-    columns = {GAIN: gain, CENTER: zero + f32(center)}
-    if per_head:
-        columns[DECAY] = f32(log_decay)
-    for i, flag in ((DOC, seg.doc), (FIRST, seg.first), (LAST, seg.last)):
-        columns[i] = zero + flag.astype(jnp.float32)[..., None]  # gain's sharding
-    aux = jnp.stack([columns.get(i, zero) for i in range(AUX)], axis=-1)
+    columns = {GAIN: gain, CENTER: f32(center)} | ({DECAY: f32(log_decay)} if per_head else {})
+    aux = aux_rows(columns | doc_columns(seg, DOC, FIRST, LAST), AUX, gain)
     Kp = pow2_dim(K)
     U = options.block_t
     pad_t = [(0, 0), (0, -T % U), (0, 0), (0, 0)]

@@ -123,21 +123,18 @@ def prepare(cfg, q, k, kw, v, beta, gamma):
 
 
 def _kernel_call(cfg, kernel, args: dict, axes: dict, out_axes, **static):
-    """``kernel(**args, **static)`` through ``sharded_call``; None arguments stay None. ``axes``
-    names each argument's dimensions; "n" (document states) is the batch factor "b" when every
-    row is one document."""
-    names = [n for n, x in args.items() if x is not None]
-    packed = cfg.num_docs is not None
-    docs = lambda a: a if packed else a.replace("n", "b")  # noqa: E731
+    """``kernel(**args, **static)`` through ``sharded_call`` (None arguments stay None); ``axes``
+    names each argument's dimensions."""
+    names, packed = list(args), cfg.num_docs is not None
 
     def call(*xs):
         given = dict(zip(names, xs))
-        if not packed and "doc" in given:  # row b is document b: ids relative to its shard
+        if not packed and given.get("doc") is not None:  # row b is document b: ids per shard
             given["doc"] = given["doc"] - given["doc"][:1, :1]
-        return tuple(kernel(**{**dict.fromkeys(args), **given}, **static))
+        return tuple(kernel(**given, **static))
 
-    return sharded_call(call, [args[n] for n in names], [docs(axes[n]) for n in names],
-                        [docs(a) for a in out_axes], shard_batch=not packed)
+    return sharded_call(call, list(args.values()), [axes[n] for n in names], out_axes,
+                        shard_batch=not packed)
 
 
 _FLAGS = {"doc": "b c", "first": "b c", "last": "b c"}

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from pallas_kernels.osgm_triton import AUX, BETA, DOC, FIRST, LAST, RET, osgm_bwd, osgm_fwd
 from pallas_kernels.partition import match_types, sharded_call
 from pallas_kernels.triton_common import (
-    MAX_HEAD_DIM, interpret_default, pad_last, pow2_dim, vary_alike)
+    MAX_HEAD_DIM, aux_rows, doc_columns, interpret_default, pad_last, pow2_dim, vary_alike)
 from precond_linattn.numerics import f32
 from precond_linattn.varlen import segments
 
@@ -56,14 +56,13 @@ def supports(*, K: int, dtype) -> bool:
 
 
 def _call(cfg, kernel, args, in_axes, out_axes, **static):
-    """``kernel(*args, **static)`` through ``sharded_call``; "n" (states) is "b" for dense rows."""
-    docs = (lambda a: a) if cfg.packed else (lambda a: a.replace("n", "b"))
+    """``kernel(*args, **static)`` through ``sharded_call``."""
     o = cfg.options
     fn = functools.partial(kernel, hyper=cfg.hyper, beta_aware=cfg.beta_aware, packed=cfg.packed,
                            prefetch=o.prefetch, num_warps=o.num_warps, interpret=cfg.interpret,
                            **static)
-    return sharded_call(lambda *xs: tuple(fn(*xs)), args, [docs(a) for a in in_axes],
-                        [docs(a) for a in out_axes], shard_batch=not cfg.packed)
+    return sharded_call(lambda *xs: tuple(fn(*xs)), args, in_axes, out_axes,
+                        shard_batch=not cfg.packed)
 
 
 def _forward(cfg, k, aux, init, emit_d):
@@ -114,11 +113,8 @@ def osgm_pallas(k, beta, retention, eta, d_min, d_max, beta_aware, eps, initial_
                          "numbers, not traced values (or use impl='chunked')")
     seg = segments(B, T, cu_seqlens)
     beta = f32(beta)
-    zero = jnp.zeros_like(beta)
-    columns = {BETA: beta, RET: jnp.ones_like(beta) if retention is None else f32(retention)}
-    for i, flag in ((DOC, seg.doc), (FIRST, seg.first), (LAST, seg.last)):
-        columns[i] = zero + flag.astype(jnp.float32)[..., None]  # beta's sharding
-    aux = jnp.stack([columns.get(i, zero) for i in range(AUX)], axis=-1)
+    columns = {BETA: beta, RET: 1.0 if retention is None else f32(retention)}
+    aux = aux_rows(columns | doc_columns(seg, DOC, FIRST, LAST), AUX, beta)
     Kp = pow2_dim(K)
     init = (jnp.ones((seg.num_docs, H, Kp), jnp.float32) if initial_state is None else
             jnp.pad(f32(initial_state), [(0, 0), (0, 0), (0, Kp - K)], constant_values=1.0))

@@ -85,7 +85,19 @@ def sharded_call(fn, args, in_axes, out_axes, *, shard_batch=True):
 
     ``in_axes``/``out_axes``: one string of factor names per operand/result, e.g. "b t h k";
     ``b`` and ``h`` may be sharded (``b`` only if ``shard_batch``), all other factors are whole.
-    A factor name means the same dimension size everywhere it appears."""
+    A factor name means the same dimension size everywhere it appears. ``n`` names document
+    states: with ``shard_batch`` (one document per batch row) it is the batch factor ``b``.
+    None operands are passed to ``fn`` as None and take no part in the partitioning."""
+    given = [a is not None for a in args]
+    rows = (lambda a: a.replace("n", "b")) if shard_batch else (lambda a: a)
+    in_axes = [rows(x) for a, x in zip(args, in_axes) if a is not None]
+    out_axes = [rows(x) for x in out_axes]
+    args, call_with_nones = [a for a in args if a is not None], fn
+
+    def fn(*xs):  # the partitioned call sees the present operands only
+        it = iter(xs)
+        return call_with_nones(*(next(it) if p else None for p in given))
+
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.manual_axes:
         return fn(*args)

@@ -125,6 +125,21 @@ def unit_lower_inverse(L, dots: Dots):
     return T
 
 
+def doc_columns(seg, doc, first, last):
+    """{column index: [B, T, 1] float32} for a ``varlen.segments`` layout's per-token document
+    id and first / last flags, as ``aux_rows`` columns."""
+    return {i: flag.astype(jnp.float32)[..., None]
+            for i, flag in ((doc, seg.doc), (first, seg.first), (last, seg.last))}
+
+
+def aux_rows(columns, width, like):
+    """Per-token float32 rows [B, T, H, width] for the token-loop kernels (read back with
+    ``column``): column i is ``columns[i]`` broadcast to ``like``'s shape [B, T, H] (and its
+    sharding), 0 where absent."""
+    zero = jnp.zeros_like(like, jnp.float32)
+    return jnp.stack([zero + columns[i] if i in columns else zero for i in range(width)], axis=-1)
+
+
 def column(row, i):
     """Column i of a loaded aux row, as a scalar (loaded values cannot be indexed)."""
     return jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, row.shape, 0) == i, row, 0.0))
