@@ -168,7 +168,8 @@ def breakdown(core, x, reps, options):
     from pallas_kernels.triton_common import Dots, interpret_default
     B, T, H, D = x["q"].shape
     nc, decay = T // 64, {None: "none", 3: "scalar", 4: "vector"}[DECAYS[core]]
-    cfg = dr._Config(64, decay, D ** -0.5, None, options, Dots("tf32", interpret_default()))
+    precision = options.precision or "tf32"  # "auto" with bf16 inputs
+    cfg = dr._Config(64, decay, D ** -0.5, None, options, Dots(precision, interpret_default()))
     g = x.get("g")
     gamma = None
     if g is not None:  # cumulative log decay from each chunk's start
@@ -256,6 +257,8 @@ def main():
     variants = [variant(v) for v in a.variants.split(",")]
     names = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
     check_dtypes = [names[d] for d in a.check_dtypes.split(",")]
+    inputs = {core: make_inputs(jax.random.fold_in(key, 7), B, T, H, D, decay, jnp.bfloat16)[0]
+              for core, decay in DECAYS.items()} if "time" in sections else {}
     for n_variant, opt in enumerate(variants):
         tag = (f"{opt.precision or 'auto'}/{opt.block_v}/{opt.num_warps}/{opt.num_stages}"
                + ("" if opt.split else "/fused") + ("" if opt.save_wy else "/recompute")
@@ -277,8 +280,6 @@ def main():
                 return check(f"gdn bf16 {tag} packed T=5000, 4 docs", op("pallas", opt, cu),
                              op("chunked", cu_seqlens=cu), x, kc, jnp.bfloat16)
             results.append(guarded("check packed", packed))
-        inputs = {core: make_inputs(jax.random.fold_in(key, 7), B, T, H, D, decay, jnp.bfloat16)[0]
-                  for core, decay in DECAYS.items()}
         jobs = [(f"pallas[{tag}] {core}", op("pallas", opt), core) for core in DECAYS]
         if n_variant == 0:  # the others' kernels, once: jax-linear-attention, then the chunked form
             jobs += [(f"jla {core} (k̃ = k)", core, core) for core in DECAYS if "jla" in sections]

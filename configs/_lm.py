@@ -6,12 +6,12 @@ from train.config import (CheckpointConfig, DataSpec, ExperimentConfig, LoggingC
                           RunConfig)
 
 
-def text_data(paths: str, vocab_file: str, seq_len: int) -> DataSpec:
+def text_data(paths: str, vocab_file: str) -> DataSpec:
     """JSONL documents (field "text") from local ``paths`` with the Llama BPE tokenizer of FLA
-    (32,000 ids; ``vocab_file`` is its tokenizer.json), documents of up to ``seq_len`` tokens
+    (32,000 ids; ``vocab_file`` is its tokenizer.json), documents of up to ``run.seq_len`` tokens
     packed into rows, every state reset at each boundary."""
     return DataSpec(task="text", params=dict(paths=(paths,), format="jsonl", tokenizer_name="bpe",
-                                             vocab_file=vocab_file, max_doc_len=seq_len))
+                                             vocab_file=vocab_file))
 
 
 def lm_config(name: str, preset: str, preconditioner: str, data: DataSpec, optim: OptimConfig, *,

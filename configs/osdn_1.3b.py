@@ -14,5 +14,5 @@ from train.optim import osdn_recipe
 
 def get_config():
     return lm_config("osdn_1.3b", "deltanet-1.3b", "osgm_apf",
-                     text_data("data/fineweb-edu/*.jsonl", "data/llama-tokenizer.json", 4096),
+                     text_data("data/fineweb-edu/*.jsonl", "data/llama-tokenizer.json"),
                      osdn_recipe(total_steps=190735), batch_size=128, seq_len=4096, grad_accum=32)

@@ -18,5 +18,5 @@ from train.optim import osdn_recipe
 
 def get_config():
     return lm_config("osdn_340m", "deltanet-340m", "osgm",
-                     text_data("data/fineweb-edu/*.jsonl", "data/llama-tokenizer.json", 4096),
+                     text_data("data/fineweb-edu/*.jsonl", "data/llama-tokenizer.json"),
                      osdn_recipe(total_steps=20480), batch_size=128, seq_len=4096, grad_accum=16)

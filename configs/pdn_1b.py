@@ -16,5 +16,5 @@ from train.optim import pdn_recipe
 
 def get_config():
     return lm_config("pdn_1b", "gdn-1b-pdn", "atk",
-                     text_data("data/slimpajama/*.jsonl", "data/llama-tokenizer.json", 2048),
+                     text_data("data/slimpajama/*.jsonl", "data/llama-tokenizer.json"),
                      pdn_recipe(total_steps=95367), batch_size=256, seq_len=2048, grad_accum=32)

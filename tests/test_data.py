@@ -236,6 +236,7 @@ def test_padded_cu_seqlens_reset_states_in_the_op(rand, impl):
     run = jax.jit(lambda c: pla.delta_rule(x["q"], x["k"], x["v"], x["beta"], cu_seqlens=c, impl=impl,
                                            chunk_size=16)[0])
     assert rel_err(run(cu), run(exact)) <= 1e-6
+    assert rel_err(run(exact), run(jnp.asarray([0, 96], jnp.int32))) > 1e-2  # the resets matter
 
 
 # ---------------------------------------------------------------- grain: determinism, resume, hosts

@@ -86,7 +86,10 @@ def test_matches_reference(decay, x):
     """Forward, final state and gradients of every input; odd T (not a multiple of the token
     block), K = 24 padded to 32, three heads; x = 1 gives k̃ = k."""
     inp = make_inputs(1, decay=decay)
-    assert_runs_match(run("pallas", inp, x=x), run("reference", inp, x=x), 1e-5)
+    got = run("pallas", inp, x=x)
+    assert_runs_match(got, run("reference", inp, x=x), 1e-5)
+    if x == 1.0:
+        np.testing.assert_array_equal(got[0], inp["k"].astype(jnp.float32))
 
 
 def test_no_decay_default_initial_state():

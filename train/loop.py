@@ -114,14 +114,16 @@ def train(cfg: ExperimentConfig, *, stop_at: int | None = None, devices=None,
     monitor = Monitor(cfg.logging, total_steps=steps, tokens_per_step=B * T, start_step=start,
                       flops_per_token=flops_per_token(model_cfg, num_params), console=console)
     evaluate = Evaluator(cfg, setup.graphdef, shardings) if cfg.logging.eval_every else None
-    schedule = lr_schedule(cfg.optim, steps)
+    # the learning rates of all steps, once on the host (a device op per step would wait for
+    # the step in flight and undo the one-step-late metrics)
+    lrs = np.asarray(jax.device_get(jax.vmap(lr_schedule(cfg.optim, steps))(np.arange(steps))))
     result = RunResult(cfg.name, model_cfg.layer.variant, num_params, start, {}, {}, False)
     pending = []  # (step, device metrics) not yet checked and recorded
 
     def record():
         for s, metrics in pending:
             host = {k: float(v) for k, v in jax.device_get(metrics).items()}
-            host["lr"] = float(schedule(s - 1))
+            host["lr"] = float(lrs[s - 1])
             check_finite(s, host, ("loss", "grad_norm"))
             monitor.update(s, host)
             result.losses[s] = host["loss"]
