@@ -43,7 +43,8 @@ class OptimConfig:
 
     total_steps: optimizer updates the schedule spans; None: ``run.steps`` (passed to
       ``train.optim.make_optimizer``).
-    grad_accum: micro-batches per update (optax.MultiSteps); the schedule counts updates.
+    grad_accum: micro-batches per update, accumulated inside the train step; the schedule counts
+      updates.
     no_decay: regexes searched in each parameter's "/"-joined path; matching parameters, and every
       parameter of ndim ≤ 1, get no weight decay (see ``train.optim.weight_decay_mask``).
     """

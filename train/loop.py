@@ -76,8 +76,7 @@ def build(cfg: ExperimentConfig, *, devices=None) -> Setup:
     if (B // A) % rows:
         raise ValueError(f"the micro-batch of run.batch_size / optim.grad_accum = {B // A} rows does not "
                          f"divide over mesh.data × mesh.fsdp = {rows} devices")
-    # The train step accumulates the micro-batches itself (a scan), so no optax.MultiSteps.
-    tx = make_optimizer(dataclasses.replace(cfg.optim, grad_accum=1), total_steps=cfg.run.steps)
+    tx = make_optimizer(cfg.optim, total_steps=cfg.run.steps)
     model = init_sharded(lambda: annotate(LanguageModel(model_cfg, rngs=nnx.Rngs(cfg.run.seed))), mesh)
     graphdef, params = nnx.split(model, nnx.Param)
     opt_shardings = state_shardings(jax.eval_shape(tx.init, params), mesh)

@@ -40,14 +40,14 @@ def weight_decay_mask(params, no_decay: tuple[str, ...] = OptimConfig.no_decay):
 
 def make_optimizer(cfg: OptimConfig, total_steps: int | None = None) -> optax.GradientTransformation:
     """Global-norm clipping, then AdamW on ``lr_schedule(cfg, total_steps)`` with
-    ``weight_decay_mask``; wrapped in ``optax.MultiSteps`` when ``cfg.grad_accum > 1`` (gradients
-    averaged over the micro-batches of an update; clipping applies to that average)."""
+    ``weight_decay_mask``. One call of ``update`` is one optimizer step: the train step
+    accumulates the ``cfg.grad_accum`` micro-batches itself (the gradient of the token-weighted
+    mean loss over the whole batch, ``train.step``), and clipping applies to that gradient."""
     mask = lambda params: weight_decay_mask(params, cfg.no_decay)
-    tx = optax.chain(
+    return optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip),
         optax.adamw(lr_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                     weight_decay=cfg.weight_decay, mask=mask))
-    return optax.MultiSteps(tx, cfg.grad_accum) if cfg.grad_accum > 1 else tx
 
 
 def osdn_recipe(total_steps: int = 20480, **changes) -> OptimConfig:
