@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 benchmarks/bench_delta.py [--shape B T H D] [--budget-s 420]
         [--sections checks,packed,time,jla,chunked,breakdown] [--check-dtypes bf16,fp32]
         [--variants auto/64/4,auto/64/4/fused]
-        # a variant: precision/block_v/num_warps[/num_stages][/fused][/recompute][/vkernel]
+        # a variant: precision/block_v/num_warps[/num_stages][/fused][/recompute][/vkernel][/pP][/kN]
 
 Checks (fresh random inputs per check; the device allocator is filled with NaN before each run so
 an unwritten output element shows): pallas vs the chunked pure-JAX form, outputs, final states
@@ -169,7 +169,8 @@ def breakdown(core, x, reps, options):
     B, T, H, D = x["q"].shape
     nc, decay = T // 64, {None: "none", 3: "scalar", 4: "vector"}[DECAYS[core]]
     precision = options.precision or "tf32"  # "auto" with bf16 inputs
-    cfg = dr._Config(64, decay, D ** -0.5, None, options, Dots(precision, interpret_default()))
+    cfg = dr._Config(64, decay, D ** -0.5, None, options, Dots(precision, interpret_default()),
+                     Dots(options.parallel_precision or precision, interpret_default()))
     g = x.get("g")
     gamma = None
     if g is not None:  # cumulative log decay from each chunk's start
@@ -180,17 +181,18 @@ def breakdown(core, x, reps, options):
     ins = (x["q"], x["k"], x["kw"], x["v"], x["beta"], gamma)
     kw = dict(chunk=64, block_v=options.block_v, dots=cfg.dots, num_warps=options.num_warps,
               num_stages=options.num_stages)
+    pkw = kw | dict(dots=cfg.pdots)  # the chunk-parallel kernels' dots
     steps = dict(
-        wy=lambda ins: dr._wy(cfg, ins, pullback=False),
+        wy=lambda ins: dr._wy(cfg, ins),
         state_fwd=lambda W, U, k, gc: sf.state_pass(W, U, k, gc, None, *flags, num_docs=None, **kw),
         chunk_output=lambda q, P, S, R: sf.chunk_output(q, P, S, R, scale=cfg.scale,
-                                                        out_dtype=x["v"].dtype, **kw),
-        dout_products=lambda P, q, do: sb.dout_products(P, q, do, scale=cfg.scale, **kw),
+                                                        out_dtype=x["v"].dtype, **pkw),
+        dout_products=lambda P, q, do: sb.dout_products(P, q, do, scale=cfg.scale, **pkw),
         state_bwd=lambda W, k, gc, A, G, df: sb.state_pass(W, k, gc, A, G, df, *flags, **kw),
-        chunk_grads=lambda *a: sb.chunk_grads(*a, scale=cfg.scale, **kw),
-        wy_pullback=lambda ins, cts: dr._wy(cfg, ins)[1](cts))
+        chunk_grads=lambda *a: sb.chunk_grads(*a, scale=cfg.scale, block_k=options.block_k, **pkw),
+        wy_pullback=lambda ins, extra, cts: dr._wy_pullback(cfg, ins, extra)[1](cts))
     f = {n: jax.jit(fn) for n, fn in steps.items()}
-    W, U, kt, qd, P, gc = f["wy"](ins)
+    (W, U, kt, qd, P, gc), extra = f["wy"](ins)
     states, R, final = f["state_fwd"](W, U, kt, gc)
     o = f["chunk_output"](qd, P, states, R)
     A, G = f["dout_products"](P, qd, o)
@@ -199,11 +201,37 @@ def breakdown(core, x, reps, options):
     args = dict(wy=(ins,), state_fwd=(W, U, kt, gc), chunk_output=(qd, P, states, R),
                 dout_products=(P, qd, o), state_bwd=(W, kt, gc, A, G, final),
                 chunk_grads=(states, dstates, dU, R, o),
-                wy_pullback=(ins, (dW, dU, dkt, dq, dP, dgc)))
-    r = dict(breakdown=core, **{f"{n}_ms": timeit(f[n], *args[n], reps=reps) for n in steps},
-             t_s=round(elapsed()))
+                wy_pullback=(ins, extra, (dW, dU, dkt, dq, dP, dgc)))
+    times = {f"{n}_ms": timeit(f[n], *args[n], reps=reps) for n in steps}
+    r = dict(breakdown=core, variant=variant_tag(options), **times, t_s=round(elapsed()))
     print(json.dumps(r), flush=True)
     return r
+
+
+def variant(v):
+    """Options from precision/block_v/num_warps[/num_stages][/fused][/recompute][/vkernel][/pP]
+    [/kN] (pP: ``Options.parallel_precision`` = P, e.g. ptf32, pbf16; kN: ``Options.block_k`` = N).
+    """
+    f = v.split("/")
+    flags = [t for t in f[3:] if not t.isdigit()]
+    block_k = [int(t[1:]) for t in flags if t[0] == "k" and t[1:].isdigit()]
+    parallel = [t[1:] for t in flags if t[0] == "p"]
+    stages = int(f[3]) if len(f) > 3 and f[3].isdigit() else Options().num_stages
+    return Options(precision=None if f[0] == "auto" else f[0], block_v=int(f[1]),
+                   num_warps=int(f[2]), num_stages=stages, split="fused" not in flags,
+                   save_wy="recompute" not in flags,
+                   vector_wy="kernel" if "vkernel" in flags else "xla",
+                   parallel_precision=parallel[0] if parallel else None,
+                   block_k=block_k[0] if block_k else Options().block_k)
+
+
+def variant_tag(opt):
+    """The variant string of Options ``opt`` (``variant``'s inverse, num_stages always shown)."""
+    return (f"{opt.precision or 'auto'}/{opt.block_v}/{opt.num_warps}/{opt.num_stages}"
+            + ("" if opt.split else "/fused") + ("" if opt.save_wy else "/recompute")
+            + ("/vkernel" if opt.vector_wy == "kernel" else "")
+            + (f"/p{opt.parallel_precision}" if opt.parallel_precision else "")
+            + (f"/k{opt.block_k}" if opt.block_k != Options().block_k else ""))
 
 
 def jla_ops():
@@ -231,6 +259,8 @@ def main():
                         "--check-dtypes")
     p.add_argument("--check-all-variants", action="store_true",
                    help="also check the other variants (bf16); by default only the first")
+    p.add_argument("--breakdown-cores", default=",".join(DECAYS),
+                   help="cores whose kernels ``breakdown`` times, for every variant")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--budget-s", type=float, default=420,
                    help="start no new item after this many seconds from process start")
@@ -247,22 +277,13 @@ def main():
 
     guarded = Guard(a.budget_s)
 
-    def variant(v):  # precision/block_v/num_warps[/num_stages][/fused][/recompute][/vkernel]
-        f = v.split("/")
-        flags = [t for t in f[3:] if not t.isdigit()]
-        stages = int(f[3]) if len(f) > 3 and f[3].isdigit() else Options().num_stages
-        return Options(None if f[0] == "auto" else f[0], int(f[1]), int(f[2]), stages,
-                       split="fused" not in flags, save_wy="recompute" not in flags,
-                       vector_wy="kernel" if "vkernel" in flags else "xla")
     variants = [variant(v) for v in a.variants.split(",")]
     names = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
     check_dtypes = [names[d] for d in a.check_dtypes.split(",")]
     inputs = {core: make_inputs(jax.random.fold_in(key, 7), B, T, H, D, decay, jnp.bfloat16)[0]
               for core, decay in DECAYS.items()} if "time" in sections else {}
     for n_variant, opt in enumerate(variants):
-        tag = (f"{opt.precision or 'auto'}/{opt.block_v}/{opt.num_warps}/{opt.num_stages}"
-               + ("" if opt.split else "/fused") + ("" if opt.save_wy else "/recompute")
-               + ("/vkernel" if opt.vector_wy == "kernel" else ""))
+        tag = variant_tag(opt)
         dtypes = check_dtypes if n_variant == 0 else (jnp.bfloat16,) if a.check_all_variants else ()
         for dtype in dtypes if "checks" in sections else ():
             for core in DECAYS:
@@ -288,9 +309,10 @@ def main():
         for label, f, core in jobs if "time" in sections else ():
             timings.append(guarded(f"time {label}", lambda: time_op(
                 label, jla_ops()[f] if isinstance(f, str) else f, inputs[core], a.reps)))
-    for core in DECAYS if "breakdown" in sections else ():
-        x, _ = make_inputs(jax.random.fold_in(key, 8), B, T, H, D, DECAYS[core], jnp.bfloat16)
-        guarded(f"breakdown {core}", lambda: breakdown(core, x, a.reps, variants[0]))
+    for opt in variants if "breakdown" in sections else ():
+        for core in a.breakdown_cores.split(","):
+            x, _ = make_inputs(jax.random.fold_in(key, 8), B, T, H, D, DECAYS[core], jnp.bfloat16)
+            guarded(f"breakdown {core}", lambda: breakdown(core, x, a.reps, opt))
 
     print(f"\n{'check':40s} {'ok':>5s} {'err_o':>9s} {'err_final':>9s} {'err_grad':>9s}")
     for r in filter(None, results):

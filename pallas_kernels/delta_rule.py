@@ -6,11 +6,12 @@ split (``state_fwd_triton``, ``state_bwd_triton``): the per-chunk tensors of the
 2.1), W = (I + L)^-1 Diag(β)(K ⊙ Γ), U = (I + L)^-1 Diag(β) V, K̃ ⊙ Γ_C/Γ, Q ⊙ Γ, P and Γ_C,
 come from the chunk-parallel kernel ``wy_triton.wy_fwd`` (no decay, scalar decay), and with a
 per-channel decay from ``prepare`` in plain JAX or ``wy_vector_triton.wy_vector_fwd``
-(``Options.vector_wy``); a serial kernel carries the state through the
-chunks with 2 matmuls per chunk and chunk-parallel kernels form the outputs. The backward
-recomputes the WY tensors, runs the reverse state pass the same way (2 matmuls per chunk) and
-the per-chunk cotangents in parallel, then the pullback of the WY step (``wy_bwd`` /
-``wy_vector_bwd``, recomputing T in the kernel, or ``prepare``'s ``jax.vjp``).
+(``Options.vector_wy``); a serial kernel carries the state through the chunks with 2 matmuls
+per chunk and chunk-parallel kernels form the outputs. The backward reuses the forward's WY
+tensors (``Options.save_wy``) or recomputes them, runs the reverse state pass the same way (2
+matmuls per chunk) and the per-chunk cotangents in parallel, then the pullback of the WY step
+(``wy_bwd`` / ``wy_vector_bwd``, reading T = (I + L)^-1 from the forward, or ``prepare``'s
+``jax.vjp``).
 
 fused (``delta_fwd_triton``, ``delta_bwd_triton``): one kernel per direction does all the
 per-chunk work inside its serial chunk loop (the WY tensors are still recomputed outside for the
@@ -63,10 +64,19 @@ class Options:
     16-bit and "tf32x3" (about fp32) otherwise: see benchmarks/NOTES.md for the errors measured with each.
     ``vector_wy``: with a per-channel decay, the split pipeline's WY tensors and their pullback
     come from ``prepare`` and its ``jax.vjp`` in plain JAX ("xla") or from the chunk-parallel
-    kernels of ``wy_vector_triton`` ("kernel"; then ``save_wy`` applies too)."""
+    kernels of ``wy_vector_triton`` ("kernel"; then ``save_wy`` applies too).
+    ``parallel_precision``: that of the dots in the split pipeline's chunk-parallel kernels whose
+    results do not feed the state recurrence (outputs, dO products, per-chunk cotangents, the WY
+    pullback); None picks "bf16" when ``precision`` is None and q, k, k̃, v are all 16-bit
+    (as FLA's kernels do; errors within FLA's bars, benchmarks/NOTES.md v6), else ``precision``.
+    "bf16" halves those kernels' operand registers and doubles the tensor-core rate; the serial
+    passes and the WY forward, whose rounding would compound along the sequence, keep
+    ``precision``."""
 
     precision: str | None = None
+    parallel_precision: str | None = None
     block_v: int = 64
+    block_k: int = 64  # key columns per tile of the per-chunk cotangent kernels (chunk_grads, wy_bwd)
     num_warps: int = 4
     num_stages: int = 2  # software pipelining of the serial loops' loads (RESULTS run 13)
     split: bool = True  # the split kernels (state_*_triton) instead of the fused delta_fwd/bwd
@@ -86,6 +96,7 @@ class _Config:
     num_docs: int | None  # documents packed along T (cu_seqlens); None: one per batch row
     options: Options
     dots: Dots
+    pdots: Dots  # the chunk-parallel kernels' dots (Options.parallel_precision)
 
 
 def supports(*, K: int, V: int, dtype, decay) -> bool:
@@ -143,6 +154,7 @@ _FLAGS = {"doc": "b c", "first": "b c", "last": "b c"}
 _WY_IN = dict(q="b t h k", k="b t h k", kw="b t h k", v="b t h v", beta="b t h", gamma="b t h")
 _WY_OUT = dict(dW="b h t k", dU="b h t v", dkw_t="b h t k", dq_dec="b h t k", dP="b h t s",
                dgc="b h c k")  # wy_fwd's outputs, named as wy_bwd's cotangent arguments
+_WY_T = dict(T="b h t s")  # wy_fwd's last output, wy_bwd's argument after the inputs
 
 
 def _wy_kernels(cfg):
@@ -153,33 +165,44 @@ def _wy_kernels(cfg):
 def _wy_kernel(cfg, kernel, ins, cts=None):
     """``kernel(*ins)`` (a forward of ``_wy_kernels``), or ``kernel(*ins, *cts)`` (a pullback:
     cotangents of q, k, kw, v, beta and gamma, cast to the inputs' dtypes; None for a missing
-    gamma), through ``_kernel_call``."""
+    gamma; ``ins`` may end with the forward's T), through ``_kernel_call``."""
     o = cfg.options
-    in_axes = _WY_IN | (dict(gamma="b t h k") if cfg.decay == "vector" else {})
-    args, axes, out_axes = dict(zip(in_axes, ins)), dict(in_axes), tuple(_WY_OUT.values())
+    in_axes = _WY_IN | (dict(gamma="b t h k") if cfg.decay == "vector" else {}) | _WY_T
+    args, axes = dict(zip(in_axes, ins)), dict(in_axes)
+    out_axes = tuple(_WY_OUT.values()) + tuple(_WY_T.values())
+    static = dict(dots=cfg.dots)
     if cts is not None:
         args |= dict(zip(_WY_OUT, cts))
         axes |= _WY_OUT
-        out_axes = tuple(a for a, x in zip(in_axes.values(), ins) if x is not None)
+        out_axes = tuple(a for a, x in zip(in_axes.values(), ins[:6]) if x is not None)
+        static = dict(dots=cfg.pdots) | ({} if cfg.decay == "vector" else dict(block_k=o.block_k))
     outs = _kernel_call(cfg, kernel, args, axes, out_axes, chunk=cfg.chunk, block_v=o.block_v,
-                        dots=cfg.dots, num_warps=o.num_warps, num_stages=o.num_stages)
+                        num_warps=o.num_warps, num_stages=o.num_stages, **static)
     if cts is None:
         return outs
     outs = iter(outs)
-    return tuple(None if x is None else next(outs).astype(x.dtype) for x in ins)
+    return tuple(None if x is None else next(outs).astype(x.dtype) for x in ins[:6])
 
 
-def _wy(cfg, ins, pullback=True):
-    """The WY tensors of ``ins`` = (q, k, kw, v, beta, gamma) (and, if ``pullback``, their
-    pullback): chunk-parallel kernels (``_wy_kernels``), or with a per-channel decay and
-    ``vector_wy="xla"`` ``prepare`` in plain JAX."""
+def _wy(cfg, ins):
+    """The six WY tensors of ``ins`` = (q, k, kw, v, beta, gamma) and what their kernel pullback
+    needs besides ``ins``: (T,) from the kernels, () from ``prepare`` in plain JAX (per-channel
+    decay, ``vector_wy="xla"``)."""
     if cfg.decay == "vector" and cfg.options.vector_wy == "xla":
-        if not pullback:
-            return prepare(cfg, *ins)
+        return prepare(cfg, *ins), ()
+    wy = _wy_kernel(cfg, _wy_kernels(cfg)[0], ins)
+    return wy[:6], wy[6:]
+
+
+def _wy_pullback(cfg, ins, extra=None):
+    """(WY tensors, pullback of the WY step at ``ins``): with ``extra`` (``_wy``'s second result,
+    the forward having run) the pullback kernel alone; without, the forward first."""
+    if cfg.decay == "vector" and cfg.options.vector_wy == "xla":
         return jax.vjp(functools.partial(prepare, cfg), *ins)
-    fwd, bwd = _wy_kernels(cfg)
-    wy = _wy_kernel(cfg, fwd, ins)
-    return (wy, functools.partial(_wy_kernel, cfg, bwd, ins)) if pullback else wy
+    wy = None
+    if extra is None:
+        wy, extra = _wy(cfg, ins)
+    return wy, functools.partial(_wy_kernel, cfg, _wy_kernels(cfg)[1], tuple(ins) + extra)
 
 
 _WY_ARGS = ("W", "U", "kw", "q", "P", "gc")  # the recurrence kernels' names for the WY tensors
@@ -190,10 +213,10 @@ def _forward(cfg, q, k, kw, v, beta, gamma, init, doc, first, last, store_states
     o = cfg.options
     if o.split:
         if wy is None:
-            wy = _wy(cfg, (q, k, kw, v, beta, gamma), pullback=False)
+            wy = _wy(cfg, (q, k, kw, v, beta, gamma))[0]
         args = dict(zip(_WY_ARGS, wy)) | dict(initial_state=init, doc=doc, first=first, last=last)
         axes = dict(_WY_AXES, initial_state="n h k v", **_FLAGS)
-        kernel, static = split_forward, dict(out_dtype=v.dtype)
+        kernel, static = split_forward, dict(out_dtype=v.dtype, pdots=cfg.pdots)
     else:
         A = P = None
         if cfg.decay == "vector":
@@ -220,19 +243,17 @@ def _core(cfg, q, k, kw, v, beta, gamma, init, doc, first, last):
 def _core_fwd(cfg, q, k, kw, v, beta, gamma, init, doc, first, last):
     opts = cfg.options
     save = opts.split and opts.save_wy and (cfg.decay != "vector" or opts.vector_wy == "kernel")
-    wy = _wy(cfg, (q, k, kw, v, beta, gamma), pullback=False) if save else None
+    wy, extra = _wy(cfg, (q, k, kw, v, beta, gamma)) if save else (None, None)
     o, final, *saved = _forward(cfg, q, k, kw, v, beta, gamma, init, doc, first, last, True, wy)
-    return (o, final), (q, k, kw, v, beta, gamma, init, doc, first, last, saved, wy)
+    return (o, final), (q, k, kw, v, beta, gamma, init, doc, first, last, saved, wy, extra)
 
 
 def _core_bwd(cfg, res, cts):
-    q, k, kw, v, beta, gamma, init, doc, first, last, saved, wy = res
+    q, k, kw, v, beta, gamma, init, doc, first, last, saved, wy, extra = res
     do, dfinal = cts
     ins = (q, k, kw, v, beta, gamma)
-    if wy is None:
-        wy, pullback = _wy(cfg, ins)
-    else:  # the forward's WY tensors; the pullback kernel recomputes what it needs
-        pullback = functools.partial(_wy_kernel, cfg, _wy_kernels(cfg)[1], ins)
+    recomputed, pullback = _wy_pullback(cfg, ins, extra)  # the forward's WY tensors if saved
+    wy = recomputed if wy is None else wy
     o = cfg.options
     args = dict(zip(_WY_ARGS, wy)) | dict(zip(("states", "R"), saved)) | dict(
         do=do, dfinal=dfinal, doc=doc, first=first, last=last)
@@ -243,7 +264,7 @@ def _core_bwd(cfg, res, cts):
     dW, dU, dkw, dq, dP, dgc, dinit = _kernel_call(
         cfg, split_backward if o.split else delta_bwd, args, axes, out_axes, chunk=cfg.chunk,
         scale=cfg.scale, block_v=o.block_v, dots=cfg.dots, num_warps=o.num_warps,
-        num_stages=o.num_stages)
+        num_stages=o.num_stages, **(dict(pdots=cfg.pdots, block_k=o.block_k) if o.split else {}))
     grads = pullback((dW.sum(0), dU, dkw.sum(0), dq.sum(0), dP.sum(0), dgc.sum(0)))
     return (*match_types((*grads, None if init is None else dinit),
                          (q, k, kw, v, beta, gamma, init)), None, None, None)
@@ -286,10 +307,13 @@ def delta_rule_pallas(q, k, kw, v, beta, log_decay, scale, initial_state, cu_seq
     last = jnp.zeros(layout.doc.shape, jnp.int32).at[layout.final_row, layout.final_chunk].set(1)
     decay = {None: "none", 3: "scalar", 4: "vector"}[None if log_decay is None else log_decay.ndim]
     interpret = interpret_default() if interpret is None else interpret
-    precision = options.precision or (
-        "tf32" if all(jnp.dtype(x.dtype).itemsize == 2 for x in (q, k, kw, v)) else "tf32x3")
+    sixteen_bit = all(jnp.dtype(x.dtype).itemsize == 2 for x in (q, k, kw, v))
+    precision = options.precision or ("tf32" if sixteen_bit else "tf32x3")
+    parallel = options.parallel_precision or (
+        "bf16" if sixteen_bit and options.precision is None else precision)
     cfg = _Config(chunk_size, decay, float(scale),
-                  None if cu_seqlens is None else layout.num_docs, options, Dots(precision, interpret))
+                  None if cu_seqlens is None else layout.num_docs, options, Dots(precision, interpret),
+                  Dots(parallel, interpret))
     o, final = _core(cfg, *vary_alike(*qk, kernel_layout(v, Vp), kernel_layout(beta), gamma, init,
                                       layout.doc.astype(jnp.int32), layout.first.astype(jnp.int32),
                                       last))

@@ -4,8 +4,10 @@ also serve the plain-JAX ``delta_rule.prepare``, batched over leading dims).
 The lowering takes 2-D dots only (every dimension >= 16), power-of-two tensor sizes, and no slicing
 of loaded values (load the rows you need from a ref instead). float32 dots run on tensor cores at
 the precision named here: "tf32" (one pass, operands rounded to 10 mantissa bits), "tf32x3"
-(three passes, about fp32) or "ieee" (CUDA cores, exact fp32, slow). In interpret mode (CPU)
-every float32 dot is exact fp32 (XLA:CPU has no tf32). The token-loop kernels (OSGM, ATK) share
+(three passes, about fp32), "ieee" (CUDA cores, exact fp32, slow) or "bf16" (operands rounded to
+bfloat16, products exact, float32 accumulation: twice tf32's tensor-core rate and half its
+operand registers). In interpret mode (CPU) float32 dots are exact fp32 (XLA:CPU has no tf32),
+and "bf16" rounds the operands there too. The token-loop kernels (OSGM, ATK) share
 ``column`` (a scalar out of a loaded per-token row) and ``prefetched_loop``.
 
 Inside ``jax.shard_map(check_vma=True)`` every value carries the mesh axes it varies over
@@ -34,13 +36,20 @@ class Dots:
     precision: str = "tf32x3"
     interpret: bool = False
 
+    def __post_init__(self):
+        if self.precision not in (*_PRESETS, "bf16"):
+            raise ValueError(f"precision must be one of {[*_PRESETS, 'bf16']}, got "
+                             f"{self.precision!r}")
+
     def _prec(self, a, b):
         if a.dtype != jnp.float32 or b.dtype != jnp.float32:
             return None  # 16-bit operands: exact products, float32 accumulation
         return lax.Precision.HIGHEST if self.interpret else _PRESETS[self.precision]
 
     def _dot(self, a, b, dims, batch=()):
-        if a.dtype != b.dtype:
+        if self.precision == "bf16":
+            a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+        elif a.dtype != b.dtype:
             a, b = a.astype(jnp.float32), b.astype(jnp.float32)
         return lax.dot_general(a, b, (dims, (batch, batch)), precision=self._prec(a, b),
                                preferred_element_type=jnp.float32)

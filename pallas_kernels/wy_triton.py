@@ -7,9 +7,10 @@ chunk (rows i, j = 0 .. C − 1; γ the cumulative log decay from the chunk star
     L = strict_tril(Diag(β) A)    P = tril(Q K̃ᵀ ⊙ D)    T = (I + L)^-1     (doubling product)
     W = T Diag(β)(K ⊙ Γ)    U = T Diag(β) V    K̃' = K̃ ⊙ Γ_C/Γ    Q' = Q ⊙ Γ    Γ_C = exp γ_C
 
-``wy_fwd`` writes ``delta_rule.prepare``'s outputs. ``wy_bwd`` recomputes T and applies
-the pullback to the cotangents (dW, dU, dK̃', dQ', dP, dΓ_C; dΓ_C is broadcast over K, so its
-channels are summed):
+``wy_fwd`` writes ``delta_rule.prepare``'s outputs and T. ``wy_bwd`` reads T back (a
+[C, C] tile per chunk: cheaper than the doubling product's chain of matmuls), recomputes A, L
+(one matmul) and applies the pullback to the cotangents (dW, dU, dK̃', dQ', dP, dΓ_C; dΓ_C is
+broadcast over K, so its channels are summed):
 
     dT = dW (Diag(β) K⊙Γ)ᵀ + dU (Diag(β) V)ᵀ        dL = strict_tril(−Tᵀ dT Tᵀ)
     G_K = Diag(β) dL ⊙ D                            G_Q = tril(dP) ⊙ D
@@ -37,8 +38,8 @@ from jax.experimental.pallas import triton as pltr
 from pallas_kernels.triton_common import Dots, iota2, out_struct, unit_lower_inverse
 
 
-def _chunk(k, kw, beta, g_ref, dots, C):
-    """Shared recomputation: (β, Γ, Γ_C/Γ [C], Γ_C, D, A, L, T [C, C])."""
+def _decayed_gram(gram, beta, g_ref, C):
+    """(β, Γ, Γ_C/Γ [C], Γ_C, D, A, L [C, C]) of one chunk from ``gram`` = K K̃ᵀ [C, C]."""
     f32 = jnp.float32
     i, j = iota2(C)
     if g_ref is None:
@@ -46,21 +47,20 @@ def _chunk(k, kw, beta, g_ref, dots, C):
     else:
         g, g_last = g_ref[...].astype(f32), g_ref[C - 1].astype(f32)
     D = jnp.exp(jnp.where(i >= j, g[:, None] - g[None, :], -jnp.inf))
-    A = dots.nt(k, kw) * D
+    A = gram * D
     L = jnp.where(i > j, beta[:, None] * A, 0.0)
-    return (beta, jnp.exp(g), jnp.exp(g_last - g), jnp.exp(g_last), D, A, L,
-            unit_lower_inverse(L, dots))
+    return beta, jnp.exp(g), jnp.exp(g_last - g), jnp.exp(g_last), D, A, L
 
 
-def _v_tiles(V, block_v):
-    """Static column slices of the value tiles."""
-    BV = min(block_v, V)
-    return [pl.ds(t * BV, BV) for t in range(V // BV)]
+def _tiles(n, block):
+    """Static column slices of width min(block, n) covering n columns."""
+    width = min(block, n)
+    return [pl.ds(t * width, width) for t in range(n // width)]
 
 
 def u_fwd(T, b, v_ref, U_ref, dots, block_v):
     """U = T Diag(β) V, by value tiles (b = β[:, None])."""
-    for cols in _v_tiles(v_ref.shape[-1], block_v):
+    for cols in _tiles(v_ref.shape[-1], block_v):
         U_ref[:, cols] = dots.nn(T, b * v_ref[:, cols].astype(jnp.float32))
 
 
@@ -68,7 +68,7 @@ def u_bwd(T, b, v_ref, dU_ref, dv_ref, dots, block_v):
     """The pullback of U = T Diag(β) V by value tiles: writes dV = Diag(β) Tᵀ dU and returns
     (dU (Diag(β) V)ᵀ, rowsum(Tᵀ dU ⊙ V)), U's parts of dT and dβ."""
     dT = db = 0.0
-    for cols in _v_tiles(v_ref.shape[-1], block_v):
+    for cols in _tiles(v_ref.shape[-1], block_v):
         v, dU = v_ref[:, cols].astype(jnp.float32), dU_ref[:, cols]
         dT = dT + dots.nt(dU, b * v)
         dVb = dots.tn(T, dU)
@@ -78,14 +78,16 @@ def u_bwd(T, b, v_ref, dU_ref, dv_ref, dots, block_v):
 
 
 def _fwd_kernel(*refs, dots, block_v, has_decay):
-    """One chunk's W, U, K̃', Q', P and Γ_C (module docstring)."""
+    """One chunk's W, U, K̃', Q', P, Γ_C and T (module docstring)."""
     q_ref, k_ref, kw_ref, v_ref, beta_ref, *refs = refs
     g_ref = refs.pop(0) if has_decay else None
-    W_ref, U_ref, kwt_ref, qd_ref, P_ref, gc_ref = refs
+    W_ref, U_ref, kwt_ref, qd_ref, P_ref, gc_ref, T_ref = refs
     C, K = k_ref.shape
     k, kw, q = k_ref[...], kw_ref[...], q_ref[...]
-    beta, Gam, tail, gc, D, _, _, T = _chunk(k, kw, beta_ref[...].astype(jnp.float32), g_ref,
-                                             dots, C)
+    beta, Gam, tail, gc, D, _, L = _decayed_gram(dots.nt(k, kw), beta_ref[...].astype(jnp.float32),
+                                                 g_ref, C)
+    T = unit_lower_inverse(L, dots)
+    T_ref[...] = T
     b, Gcol = beta[:, None], Gam[:, None]
     W_ref[...] = dots.nn(T, b * Gcol * k.astype(jnp.float32))
     u_fwd(T, b, v_ref, U_ref, dots, block_v)
@@ -95,55 +97,58 @@ def _fwd_kernel(*refs, dots, block_v, has_decay):
     gc_ref[...] = jnp.full((K,), gc, jnp.float32)
 
 
-def _bwd_kernel(*refs, dots, block_v, has_decay):
-    """One chunk's dQ, dK, dK̃, dV, dβ and dγ (module docstring), in the order the formulas
-    consume the cotangents so that few [C, K] tiles are live at once."""
+def _bwd_kernel(*refs, dots, block_v, block_k, has_decay):
+    """One chunk's dQ, dK, dK̃, dV, dβ and dγ (module docstring) in two sweeps over tiles of
+    ``block_k`` key columns (few [C, K] values live at once): the first forms dT (with the value
+    tiles) and the rowsums; the second, after dL, writes dK, dK̃, dQ tile by tile (Tᵀ dW is
+    recomputed per tile rather than kept)."""
     q_ref, k_ref, kw_ref, v_ref, beta_ref, *refs = refs
     g_ref = refs.pop(0) if has_decay else None
-    dW_ref, dU_ref, dkwt_ref, dqd_ref, dP_ref, dgc_ref, dq_ref, dk_ref, dkw_ref, dv_ref, db_ref = \
-        refs[:11]
-    dg_ref = refs[11] if has_decay else None
-    C = k_ref.shape[0]
+    (T_ref, dW_ref, dU_ref, dkwt_ref, dqd_ref, dP_ref, dgc_ref, dq_ref, dk_ref, dkw_ref, dv_ref,
+     db_ref) = refs[:12]
+    dg_ref = refs[12] if has_decay else None
+    C, K = k_ref.shape
     f32 = jnp.float32
     i, j = iota2(C)
-    k, kw = k_ref[...], kw_ref[...]
-    kf, kwf = k.astype(f32), kw.astype(f32)
-    beta, Gam, tail, gc, D, A, L, T = _chunk(k, kw, beta_ref[...].astype(f32), g_ref, dots, C)
-    b, Gcol = beta[:, None], Gam[:, None]
+    key_tiles = _tiles(K, block_k)
+    gram = sum(dots.nt(k_ref[:, cols], kw_ref[:, cols]) for cols in key_tiles)
+    beta, Gam, tail, gc, D, A, L = _decayed_gram(gram, beta_ref[...].astype(f32), g_ref, C)
+    T = T_ref[...]
+    b, Gcol, tcol = beta[:, None], Gam[:, None], tail[:, None]
 
-    # W = T Diag(βΓ) K
-    dW = dW_ref[...]
-    dKg = dots.tn(T, dW)
-    dk = b * Gcol * dKg
-    s = Gam * jnp.sum(dKg * kf, axis=1)
-    # U = T Diag(β) V, by value tiles
+    # sweep 1: dT and dβ from W = T Diag(βΓ) K and U = T Diag(β) V (which also writes dV)
     dT, db = u_bwd(T, b, v_ref, dU_ref, dv_ref, dots, block_v)
-    dT = dT + dots.nt(dW, b * Gcol * kf)
-    db = db + s
-    # T = (I + L)^-1, L = strict_tril(Diag(β) A)
+    s = 0.0  # Γ rowsum(Tᵀ dW ⊙ K)
+    for cols in key_tiles:
+        k, dW = k_ref[:, cols].astype(f32), dW_ref[:, cols]
+        s = s + Gam * jnp.sum(dots.tn(T, dW) * k, axis=1)
+        dT = dT + dots.nt(dW, b * Gcol * k)
+    # T = (I + L)^-1, L = strict_tril(Diag(β) A);  P = tril(Q K̃ᵀ ⊙ D)
     dL = jnp.where(i > j, -dots.nt(dots.tn(T, dT), T), 0.0)
-    db = db + jnp.sum(dL * A, axis=1)
+    db_ref[...] = db + s + jnp.sum(dL * A, axis=1)
     GK = b * dL * D
-    dk_ref[...] = dk + dots.nn(GK, kwf)
-    dkw = dots.tn(GK, kf)
-    # P = tril(Q K̃ᵀ ⊙ D), Q' = Q ⊙ Γ
-    q, dqd = q_ref[...], dqd_ref[...]
-    qf = q.astype(f32)
-    dP = jnp.where(i >= j, dP_ref[...], 0.0)
-    GQ = dP * D
-    dq_ref[...] = dots.nn(GQ, kwf) + dqd * Gcol
-    dkw = dkw + dots.tn(GQ, qf)
-    # K̃' = K̃ ⊙ Γ_C/Γ
-    dkwt = dkwt_ref[...]
-    dkw_ref[...] = dkw + dkwt * tail[:, None]
-    db_ref[...] = db
+    GQ = jnp.where(i >= j, dP_ref[...], 0.0) * D
+
+    # sweep 2: dK = G_K K̃ + Diag(βΓ) Tᵀ dW, dK̃ = G_Kᵀ K + G_Qᵀ Q + dK̃' ⊙ Γ_C/Γ, dQ = G_Q K̃ + dQ' ⊙ Γ
+    e = qd = 0.0  # rowsum(dK̃' ⊙ K̃'), rowsum(dQ' ⊙ Q')
+    qkw = 0.0  # Q K̃ᵀ, for dγ
+    for cols in key_tiles:
+        k, kw, q = k_ref[:, cols], kw_ref[:, cols], q_ref[:, cols]
+        dk_ref[:, cols] = b * Gcol * dots.tn(T, dW_ref[:, cols]) + dots.nn(GK, kw)
+        dkwt = dkwt_ref[:, cols]
+        dkw_ref[:, cols] = dots.tn(GK, k) + dots.tn(GQ, q) + dkwt * tcol
+        dqd = dqd_ref[:, cols]
+        dq_ref[:, cols] = dots.nn(GQ, kw) + dqd * Gcol
+        if has_decay:
+            e = e + tail * jnp.sum(dkwt * kw.astype(f32), axis=1)
+            qd = qd + Gam * jnp.sum(dqd * q.astype(f32), axis=1)
+            qkw = qkw + dots.nt(q, kw)
     if has_decay:  # γ enters through D, Γ, Γ_C/Γ and Γ_C
-        E = dL * L + GQ * dots.nt(q, kw)
-        e = tail * jnp.sum(dkwt * kwf, axis=1)
+        E = dL * L + GQ * qkw
         last = jnp.sum(e) + gc * jnp.sum(dgc_ref[...])
         at_last = lax.broadcasted_iota(jnp.int32, (C,), 0) == C - 1
-        dg_ref[...] = (beta * s + jnp.sum(E, axis=1) - jnp.sum(E, axis=0)
-                       + Gam * jnp.sum(dqd * qf, axis=1) - e + jnp.where(at_last, last, 0.0))
+        dg_ref[...] = (beta * s + jnp.sum(E, axis=1) - jnp.sum(E, axis=0) + qd - e
+                       + jnp.where(at_last, last, 0.0))
 
 
 def layout(q, v, gamma, chunk, vector=False):
@@ -166,7 +171,7 @@ def layout(q, v, gamma, chunk, vector=False):
     in_specs = [tok(K), tok(K), tok(K), tok(V), tok()]
     if gamma is not None:
         in_specs.append(tok(K) if vector else tok())
-    wy_specs = [rows(K), rows(V), rows(K), rows(K), rows(chunk), per_chunk]
+    wy_specs = [rows(K), rows(V), rows(K), rows(K), rows(chunk), per_chunk, rows(chunk)]
     return in_specs, wy_specs, (B, H, Tp // chunk)
 
 
@@ -180,17 +185,18 @@ def call(kernel, name, grid, in_specs, out_specs, out_shape, args, dots, num_war
 
 
 def wy_shapes(q, v, grid, chunk, args):
-    """``wy_fwd``'s output structs: W, U, K̃', Q' [B, H, Tp, ·], P [B, H, Tp, C], Γ_C [B, H, NC, K]."""
+    """``wy_fwd``'s output structs: W, U, K̃', Q' [B, H, Tp, ·], P [B, H, Tp, C], Γ_C [B, H, NC, K]
+    and T [B, H, Tp, C]."""
     B, H, nc = grid
     K, V = q.shape[-1], v.shape[-1]
-    return [out_struct((B, H, nc * chunk, d), jnp.float32, *args)
-            for d in (K, V, K, K, chunk)] + [out_struct((B, H, nc, K), jnp.float32, *args)]
+    rows = [out_struct((B, H, nc * chunk, d), jnp.float32, *args) for d in (K, V, K, K, chunk)]
+    return rows + [out_struct((B, H, nc, K), jnp.float32, *args), rows[-1]]
 
 
 def wy_fwd(q, k, kw, v, beta, gamma, *, chunk, block_v, dots: Dots, num_warps, num_stages):
     """W, U, K̃ ⊙ Γ_C/Γ, Q ⊙ Γ [B, H, Tp, ·], P [B, H, Tp, C] and Γ_C [B, H, NC, K], float32:
-    ``delta_rule.prepare``'s outputs by the same formulas (module docstring). gamma: None or
-    [B, Tp, H]."""
+    ``delta_rule.prepare``'s outputs by the same formulas (module docstring), and T = (I + L)^-1
+    [B, H, Tp, C] for ``wy_bwd``. gamma: None or [B, Tp, H]."""
     in_specs, wy_specs, grid = layout(q, v, gamma, chunk)
     args = [x for x in (q, k, kw, v, beta, gamma) if x is not None]
     kernel = functools.partial(_fwd_kernel, dots=dots, block_v=block_v, has_decay=gamma is not None)
@@ -198,14 +204,16 @@ def wy_fwd(q, k, kw, v, beta, gamma, *, chunk, block_v, dots: Dots, num_warps, n
                  args, dots, num_warps, num_stages)
 
 
-def wy_bwd(q, k, kw, v, beta, gamma, dW, dU, dkw_t, dq_dec, dP, dgc, *, chunk, block_v,
-           dots: Dots, num_warps, num_stages):
+def wy_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *, chunk, block_v,
+           dots: Dots, num_warps, num_stages, block_k=64):
     """Cotangents of q, k, kw [B, Tp, H, K], v [B, Tp, H, V], beta [B, Tp, H] and, if gamma is
-    given, of gamma [B, Tp, H] (float32), from those of ``wy_fwd``'s outputs (module docstring)."""
+    given, of gamma [B, Tp, H] (float32), from those of ``wy_fwd``'s outputs and its T
+    (module docstring); ``block_k``: the key columns per tile of the kernel's two sweeps."""
     in_specs, wy_specs, grid = layout(q, v, gamma, chunk)
     args = [x for x in (q, k, kw, v, beta, gamma) if x is not None]
-    cts = [dW, dU, dkw_t, dq_dec, dP, dgc]
+    cts = [T, dW, dU, dkw_t, dq_dec, dP, dgc]
     out_shape = [out_struct(x.shape, jnp.float32, *args, *cts) for x in args]
-    kernel = functools.partial(_bwd_kernel, dots=dots, block_v=block_v, has_decay=gamma is not None)
-    return call(kernel, "wy_bwd", grid, in_specs + wy_specs, in_specs, out_shape, args + cts,
-                 dots, num_warps, num_stages)
+    kernel = functools.partial(_bwd_kernel, dots=dots, block_v=block_v, block_k=block_k,
+                               has_decay=gamma is not None)
+    return call(kernel, "wy_bwd", grid, in_specs + wy_specs[-1:] + wy_specs[:-1], in_specs,
+                out_shape, args + cts, dots, num_warps, num_stages)

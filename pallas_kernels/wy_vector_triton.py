@@ -122,19 +122,20 @@ def _grams_vjp(GK, GQ, q, k, kw, g, kw_ref, g_ref, dots):
 
 
 def _chunk(q_ref, k_ref, kw_ref, beta_ref, g_ref, dots):
-    """Shared recomputation: (q, k, k̃, γ [C, K], β [C], A, P, L, T [C, C]), float32."""
+    """Shared recomputation: (q, k, k̃, γ [C, K], β [C], A, P, L [C, C]), float32."""
     q, k, kw, g = (r[...].astype(f32) for r in (q_ref, k_ref, kw_ref, g_ref))
     beta = beta_ref[...].astype(f32)
     A, P = _grams(q, k, kw, g, kw_ref, g_ref, dots)
     i, j = iota2(k.shape[0])
-    L = jnp.where(i > j, beta[:, None] * A, 0.0)
-    return q, k, kw, g, beta, A, P, L, unit_lower_inverse(L, dots)
+    return q, k, kw, g, beta, A, P, jnp.where(i > j, beta[:, None] * A, 0.0)
 
 
 def _fwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, W_ref, U_ref, kwt_ref, qd_ref,
-                P_ref, gc_ref, *, dots, block_v):
-    """One chunk's W, U, K̃', Q', P and Γ_C (module docstring)."""
-    q, k, kw, g, beta, _, P, _, T = _chunk(q_ref, k_ref, kw_ref, beta_ref, g_ref, dots)
+                P_ref, gc_ref, T_ref, *, dots, block_v):
+    """One chunk's W, U, K̃', Q', P, Γ_C and T (module docstring)."""
+    q, k, kw, g, beta, _, P, L = _chunk(q_ref, k_ref, kw_ref, beta_ref, g_ref, dots)
+    T = unit_lower_inverse(L, dots)
+    T_ref[...] = T
     b, Gam, g_last = beta[:, None], jnp.exp(g), g_ref[k.shape[0] - 1].astype(f32)
     W_ref[...] = dots.nn(T, b * Gam * k)
     u_fwd(T, b, v_ref, U_ref, dots, block_v)
@@ -144,11 +145,12 @@ def _fwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, W_ref, U_ref, kwt_
     gc_ref[...] = jnp.exp(g_last)
 
 
-def _bwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, dW_ref, dU_ref, dkwt_ref, dqd_ref,
-                dP_ref, dgc_ref, dq_ref, dk_ref, dkw_ref, dv_ref, db_ref, dg_ref, *, dots,
+def _bwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, T_ref, dW_ref, dU_ref, dkwt_ref,
+                dqd_ref, dP_ref, dgc_ref, dq_ref, dk_ref, dkw_ref, dv_ref, db_ref, dg_ref, *, dots,
                 block_v):
-    """One chunk's dQ, dK, dK̃, dV, dβ and dγ (module docstring)."""
-    q, k, kw, g, beta, A, _, _, T = _chunk(q_ref, k_ref, kw_ref, beta_ref, g_ref, dots)
+    """One chunk's dQ, dK, dK̃, dV, dβ and dγ (module docstring), T read from the forward."""
+    q, k, kw, g, beta, A, _, _ = _chunk(q_ref, k_ref, kw_ref, beta_ref, g_ref, dots)
+    T = T_ref[...]
     C = k.shape[0]
     i, j = iota2(C)
     b, Gam, g_last = beta[:, None], jnp.exp(g), g_ref[C - 1].astype(f32)
@@ -179,7 +181,7 @@ def wy_vector_fwd(q, k, kw, v, beta, gamma, *, chunk, block_v, dots: Dots, num_w
                   num_stages):
     """``wy_triton.wy_fwd`` for a per-channel decay, gamma [B, Tp, H, K] (the in-chunk cumsum):
     W, U, K̃', Q' [B, H, Tp, ·], P [B, H, Tp, C] and Γ_C [B, H, NC, K], float32, equal to
-    ``delta_rule.prepare``'s outputs (module docstring)."""
+    ``delta_rule.prepare``'s outputs (module docstring), and T [B, H, Tp, C] for the pullback."""
     in_specs, wy_specs, grid = layout(q, v, gamma, chunk, vector=True)
     args = [q, k, kw, v, beta, gamma]
     kernel = functools.partial(_fwd_kernel, dots=dots, block_v=block_v)
@@ -187,14 +189,15 @@ def wy_vector_fwd(q, k, kw, v, beta, gamma, *, chunk, block_v, dots: Dots, num_w
                 wy_shapes(q, v, grid, chunk, args), args, dots, num_warps, num_stages)
 
 
-def wy_vector_bwd(q, k, kw, v, beta, gamma, dW, dU, dkw_t, dq_dec, dP, dgc, *, chunk, block_v,
-                  dots: Dots, num_warps, num_stages):
+def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *, chunk,
+                  block_v, dots: Dots, num_warps, num_stages):
     """Cotangents of q, k, kw [B, Tp, H, K], v [B, Tp, H, V], beta [B, Tp, H] and gamma
-    [B, Tp, H, K] (float32) from those of ``wy_vector_fwd``'s outputs (module docstring)."""
+    [B, Tp, H, K] (float32) from those of ``wy_vector_fwd``'s outputs and its T (module
+    docstring)."""
     in_specs, wy_specs, grid = layout(q, v, gamma, chunk, vector=True)
     args = [q, k, kw, v, beta, gamma]
-    cts = [dW, dU, dkw_t, dq_dec, dP, dgc]
+    cts = [T, dW, dU, dkw_t, dq_dec, dP, dgc]
     out_shape = [out_struct(x.shape, f32, *args, *cts) for x in args]
     kernel = functools.partial(_bwd_kernel, dots=dots, block_v=block_v)
-    return call(kernel, "wy_vector_bwd", grid, in_specs + wy_specs, in_specs, out_shape,
-                args + cts, dots, num_warps, num_stages)
+    return call(kernel, "wy_vector_bwd", grid, in_specs + wy_specs[-1:] + wy_specs[:-1],
+                in_specs, out_shape, args + cts, dots, num_warps, num_stages)

@@ -11,16 +11,17 @@ from pallas_kernels import delta_rule as dr
 from pallas_kernels.triton_common import Dots
 from pallas_kernels.wy_triton import wy_bwd, wy_fwd
 from pallas_kernels.wy_vector_triton import wy_vector_bwd, wy_vector_fwd
+from precond_linattn.chunked.delta import chunk_grams
 from tests.conftest import rel_err
 
 B, NC, H, K, V, C = 2, 3, 3, 16, 32, 16
 DOTS = Dots("tf32x3", interpret=True)
 
 
-def inputs(rand, decay, dtype):
-    """q, k, kw [B, Tp, H, K], v [B, Tp, H, V], beta, gamma (in-chunk cumulative, float32)."""
+def inputs(rand, decay, dtype, k_dim=K):
+    """q, k, kw [B, Tp, H, k_dim], v [B, Tp, H, V], beta, gamma (in-chunk cumulative, float32)."""
     Tp = NC * C
-    x = rand.delta_inputs(B, Tp, H, K, V, decay="scalar" if decay == "scalar" else None,
+    x = rand.delta_inputs(B, Tp, H, k_dim, V, decay="scalar" if decay == "scalar" else None,
                           dtype=dtype)
     gamma = None
     if decay == "scalar":
@@ -32,15 +33,22 @@ def inputs(rand, decay, dtype):
 def oracle(decay, ins, dtype=jnp.float32):
     """``prepare``'s outputs and ``jax.vjp`` pullback, the inputs cast to ``dtype`` (γ stays
     float32)."""
-    cfg = dr._Config(C, decay, 1.0, None, dr.Options(), DOTS)
+    cfg = dr._Config(C, decay, 1.0, None, dr.Options(), DOTS, DOTS)
     cast = [None if x is None else x.astype(dtype) for x in ins[:5]] + [ins[5]]
     return jax.vjp(functools.partial(dr.prepare, cfg), *cast)
 
 
-def kernels(ins, cts, block_v):
+def kernels(ins, cts, block_v, block_k=64):
+    """``wy_fwd``'s six WY tensors and ``wy_bwd``'s cotangents (given the forward's T); checks
+    that T is (I + L)^-1 for ``chunk_grams``' L."""
     opts = dict(chunk=C, block_v=block_v, dots=DOTS, num_warps=4, num_stages=1)
-    return jax.jit(functools.partial(wy_fwd, **opts))(*ins), \
-        jax.jit(functools.partial(wy_bwd, **opts))(*ins, *cts)
+    *wy, T = jax.jit(functools.partial(wy_fwd, **opts))(*ins)
+    views = dr._views(dr._Config(C, "none", 1.0, None, dr.Options(), DOTS, DOTS), *ins)
+    L, _ = chunk_grams(*views[:3], views[4], views[5])
+    eye = jnp.eye(C)
+    TL = jnp.einsum("bhncd,bhnde->bhnce", T.reshape(L.shape), L + eye, precision="highest")
+    assert rel_err(TL, jnp.broadcast_to(eye, L.shape)) <= 1e-5
+    return wy, jax.jit(functools.partial(wy_bwd, block_k=block_k, **opts))(*ins, T, *cts)
 
 
 def check(got, want, tol, names):
@@ -56,14 +64,15 @@ GRADS = ("dq", "dk", "dkw", "dv", "dbeta", "dgamma")
 
 
 @pytest.mark.parametrize("decay", ["none", "scalar"])
-@pytest.mark.parametrize("block_v", [16, 64])
-def test_fp32_matches_prepare(rand, decay, block_v):
-    """fp32: outputs and every cotangent (measured errors <= 3e-7); block_v 16: two value tiles."""
-    ins = inputs(rand, decay, jnp.float32)
+@pytest.mark.parametrize("block_v, k_dim, block_k", [(16, K, 64), (64, K, 64), (16, 32, 16)])
+def test_fp32_matches_prepare(rand, decay, block_v, k_dim, block_k):
+    """fp32: outputs and every cotangent (measured errors <= 3e-7); block_v 16: two value tiles;
+    K = 32 with block_k 16: two key tiles in each sweep of the pullback."""
+    ins = inputs(rand, decay, jnp.float32, k_dim)
     want_wy, pullback = oracle(decay, ins)
     cts = tuple(rand.normal(*w.shape) for w in want_wy)
     want_grads = pullback(cts)
-    got_wy, got_grads = kernels(ins, cts, block_v)
+    got_wy, got_grads = kernels(ins, cts, block_v, block_k)
     check(got_wy, want_wy, 2e-6, WY)
     check(list(got_grads) + [None] * (decay == "none"), want_grads, 2e-6, GRADS)
 
@@ -104,13 +113,13 @@ def test_vector_decay_matches_prepare(rand, c, k_dim, dtype):
     g = -jnp.asarray(rand.rng.uniform(0.01, 20.0, (B, NC, c, H, k_dim)), jnp.float32)
     gamma = jnp.cumsum(g, axis=2).reshape(B, Tp, H, k_dim)
     ins = (x["q"], x["k"], x["write_key"], x["v"], x["beta"], gamma)
-    cfg = dr._Config(c, "vector", 1.0, None, dr.Options(), DOTS)
+    cfg = dr._Config(c, "vector", 1.0, None, dr.Options(), DOTS, DOTS)
     want_wy, pullback = jax.vjp(functools.partial(dr.prepare, cfg),
                                 *(a.astype(jnp.float32) for a in ins))
     cts = tuple(rand.normal(*w.shape) for w in want_wy)
     opts = dict(chunk=c, block_v=16, dots=DOTS, num_warps=4, num_stages=1)
-    got_wy = jax.jit(functools.partial(wy_vector_fwd, **opts))(*ins)
-    got_grads = jax.jit(functools.partial(wy_vector_bwd, **opts))(*ins, *cts)
+    *got_wy, T = jax.jit(functools.partial(wy_vector_fwd, **opts))(*ins)
+    got_grads = jax.jit(functools.partial(wy_vector_bwd, **opts))(*ins, T, *cts)
     check(got_wy, want_wy, 2e-6, WY)
     check(got_grads, pullback(cts), 2e-6, GRADS)
 

@@ -1,0 +1,67 @@
+"""``Options.parallel_precision``: bf16 dots in the split pipeline's chunk-parallel kernels
+(outputs, dO products, per-chunk cotangents, WY pullback), the default for 16-bit inputs, checked
+against the chunked reference in interpret mode on CPU, where the rounding of the operands to
+bf16 is reproduced (and "tf32" dots are exact float32)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import precond_linattn as pla
+from pallas_kernels.delta_rule import Options, delta_rule_pallas
+from pallas_kernels.triton_common import Dots
+
+B, T, H, K, V = 2, 150, 2, 32, 48  # T: two full chunks of 64 and a tail; V padded to 64
+
+
+def rel_rms(a, b):
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    return float(jnp.sqrt(jnp.sum((a - b) ** 2) / jnp.sum(b ** 2)))
+
+
+def outputs_and_grads(f, x, key):
+    """(o, final, gradients of x) of ``f(x) -> (o, final)`` for random cotangents."""
+    (o, final), pullback = jax.vjp(f, x)
+    ko, kf = jax.random.split(key)
+    cts = (jax.random.normal(ko, o.shape, o.dtype), jax.random.normal(kf, final.shape))
+    return o, final, pullback(cts)[0]
+
+
+@pytest.mark.parametrize("decay", [None, "scalar"])
+def test_bf16_parallel_dots_within_fla_bars(rand, decay):
+    """bf16 inputs: the default is bf16 parallel dots (equal to asking for them); outputs, final
+    state and every gradient within FLA's bf16 bars (relative RMS 6e-3 / 8e-3) of the float32
+    chunked reference, and different from float32 parallel dots (the option reaches the kernels:
+    the gradients move by more than 1e-4)."""
+    x = rand.delta_inputs(B, T, H, K, V, decay=decay, dtype=jnp.bfloat16)
+    x = {n: a for n, a in x.items() if a is not None}
+    x["s0"] = rand.normal(B, H, K, V)
+
+    def kernel(options, x):
+        return delta_rule_pallas(x["q"], x["k"], x["write_key"], x["v"], x["beta"],
+                                 x.get("log_decay"), K ** -0.5, x["s0"], None, 64, options)
+
+    def reference(x):
+        return pla.delta_rule(x["q"], x["k"], x["v"], x["beta"], write_key=x["write_key"],
+                              log_decay=x.get("log_decay"), initial_state=x["s0"],
+                              output_final_state=True, impl="chunked")
+
+    key = jax.random.key(3)
+    run = lambda f: jax.jit(functools.partial(outputs_and_grads, f))(x, key)  # noqa: E731
+    fast = run(functools.partial(kernel, Options(parallel_precision="bf16")))
+    default = run(functools.partial(kernel, Options()))
+    exact = run(functools.partial(kernel, Options(parallel_precision="tf32")))
+    ref = run(reference)
+    for a, b in zip(jax.tree.leaves(fast), jax.tree.leaves(default)):
+        assert bool(jnp.all(a == b))
+    assert rel_rms(fast[0], ref[0]) <= 6e-3 and rel_rms(fast[1], ref[1]) <= 6e-3
+    for name in ref[2]:
+        assert rel_rms(fast[2][name], ref[2][name]) <= 8e-3, name
+    assert max(rel_rms(fast[2][n], exact[2][n]) for n in ref[2]) > 1e-4
+
+
+def test_unknown_precision_is_refused():
+    with pytest.raises(ValueError, match="precision must be one of"):
+        Dots("fp16")
