@@ -1,7 +1,9 @@
 """Device benchmark of osgm_precondition(impl="pallas") (OSDN phase 1): checks, then timings.
 
     PYTHONPATH=. python3 benchmarks/bench_osgm.py [--shape B T H K] [--budget-s 100]
-        [--sections checks,time,osdn] [--variants 4/1,8/1]   # kernel options prefetch/num_warps
+        [--sections checks,time,osdn] [--variants 4/1,2/1/4,2/1/4/scalar]
+        # kernel options prefetch/num_warps[/unroll][/scalar]: prefetch in loop iterations (groups
+        # of ``unroll`` tokens), ``scalar``: Options.scalar_aux
 
 Checks (fresh random inputs; device memory filled with NaN before each run): pallas vs the
 token-by-token reference, k̃, final d and the gradients of k, β, r and d_1 for a random
@@ -10,7 +12,8 @@ fp32 1e-4): the paper's setting (η = 0.003, APF retention σ(x + 6)) in fp32 an
 clip-active one (η = 1, beta-free, skewed keys) in fp32. Timings (bf16, median after warm-up):
 phase 1 alone, pallas vs chunked, vanilla and APF, forward and forward+backward (gradients of
 k, β, r); ``osdn``: the whole OSDN op (phase 1 + the Pallas delta core with k̃) against the core
-alone with k̃ = k. Prints JSON lines and one table; records go to benchmarks/RESULTS.md.
+alone with k̃ = k. Every variant but the first is also checked (paper APF fp32 and clip
+cases) after the timings. Prints JSON lines and one table; records go to benchmarks/RESULTS.md.
 """
 
 import argparse
@@ -47,6 +50,17 @@ def phase1(impl, eta=0.003, beta_aware=True, apf=True, options=None):
                                      beta_aware=beta_aware, initial_state=x["d0"],
                                      output_final_state=True, impl=impl)
     return f
+
+
+def variant(text):
+    """``Options`` from "prefetch/num_warps[/unroll][/scalar]" (e.g. "4/1", "2/1/4/scalar")."""
+    parts = text.split("/")
+    scalar = parts[-1] == "scalar"
+    numbers = parts[:-1] if scalar else parts
+    if not 2 <= len(numbers) <= 3 or not all(n.isdigit() for n in numbers):
+        raise ValueError("--variants entries are prefetch/num_warps[/unroll][/scalar], got "
+                         f"{text!r}")
+    return Options(*map(int, numbers), scalar_aux=scalar)
 
 
 def check(name, f_kernel, f_ref, x, key, dtype):
@@ -88,7 +102,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", type=int, nargs=4, default=(8, 2048, 8, 128))
     p.add_argument("--sections", default="checks,time,osdn")
-    p.add_argument("--variants", default="4/1,8/1,4/2")
+    p.add_argument("--variants", default="4/1,4/1/1/scalar,2/1/2,2/1/4,1/1/4,2/1/8,2/1/4/scalar")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--budget-s", type=float, default=100)
     a = p.parse_args()
@@ -98,19 +112,28 @@ def main():
     key = jax.random.key(0)
     results, timings, guarded = [], [], Guard(a.budget_s)
 
+    names = a.variants.split(",")
+    variants = [variant(v) for v in names]
     cases = [("paper APF fp32", jnp.float32, {}), ("paper APF bf16", jnp.bfloat16, {}),
              ("clip eta=1 beta-free fp32", jnp.float32, dict(eta=1.0, beta_aware=False))]
-    for n, (name, dtype, hyper) in enumerate(cases if "checks" in a.sections else ()):
-        def one(n=n, name=name, dtype=dtype, hyper=hyper):
-            x, kc = make_inputs(jax.random.fold_in(key, n), B, T, H, K, dtype, skewed="eta" in hyper)
-            return check(name, phase1("pallas", **hyper), phase1("reference", **hyper), x, kc, dtype)
-        results.append(guarded(f"check {name}", one))
+
+    def checks(which, options=None, label=""):
+        """The checks ``cases[n]`` for n in ``which`` of ``options``' kernels (None: default)."""
+        for n in which if "checks" in a.sections else ():
+            name, dtype, hyper = cases[n]
+
+            def one(n=n, name=name, dtype=dtype, hyper=hyper):
+                x, kc = make_inputs(jax.random.fold_in(key, n), B, T, H, K, dtype,
+                                    skewed="eta" in hyper)
+                return check(name + label, phase1("pallas", options=options, **hyper),
+                             phase1("reference", **hyper), x, kc, dtype)
+            results.append(guarded(f"check {name}{label}", one))
+
+    checks(range(len(cases)))
     x, _ = make_inputs(jax.random.fold_in(key, 9), B, T, H, K, jnp.bfloat16)
-    variants = [Options(*map(int, v.split("/"))) for v in a.variants.split(",")]
     jobs = []
     if "time" in a.sections:  # the first variant, the chunked form; other variants after osdn
-        jobs += [(f"phase 1 pallas[{variants[0].prefetch}/{variants[0].num_warps}] APF",
-                  phase1("pallas", options=variants[0])),
+        jobs += [(f"phase 1 pallas[{names[0]}] APF", phase1("pallas", options=variants[0])),
                  ("phase 1 chunked APF", phase1("chunked")),
                  ("phase 1 pallas vanilla", phase1("pallas", apf=False)),
                  ("phase 1 chunked vanilla", phase1("chunked", apf=False))]
@@ -123,14 +146,16 @@ def main():
                  ("OSDN (pallas phase 1 + core)", osdn("pallas", False)),
                  ("OSDN-APF (pallas phase 1 + core)", osdn("pallas", True))]
     if "time" in a.sections:
-        jobs += [(f"phase 1 pallas[{o.prefetch}/{o.num_warps}] APF", phase1("pallas", options=o))
-                 for o in variants[1:]]
+        jobs += [(f"phase 1 pallas[{v}] APF", phase1("pallas", options=o))
+                 for v, o in zip(names[1:], variants[1:])]
     for label, f in jobs:
         timings.append(guarded(f"time {label}", lambda label=label, f=f: time_op(label, f, x, a.reps)))
+    for v, o in zip(names[1:], variants[1:]):
+        checks((0, 2), o, f" [{v}]")
 
-    print(f"\n{'check':32s} {'ok':>5s} {'err_kw':>9s} {'err_final':>9s} {'err_grad':>9s}")
+    print(f"\n{'check':42s} {'ok':>5s} {'err_kw':>9s} {'err_final':>9s} {'err_grad':>9s}")
     for r in filter(None, results):
-        print(f"{r['check']:32s} {str(r['ok']):>5s} {r['err_o']:9.2e} {r['err_final']:9.2e} "
+        print(f"{r['check']:42s} {str(r['ok']):>5s} {r['err_o']:9.2e} {r['err_final']:9.2e} "
               f"{r['err_grad_max']:9.2e}")
     print(f"\n{'op, bf16 ' + 'x'.join(map(str, a.shape)):40s} {'fwd ms':>8s} {'fwd+bwd ms':>10s}")
     for r in filter(None, timings):

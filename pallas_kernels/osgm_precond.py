@@ -34,10 +34,24 @@ from precond_linattn.varlen import segments
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """Kernel tuning (static): how many tokens ahead rows are loaded, warps per program."""
+    """Kernel tuning (static; the arithmetic of each token is the same for every setting): how
+    many loop iterations ahead rows are loaded, warps per program, tokens per loop iteration
+    (``unroll``: their d-independent work issued before their serial steps), and ``scalar_aux``:
+    the per-token scalars (β, r, document flags) by scalar loads instead of an aux row and masked
+    sums."""
 
     prefetch: int = 4
     num_warps: int = 1
+    unroll: int = 1
+    scalar_aux: bool = False
+
+    def __post_init__(self):
+        for name in ("prefetch", "num_warps", "unroll"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Options.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.scalar_aux, bool):
+            raise ValueError(f"Options.scalar_aux must be a bool, got {self.scalar_aux!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +73,8 @@ def _call(cfg, kernel, args, in_axes, out_axes, **static):
     """``kernel(*args, **static)`` through ``sharded_call``."""
     o = cfg.options
     fn = functools.partial(kernel, hyper=cfg.hyper, beta_aware=cfg.beta_aware, packed=cfg.packed,
-                           prefetch=o.prefetch, num_warps=o.num_warps, interpret=cfg.interpret,
-                           **static)
+                           prefetch=o.prefetch, num_warps=o.num_warps, unroll=o.unroll,
+                           scalar_aux=o.scalar_aux, interpret=cfg.interpret, **static)
     return sharded_call(lambda *xs: tuple(fn(*xs)), args, in_axes, out_axes,
                         shard_batch=not cfg.packed)
 

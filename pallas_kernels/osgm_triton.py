@@ -16,11 +16,18 @@ backward, never kept as a residual). With μ = m ⊙ λ, γ_u = ⟨μ, s⟩ and 
 
 Layout: k [B, T, H, K] (K a power of two, padded keys zero); the per-token scalars travel in one
 float32 row ``aux`` [B, T, H, AUX] = (β, r, document, first, last, 0, 0, 0) so that a token costs
-two row loads, which the loop issues ``prefetch`` tokens ahead (a token's work is a short chain
-of warp reductions; unhidden global-load latency would dominate it). Dense batches (``packed``
-False) map each row's initial and final state by BlockSpec and ignore the document columns;
-packed documents (B = 1) restart d from initial[doc] at a document's first token and store
-final[doc] after its last.
+two row loads (``scalar_aux``: one scalar load per column it uses instead of the aux row and its
+masked-sum column extractions). A loop iteration takes ``unroll`` consecutive tokens (the last
+T mod ``unroll`` form one shorter group after the loop, before it in reverse): first everything
+of those tokens that does not depend on the carried d (λ in the backward: there also a, u, p and
+m, d_t being loaded), then the serial steps, so that this work (Σ s, the column extractions;
+a in the backward) and the off-chain stores can overlap the next tokens' chain of warp
+reductions instead of waiting behind it; the rows are loaded ``prefetch`` iterations ahead
+(unhidden global-load latency would dominate a token's short chain). ``unroll`` changes the
+order of issue only: the arithmetic of each token is the same. Dense batches (``packed`` False)
+map each row's initial and final state by BlockSpec and ignore the document columns; packed
+documents (B = 1) restart d from initial[doc] at a document's first token and store final[doc]
+after its last (inside a group too).
 """
 
 import functools
@@ -36,80 +43,134 @@ AUX = 8  # columns of the per-token row: beta, retention, doc, first, last, (unu
 BETA, RET, DOC, FIRST, LAST = range(5)
 
 
-def _coefficients(k, aux, eta, eps, beta_aware):
-    """(s, Σ s, n̄, g, w, r) of one token."""
+def _aux_columns(beta_aware, packed):
+    """The aux columns a kernel reads."""
+    return ((BETA,) if beta_aware else ()) + (RET,) + ((DOC, FIRST, LAST) if packed else ())
+
+
+def _load_aux(aux_ref, t, columns, scalar_aux):
+    """Token t's aux: its row, or with ``scalar_aux`` {column: scalar} by one scalar load each."""
+    return {c: aux_ref[t, c] for c in columns} if scalar_aux else aux_ref[t]
+
+
+def _scalars(aux, columns, scalar_aux):
+    """{column: scalar} of a token's loaded aux (a row's columns extracted by ``column``)."""
+    return aux if scalar_aux else {c: column(aux, c) for c in columns}
+
+
+def _coefficients(k, sc, eta, eps, beta_aware):
+    """(s, Σ s, n̄, g, w, r) of one token from its key row and aux scalars ``sc``."""
     s = k * k
     ss = jnp.sum(s)
     n = jnp.maximum(ss, eps)
-    g = column(aux, BETA) if beta_aware else 1.0
-    return s, ss, n, g, eta * g / n, column(aux, RET)
+    g = sc[BETA] if beta_aware else 1.0
+    return s, ss, n, g, eta * g / n, sc[RET]
+
+
+def _token_loop(T, reverse, unroll, prefetch, loads, group, carry):
+    """``group(t0, rows, carry) -> carry`` over the tokens [0, T) in groups of ``unroll``
+    consecutive tokens [t0, t0 + len(rows)), the groups in order (descending if ``reverse``),
+    ``rows[u] = loads(t0 + u)`` issued ``prefetch`` groups ahead by ``prefetched_loop``. The last
+    T mod ``unroll`` tokens form one shorter group, run last (first if ``reverse``), its rows
+    loaded in place."""
+    n, tail = divmod(T, unroll)
+
+    def last_group(carry):
+        t0 = T - tail
+        return group(t0, tuple(loads(t0 + u) for u in range(tail)), carry) if tail else carry
+
+    if reverse:
+        carry = last_group(carry)
+    if n:
+        carry = prefetched_loop(
+            n, reverse, prefetch, lambda i: tuple(loads(i * unroll + u) for u in range(unroll)),
+            lambda i, rows, c: group(i * unroll, rows, c), carry)
+    return carry if reverse else last_group(carry)
+
+
+def _clip(p, d_min, d_max):
+    """clip(p, d_min, d_max), the bounds taken on ties."""
+    return jnp.where(p >= d_max, d_max, jnp.where(p <= d_min, d_min, p))
 
 
 def _fwd_kernel(k_ref, aux_ref, init_ref, out_ref, final_ref, *, hyper, beta_aware, packed,
-                emit_d, prefetch):
+                emit_d, prefetch, unroll, scalar_aux):
+    """k̃_t = d_t ⊙ k_t (or d_t itself if ``emit_d``), d_{t+1} = clip(r d_t + u s, d_min, d_max)
+    for t in order; the final d (per document if ``packed``)."""
     eta, d_min, d_max, eps = hyper
-    T = k_ref.shape[0]
+    columns = _aux_columns(beta_aware, packed)
 
     def loads(t):
-        return k_ref[t].astype(jnp.float32), aux_ref[t]
+        return k_ref[t].astype(jnp.float32), _load_aux(aux_ref, t, columns, scalar_aux)
 
-    def body(t, rows, d):
-        k, aux = rows
-        doc = column(aux, DOC).astype(jnp.int32)
-        if packed:
-            d = lax.cond(column(aux, FIRST) != 0, lambda: init_ref[doc], lambda: d)
-        out_ref[t] = d if emit_d else (d * k).astype(out_ref.dtype)
-        s, _, _, g, w, r = _coefficients(k, aux, eta, eps, beta_aware)
-        p = r * d + w * (1.0 - g * jnp.sum(d * s)) * s
-        d = jnp.where(p >= d_max, d_max, jnp.where(p <= d_min, d_min, p))
-        if packed:
-            @pl.when(column(aux, LAST) != 0)
-            def _():
-                final_ref[doc] = d
+    def group(t0, rows, d):
+        scalars = [_scalars(aux, columns, scalar_aux) for _, aux in rows]  # d-independent first
+        coefs = [_coefficients(k, sc, eta, eps, beta_aware) for (k, _), sc in zip(rows, scalars)]
+        for u, ((k, _), sc, (s, _, _, g, w, r)) in enumerate(zip(rows, scalars, coefs)):
+            if packed:
+                doc = sc[DOC].astype(jnp.int32)
+                d = lax.cond(sc[FIRST] != 0, lambda: init_ref[doc], lambda: d)
+            out_ref[t0 + u] = d if emit_d else (d * k).astype(out_ref.dtype)
+            d = _clip(r * d + w * (1.0 - g * jnp.sum(d * s)) * s, d_min, d_max)
+            if packed:
+                @pl.when(sc[LAST] != 0)
+                def _():
+                    final_ref[doc] = d
         return d
 
     d0 = jnp.ones(k_ref.shape[-1:], jnp.float32) if packed else init_ref[...]
-    d = prefetched_loop(T, False, prefetch, loads, body, d0)
+    d = _token_loop(k_ref.shape[0], False, unroll, prefetch, loads, group, d0)
     if not packed:
         final_ref[...] = d
 
 
 def _bwd_kernel(k_ref, aux_ref, d_ref, dkw_ref, dfinal_ref, dk_ref, daux_ref, dinit_ref, *,
-                hyper, beta_aware, packed, prefetch):
+                hyper, beta_aware, packed, prefetch, unroll, scalar_aux):
+    """The module docstring's reverse recurrence λ ← r μ + γ_a s + ∂k̃ ⊙ k for t descending, with
+    ∂k_t, ∂β_t, ∂r_t per token and ∂d_1 = λ (per document if ``packed``)."""
     eta, d_min, d_max, eps = hyper
-    T = k_ref.shape[0]
+    columns = _aux_columns(beta_aware, packed)
     col = lax.broadcasted_iota(jnp.int32, (AUX,), 0)
 
     def loads(t):
-        return (k_ref[t].astype(jnp.float32), aux_ref[t], d_ref[t],
-                dkw_ref[t].astype(jnp.float32))
+        return (k_ref[t].astype(jnp.float32), _load_aux(aux_ref, t, columns, scalar_aux),
+                d_ref[t], dkw_ref[t].astype(jnp.float32))
 
-    def body(t, rows, lam):
-        k, aux, d, dkw = rows
-        doc = column(aux, DOC).astype(jnp.int32)
-        if packed:
-            lam = lax.cond(column(aux, LAST) != 0, lambda: dfinal_ref[doc], lambda: lam)
-        s, ss, n, g, w, r = _coefficients(k, aux, eta, eps, beta_aware)
+    def prepare(k, aux, d):
+        """Everything of one token that does not depend on λ (the forward's step from d_t)."""
+        sc = _scalars(aux, columns, scalar_aux)
+        s, ss, n, g, w, r = _coefficients(k, sc, eta, eps, beta_aware)
         a = jnp.sum(d * s)
         v = 1.0 - g * a
         u = w * v
         p = r * d + u * s
-        mu = jnp.where((p > d_min) & (p < d_max), lam, 0.0)
-        gu = jnp.sum(mu * s)
-        ga = -gu * w * g
-        gn = jnp.where(ss > eps, -gu * v * w / n, 0.0)
-        dk_ref[t] = 2.0 * k * (u * mu + ga * d + gn) + dkw * d
-        dbeta = (-gu * w * a + gu * v * eta / n) if beta_aware else 0.0
-        daux_ref[t] = jnp.where(col == BETA, dbeta, jnp.where(col == RET, jnp.sum(mu * d), 0.0))
-        lam = r * mu + ga * s + dkw * k
-        if packed:
-            @pl.when(column(aux, FIRST) != 0)
-            def _():
-                dinit_ref[doc] = lam
+        return sc, s, ss, n, g, w, r, a, v, u, (p > d_min) & (p < d_max)
+
+    def group(t0, rows, lam):
+        prepared = [prepare(k, aux, d) for k, aux, d, _ in rows]  # λ-independent first
+        for i in reversed(range(len(rows))):
+            k, _, d, dkw = rows[i]
+            sc, s, ss, n, g, w, r, a, v, u, free = prepared[i]
+            if packed:
+                doc = sc[DOC].astype(jnp.int32)
+                lam = lax.cond(sc[LAST] != 0, lambda: dfinal_ref[doc], lambda: lam)
+            mu = jnp.where(free, lam, 0.0)
+            gu = jnp.sum(mu * s)
+            ga = -gu * w * g
+            gn = jnp.where(ss > eps, -gu * v * w / n, 0.0)
+            dk_ref[t0 + i] = 2.0 * k * (u * mu + ga * d + gn) + dkw * d
+            dbeta = (-gu * w * a + gu * v * eta / n) if beta_aware else 0.0
+            daux_ref[t0 + i] = jnp.where(col == BETA, dbeta,
+                                         jnp.where(col == RET, jnp.sum(mu * d), 0.0))
+            lam = r * mu + ga * s + dkw * k
+            if packed:
+                @pl.when(sc[FIRST] != 0)
+                def _():
+                    dinit_ref[doc] = lam
         return lam
 
     lam0 = jnp.zeros(k_ref.shape[-1:], jnp.float32) if packed else dfinal_ref[...]
-    lam = prefetched_loop(T, True, prefetch, loads, body, lam0)
+    lam = _token_loop(k_ref.shape[0], True, unroll, prefetch, loads, group, lam0)
     if not packed:
         dinit_ref[...] = lam
 
@@ -125,14 +186,15 @@ def _specs(T, K, num_docs, packed):
 
 
 def osgm_fwd(k, aux, initial_state, *, hyper, beta_aware, packed, emit_d, prefetch, num_warps,
-             interpret):
+             unroll, scalar_aux, interpret):
     """k [B, T, H, K]; aux [B, T, H, AUX] float32; initial_state [N, H, K] float32 (N = B unless
     ``packed``). Returns (k̃ in k's dtype, or every d_t float32 if ``emit_d``; final d [N, H, K])."""
     B, T, H, K = k.shape
     N = initial_state.shape[0]
     seq_k, seq_aux, state = _specs(T, K, N, packed)
     kernel = functools.partial(_fwd_kernel, hyper=hyper, beta_aware=beta_aware, packed=packed,
-                               emit_d=emit_d, prefetch=prefetch)
+                               emit_d=emit_d, prefetch=prefetch, unroll=unroll,
+                               scalar_aux=scalar_aux)
     return pl.pallas_call(
         kernel, grid=(B, H), in_specs=[seq_k, seq_aux, state], out_specs=[seq_k, state],
         out_shape=[out_struct(k.shape, jnp.float32 if emit_d else k.dtype, k, aux, initial_state),
@@ -142,15 +204,15 @@ def osgm_fwd(k, aux, initial_state, *, hyper, beta_aware, packed, emit_d, prefet
     )(k, aux, initial_state)
 
 
-def osgm_bwd(k, aux, d, dkw, dfinal, *, hyper, beta_aware, packed, prefetch, num_warps,
-             interpret):
+def osgm_bwd(k, aux, d, dkw, dfinal, *, hyper, beta_aware, packed, prefetch, num_warps, unroll,
+             scalar_aux, interpret):
     """Cotangents (dk [B, T, H, K], daux [B, T, H, AUX] (β and r columns), dinit [N, H, K]), all
     float32, from d [B, T, H, K] (``osgm_fwd(emit_d=True)``), dk̃ and dfinal."""
     B, T, H, K = k.shape
     N = dfinal.shape[0]
     seq_k, seq_aux, state = _specs(T, K, N, packed)
     kernel = functools.partial(_bwd_kernel, hyper=hyper, beta_aware=beta_aware, packed=packed,
-                               prefetch=prefetch)
+                               prefetch=prefetch, unroll=unroll, scalar_aux=scalar_aux)
     return pl.pallas_call(
         kernel, grid=(B, H), in_specs=[seq_k, seq_aux, seq_k, seq_k, state],
         out_specs=[seq_k, seq_aux, state],

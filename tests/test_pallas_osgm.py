@@ -4,10 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AbstractDevice, AbstractMesh
 
 import precond_linattn as pla
 from pallas_kernels import REGISTRY
-from pallas_kernels.osgm_precond import osgm_pallas
+from pallas_kernels.osgm_precond import Options, osgm_pallas
 
 B, T, H, K = 2, 37, 2, 24
 D_MIN, D_MAX = 0.5, 2.0
@@ -31,20 +32,31 @@ def make_inputs(seed, *, b=B, t=T, k_dim=K, n_init=B, skewed=False, init="inside
     return x
 
 
-def run(impl, x, *, eta, beta_aware=True, retention=True, cu_seqlens=None, initial=True):
-    """k̃, final d and the gradients of a fixed nonlinear loss w.r.t. every input."""
+def precondition(impl, x, *, eta, beta_aware=True, retention=True, cu_seqlens=None,
+                 initial=True):
+    """(k̃, final d) of ``impl``: an ``osgm_precondition`` impl name, or ``Options`` for the Pallas
+    kernels with those options."""
+    r = x["retention"] if retention else None
+    d0 = x["initial_state"] if initial else None
+    if isinstance(impl, Options):
+        return osgm_pallas(x["k"], x["beta"], r, eta, D_MIN, D_MAX, beta_aware, 1e-6, d0,
+                           cu_seqlens, 64, impl)
+    return pla.osgm_precondition(x["k"], x["beta"], eta=eta, d_min=D_MIN, d_max=D_MAX,
+                                 retention=r, beta_aware=beta_aware, initial_state=d0,
+                                 output_final_state=True, cu_seqlens=cu_seqlens, impl=impl)
+
+
+def run(impl, x, **kw):
+    """k̃, final d and the gradients of a fixed nonlinear loss w.r.t. every input
+    (``precondition``'s arguments)."""
 
     def loss(x):
-        kw, final = pla.osgm_precondition(
-            x["k"], x["beta"], eta=eta, d_min=D_MIN, d_max=D_MAX,
-            retention=x["retention"] if retention else None, beta_aware=beta_aware,
-            initial_state=x["initial_state"] if initial else None, output_final_state=True,
-            cu_seqlens=cu_seqlens, impl=impl)
-        kw = kw.astype(jnp.float32)
-        return jnp.sum(jnp.sin(3.0 * kw)) + jnp.sum(final * jnp.cos(final)), (kw, final)
+        k_write, final = precondition(impl, x, **kw)
+        k_write = k_write.astype(jnp.float32)
+        return jnp.sum(jnp.sin(3.0 * k_write)) + jnp.sum(final * jnp.cos(final)), (k_write, final)
 
-    (_, (kw, final)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(x)
-    return kw, final, grads
+    (_, (k_write, final)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(x)
+    return k_write, final, grads
 
 
 def assert_close(actual, expected, tol, name):
@@ -160,3 +172,84 @@ def test_unsupported_calls_raise():
     y = make_inputs(7)
     with pytest.raises(ValueError, match="traced"):
         jax.jit(lambda eta: pla.osgm_precondition(y["k"], y["beta"], eta=eta, impl="pallas"))(0.1)
+
+
+# Unrolled token loops (Options.unroll) and scalar aux loads (Options.scalar_aux) do the same
+# arithmetic per token, issued in another order. Compiled as a loop, XLA:CPU may pick another
+# summation order for a row reduction of the kernel body (seen: sequential vs tree for ⟨d, s⟩),
+# hence the 1e-6 bar; with the token loops unrolled at trace time (jax.disable_jit) every
+# variant is the same straight-line program up to the order of independent operations, and the
+# results are bitwise those of unroll=1.
+
+
+def unrolled_case(case, t):
+    """(inputs, run keywords), the clip active: "dense" (β-aware, APF) and "beta-free" (r ≡ 1)
+    two rows; "packed" documents of 5, 1 (first and last token at once), t − 10 and 4 tokens, so
+    that starts and ends fall inside groups of 2, 3 and 4 and in the shorter last group."""
+    if case == "packed":
+        cu = jnp.asarray([0, 5, 6, t - 4, t], jnp.int32)
+        return make_inputs(8, b=1, t=t, n_init=4, skewed=True), dict(eta=2.0, cu_seqlens=cu)
+    return make_inputs(9, t=t, skewed=True), dict(eta=2.0, beta_aware=case == "dense",
+                                                   retention=case == "dense")
+
+
+def test_unrolled_bitwise_when_traced_unrolled():
+    """Packed documents, T = 11: forward k̃, and under differentiation k̃, the final d and all
+    gradients bitwise those of unroll=1 (unroll 2: last group of 1; 4: of 3)."""
+    x, kw = unrolled_case("packed", 11)
+    with jax.disable_jit():
+        want = precondition(Options(), x, **kw)[0], run(Options(), x, **kw)
+        for options in (Options(unroll=2, scalar_aux=True), Options(unroll=4)):
+            got = precondition(options, x, **kw)[0], run(options, x, **kw)
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+                np.testing.assert_array_equal(a, b, err_msg=str(options))
+
+
+@pytest.mark.parametrize("case, options", [("dense", Options(unroll=4, scalar_aux=True)),
+                                           ("beta-free", Options(unroll=3))])
+def test_unrolled_matches_reference(case, options):
+    """Compiled, two rows of T = 37 (a last group of 1): forward k̃, and under differentiation
+    k̃, the final d and all gradients within 1e-6 of unroll=1 and 2e-5 of the reference (packed
+    documents: ``test_unrolled_bitwise_when_traced_unrolled``)."""
+    x, kw = unrolled_case(case, 37)
+    assert clipped_fraction(x, 2.0, cu_seqlens=kw.get("cu_seqlens")) > 0.2
+    got, want = (jax.jit(lambda x, o=o: precondition(o, x, **kw)[0])(x)
+                 for o in (options, Options()))
+    assert_close(got, want, 1e-6, "k_write (forward)")
+    grads = ("k", "beta", "initial_state") + (("retention",) if kw.get("retention", True) else ())
+    got = run(options, x, **kw)
+    assert_runs_match(got, run(Options(), x, **kw), 1e-6, grads)
+    assert_runs_match(got, run("reference", x, **kw), 2e-5, grads)
+
+
+@pytest.mark.parametrize("field, value", [("unroll", 0), ("unroll", 2.0), ("prefetch", 0),
+                                          ("scalar_aux", 1)])
+def test_bad_options_raise(field, value):
+    with pytest.raises(ValueError, match=f"Options.{field}"):
+        Options(**{field: value})
+
+
+@pytest.mark.parametrize("options", [Options(), Options(unroll=4),
+                                     Options(unroll=3, scalar_aux=True)])
+@pytest.mark.parametrize("packed", [False, True])
+def test_lowers_for_cuda(options, packed):
+    """Forward and backward kernels go through the Triton lowering for CUDA (no GPU needed: an
+    abstract H100 mesh; PTX and ptxas are not reached); K = 128, bf16, T odd."""
+    b, t = (1, 37) if packed else (2, 37)
+    cu = jnp.asarray([0, 5, 22, t], jnp.int32) if packed else None
+    n = 3 if packed else b
+
+    def loss(k, beta, r, d0):
+        kw, final = osgm_pallas(k, beta, r, 0.003, 0.5, 2.0, not packed, 1e-6, d0, cu, 64, options,
+                                interpret=False)
+        return jnp.sum(kw.astype(jnp.float32) ** 2) + jnp.sum(final)
+
+    args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in (
+        ((b, t, H, 128), jnp.bfloat16), ((b, t, H), jnp.bfloat16), ((b, t, H), jnp.bfloat16),
+        ((n, H, 128), jnp.float32))]
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+        device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132))
+    with jax.sharding.use_abstract_mesh(mesh):
+        lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(*args).lower(
+            lowering_platforms=("cuda",))
+    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 2
