@@ -1,11 +1,22 @@
-"""Shared test helpers: random inputs (never zeros) and error measures."""
+"""Shared test helpers: random inputs (never zeros), error measures and the checks the kernel
+tests share, and a runner for the scripts that need their own process.
 
+Test files and the subprocess scripts import it as ``conftest`` (pytest puts tests/ on sys.path;
+a script's own folder is on it too), the module pytest itself loaded."""
+
+import os
+import shlex
+import subprocess
+import sys
 import zlib
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def rel_err(a, b):
@@ -51,6 +62,82 @@ def rand(request):
 
 def packed_cu_seqlens(lengths):
     return jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+
+
+def fixed_loss_step(f):
+    """``jit(value_and_grad(L, has_aux=True))`` of a fixed nonlinear loss of ``f``'s results.
+
+    f(x) -> (o, S) or (o, S, extra): L(x) = Σ sin(3·o) + Σ S ⊙ cos(S) (+ extra, a scalar), o taken
+    in float32, so the gradients pull the random-looking cotangents 3 cos(3o) and cos S − S sin S
+    back to every input of x. The jitted function returns ((L, (o, S)), dL/dx)."""
+
+    def loss(x):
+        o, final, *extra = f(x)
+        o = o.astype(jnp.float32)
+        return sum(extra, jnp.sum(jnp.sin(3.0 * o)) + jnp.sum(final * jnp.cos(final))), (o, final)
+
+    return jax.jit(jax.value_and_grad(loss, has_aux=True))
+
+
+def fixed_loss_run(f, x):
+    """(o, S, dL/dx) of ``fixed_loss_step(f)`` at x."""
+    (_, (o, final)), grads = fixed_loss_step(f)(x)
+    return o, final, grads
+
+
+def assert_close(actual, expected, tol, name):
+    """``actual`` is finite and rel_err(actual, expected) <= tol."""
+    assert np.all(np.isfinite(np.asarray(actual, np.float64))), name
+    err = rel_err(actual, expected)
+    assert err <= tol, f"{name}: relative max error {err:.3g} > {tol}"
+
+
+def assert_runs_match(got, want, tol, grads=None):
+    """Two ``fixed_loss_run`` results (o, S, dL/dx) agree: o, S and the gradients named in
+    ``grads`` (default: all of ``want``'s) by ``assert_close`` at ``tol``, each gradient in the
+    dtype of ``want``'s."""
+    assert_close(got[0], want[0], tol, "output")
+    assert_close(got[1], want[1], tol, "final state")
+    for name in want[2] if grads is None else grads:
+        assert got[2][name].dtype == want[2][name].dtype, name
+        assert_close(got[2][name], want[2][name], tol, f"d{name}")
+
+
+def assert_repeats_bitwise(run):
+    """Two calls of ``run()`` (compiling afresh each time) give the same leaves bit for bit."""
+    first, second = run(), run()
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
+        np.testing.assert_array_equal(a, b)
+
+
+def assert_vmap_matches_loop(f, args):
+    """``jit(vmap(f))(*args)`` == f on each slice of the leading axis of ``args``, stacked
+    (rtol 1e-5, atol 1e-6); f returns a tuple of arrays."""
+    per_row = jax.jit(jax.vmap(f))(*args)
+    looped = [f(*[a[i] for a in args]) for i in range(len(args[0]))]
+    for got, want in zip(per_row, zip(*looped)):
+        np.testing.assert_allclose(got, jnp.stack(want), rtol=1e-5, atol=1e-6)
+
+
+def run_python(*args, timeout, devices=8, ends_with=None):
+    """Runs ``python *args`` in a fresh process from the repository root, the repository on
+    PYTHONPATH and XLA_FLAGS forcing ``devices`` fake CPU devices (None: no XLA_FLAGS; jax reads
+    them at import, so a test process cannot change its own). Fails with the command, its exit
+    status and the tails of its stdout and stderr unless it exits 0 with stdout ending in
+    ``ends_with`` (when given). Returns the ``subprocess.CompletedProcess``."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("XLA_FLAGS", None)
+    if devices is not None:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    command = [sys.executable, *map(str, args)]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=timeout)
+    ended = ends_with is None or done.stdout.strip().endswith(ends_with)
+    assert done.returncode == 0 and ended, (
+        f"{shlex.join(command)}: exit status {done.returncode}"
+        f"{'' if ended else f', stdout does not end in {ends_with!r}'}"
+        f"\n--- stdout tail ---\n{done.stdout[-1000:]}\n--- stderr tail ---\n{done.stderr[-3000:]}")
+    return done
 
 
 jax.config.update("jax_default_matmul_precision", "highest")

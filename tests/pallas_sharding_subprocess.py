@@ -1,8 +1,9 @@
 """delta_rule(impl="pallas") inside a jit over 8 fake CPU devices, run by tests/test_pallas_sharding.py.
 
-    python tests/pallas_sharding_subprocess.py CASE   # dense_scalar, dense_vector, packed, osdn_dense,
-                                                      # atk_head, atk_channel, smap_delta,
-                                                      # smap_osgm, smap_atk
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/pallas_sharding_subprocess.py CASE
+
+CASE: dense_scalar, dense_vector, packed, osdn_dense, atk_head, atk_channel, smap_delta, smap_osgm,
+smap_atk, explicit_delta, explicit_osgm, explicit_atk.
 
 Mesh (data=4, tensor=2); batch over data, heads over tensor (packed documents: one batch row,
 heads over tensor; osdn_dense: OSDN-APF, the Pallas OSGM phase 1 then the Pallas core). Checks
@@ -11,24 +12,27 @@ and that the compiled program has no all-gather (the kernels run on each device'
 The smap_* cases call the operations inside ``jax.shard_map`` (check_vma=True) instead.
 """
 
-import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"  # before jax is imported
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
-
-import precond_linattn as pla  # noqa: E402
-from test_pallas_delta import make_inputs  # noqa: E402  (tests/ is this script's path)
+import precond_linattn as pla
+from conftest import fixed_loss_step  # tests/ is this script's path
+from test_pallas_atk import make_inputs as atk_inputs
+from test_pallas_delta import make_inputs
+from test_pallas_osgm import make_inputs as osgm_inputs
 
 B, C = 4, 16
 
 
-def loss_fn(cu_seqlens, osdn):
-    def loss(x):
+def delta_fn(cu_seqlens, osdn):
+    """x -> (o, S) of delta_rule(impl="pallas"); osdn: x -> (o, S, Σ sin(d_T)) with the write key
+    and d_T from osgm_precondition(impl="pallas") (the third term joins the loss)."""
+
+    def fn(x):
         write_key = x.get("write_key")
         if osdn:
             write_key, d_final = pla.osgm_precondition(
@@ -38,13 +42,14 @@ def loss_fn(cu_seqlens, osdn):
                                   log_decay=x.get("log_decay"), initial_state=x["initial_state"],
                                   output_final_state=True, cu_seqlens=cu_seqlens, impl="pallas",
                                   chunk_size=C)
-        extra = jnp.sum(jnp.sin(d_final)) if osdn else 0.0
-        return jnp.sum(jnp.sin(3.0 * o)) + jnp.sum(final * jnp.cos(final)) + extra, (o, final)
+        return (o, final, jnp.sum(jnp.sin(d_final))) if osdn else (o, final)
 
-    return jax.jit(jax.value_and_grad(loss, has_aux=True))
+    return fn
 
 
 def main(case):
+    """The delta core (dense with each decay, packed documents, or OSDN-APF) under jit on the
+    (data=4, tensor=2) mesh: ``check_sharded``."""
     mesh = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2)
     packed = case == "packed"
     osdn = case == "osdn_dense"
@@ -62,7 +67,7 @@ def main(case):
     spec["initial_state"] = P(batch, "tensor", None, None)
     spec["d0"] = P(batch, "tensor", None)
     # dβ, dg, dr, dk, dd0 sum over K or V: XLA fuses those sums per program shape
-    check_sharded(mesh, loss_fn(cu, osdn), x, spec, ("v", "initial_state"),
+    check_sharded(mesh, fixed_loss_step(delta_fn(cu, osdn)), x, spec, ("v", "initial_state"),
                   ("beta", "log_decay", "retention", "k", "d0"))
 
 
@@ -101,23 +106,9 @@ def check_sharded(mesh, step, x, spec, out_names, summed):
 def atk_main(decay):
     """atk_precondition(impl="pallas") alone (per-head or per-channel decay), batch over data and
     heads over tensor: the same checks as ``main``."""
-    from test_pallas_atk import make_inputs as atk_inputs
-
     mesh = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2)
-    x = atk_inputs(0, b=B, t=21, h=2, n_init=B, decay=decay)
-
-    def loss(x):
-        kw, final = pla.atk_precondition(x["k"], x["log_decay"], x["gain"], x["center"],
-                                         initial_state=x["initial_state"],
-                                         output_final_state=True, impl="pallas")
-        return jnp.sum(jnp.sin(3.0 * kw)) + jnp.sum(final * jnp.cos(final)), (kw, final)
-
-    step = jax.jit(jax.value_and_grad(loss, has_aux=True))
-    spec = {name: P("data", None, "tensor", *(None,) * (a.ndim - 3)) for name, a in x.items()}
-    spec["initial_state"] = P("data", "tensor", None)
-    spec["center"] = P("tensor")
-    # dcenter sums over batch rows: across devices, in another order
-    check_sharded(mesh, step, x, spec, ("k", "initial_state"), ("center",))
+    fn, x, spec, _, summed = smap_case("atk", decay)
+    check_sharded(mesh, fixed_loss_step(fn), x, spec, ("k", "initial_state"), summed)
 
 
 def interpret_without_vma():
@@ -142,12 +133,10 @@ def interpret_without_vma():
     mlir.register_lowering(pallas_call.pallas_call_p, lower, platform="cpu")
 
 
-def smap_case(op):
+def smap_case(op, atk_decay="head"):
     """(fn(x) -> (output, final state), inputs, their specs, the output's spec, the names of the
-    gradients that are sums over K or across devices) for op = delta | osgm | atk."""
-    from test_pallas_atk import make_inputs as atk_inputs
-    from test_pallas_osgm import make_inputs as osgm_inputs
-
+    gradients that are sums over K or across devices) for op = delta | osgm | atk (atk: per-head
+    or per-channel decay)."""
     bthk = P("data", None, "tensor", None)
     if op == "delta":  # dense, scalar decay, write key, initial states
         x = make_inputs(0, "scalar", b=B, n_init=B)
@@ -169,15 +158,16 @@ def smap_case(op):
             return pla.osgm_precondition(x["k"], x["beta"], eta=0.5, retention=x["retention"],
                                          output_final_state=True, impl="pallas")
         return fn, x, spec, bthk, ("beta", "retention", "k")
-    x = atk_inputs(0, b=B, t=21, h=2, n_init=B)  # per-head decay; centres per head only
-    spec = dict(k=bthk, log_decay=P("data", None, "tensor"), gain=P("data", None, "tensor"),
-                center=P("tensor"), initial_state=P("data", "tensor", None))
+    x = atk_inputs(0, b=B, t=21, h=2, n_init=B, decay=atk_decay)  # centres per head only
+    spec = dict(k=bthk, log_decay=bthk if atk_decay == "channel" else P("data", None, "tensor"),
+                gain=P("data", None, "tensor"), center=P("tensor"),
+                initial_state=P("data", "tensor", None))
 
     def fn(x):
         return pla.atk_precondition(x["k"], x["log_decay"], x["gain"], x["center"],
                                     initial_state=x["initial_state"], output_final_state=True,
                                     impl="pallas")
-    return fn, x, spec, bthk, ("center",)
+    return fn, x, spec, bthk, ("center",)  # dcenter: a sum over batch rows, across devices
 
 
 def smap_main(op):
@@ -189,16 +179,9 @@ def smap_main(op):
     fn, x, spec, out_spec, summed = smap_case(op)
     final_spec = P("data", "tensor")
     sharded_fn = jax.shard_map(fn, mesh=mesh, in_specs=(spec,), out_specs=(out_spec, final_spec))
-    assert_matches(jax.device_get(step(sharded_fn)(x)), jax.device_get(step(fn)(x)), summed)
+    assert_matches(jax.device_get(fixed_loss_step(sharded_fn)(x)),
+                   jax.device_get(fixed_loss_step(fn)(x)), summed)
     print("ok")
-
-
-def step(f):
-    """jit(value_and_grad) of a fixed random-looking loss of ``f(x) -> (out, final)``."""
-    def loss(x):
-        o, final = f(x)
-        return jnp.sum(jnp.sin(3.0 * o)) + jnp.sum(final * jnp.cos(final)), (o, final)
-    return jax.jit(jax.value_and_grad(loss, has_aux=True))
 
 
 def explicit_main(op):
@@ -206,11 +189,11 @@ def explicit_main(op):
     the types), batch over data and heads over tensor: equal to one device as in ``smap_main``,
     the gradients keep their inputs' shardings, no all-gather in the compiled program."""
     fn, x, spec, _, summed = smap_case(op)
-    want = jax.device_get(step(fn)(x))
+    want = jax.device_get(fixed_loss_step(fn)(x))
     mesh = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(AxisType.Explicit,) * 2)
     with jax.set_mesh(mesh):
         sharded = {n: jax.device_put(a, NamedSharding(mesh, spec[n])) for n, a in x.items()}
-        compiled = step(fn).lower(sharded).compile()
+        compiled = fixed_loss_step(fn).lower(sharded).compile()
         got = compiled(sharded)
         for name, a in got[1].items():
             assert a.sharding.is_equivalent_to(NamedSharding(mesh, spec[name]), a.ndim), name

@@ -1,13 +1,10 @@
 """The notebook runs top to bottom and the README's main job succeeds (shortened)."""
 
-import pathlib
-
 import nbclient
 import nbformat
 
 from precond_linattn.__main__ import main
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from conftest import ROOT
 
 
 def test_preconditioners_notebook_executes():

@@ -8,7 +8,8 @@ import pytest
 import precond_linattn as pla
 from pallas_kernels import REGISTRY
 from pallas_kernels.atk_precond import Options, atk_pallas
-from tests.conftest import rel_err
+from conftest import (assert_repeats_bitwise, assert_runs_match, assert_vmap_matches_loop,
+                      fixed_loss_run)
 
 B, T, H, K = 2, 37, 3, 24
 NAMES = ("k", "log_decay", "gain", "center", "initial_state")
@@ -28,38 +29,20 @@ def make_inputs(seed, *, b=B, t=T, h=H, k_dim=K, n_init=B, decay="head", dtype=j
 
 
 def run(impl, inputs, *, x=1.5, cu_seqlens=None, initial=True, decay=True, options=None):
-    """k̃, final A and the gradients of a fixed nonlinear loss w.r.t. every input."""
+    """k̃, final A and the gradients of conftest's fixed loss w.r.t. every input."""
 
-    def loss(inp):
+    def f(inp):
         kwargs = dict(x=x, initial_state=inp["initial_state"] if initial else None,
                       output_final_state=True, cu_seqlens=cu_seqlens)
         g = inp["log_decay"] if decay else None
         if options is None:
-            kw, final = pla.atk_precondition(inp["k"], g, inp["gain"], inp["center"], impl=impl,
-                                             **kwargs)
-        else:  # the kernel directly, with non-default tuning
-            g = jnp.zeros(inp["gain"].shape) if g is None else g
-            kw, final = atk_pallas(inp["k"], g, inp["gain"], inp["center"], x, 1e-6,
-                                   kwargs["initial_state"], cu_seqlens, 64, options)
-        kw = kw.astype(jnp.float32)
-        return jnp.sum(jnp.sin(3.0 * kw)) + jnp.sum(final * jnp.cos(final)), (kw, final)
+            return pla.atk_precondition(inp["k"], g, inp["gain"], inp["center"], impl=impl,
+                                        **kwargs)
+        g = jnp.zeros(inp["gain"].shape) if g is None else g  # the kernel, non-default tuning
+        return atk_pallas(inp["k"], g, inp["gain"], inp["center"], x, 1e-6,
+                          kwargs["initial_state"], cu_seqlens, 64, options)
 
-    (_, (kw, final)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(inputs)
-    return kw, final, grads
-
-
-def assert_close(actual, expected, tol, name):
-    assert np.all(np.isfinite(np.asarray(actual, np.float64))), name
-    err = rel_err(actual, expected)
-    assert err <= tol, f"{name}: relative max error {err:.3g} > {tol}"
-
-
-def assert_runs_match(got, want, tol, grads=NAMES):
-    assert_close(got[0], want[0], tol, "k_write")
-    assert_close(got[1], want[1], tol, "final state")
-    for name in grads:
-        assert got[2][name].dtype == want[2][name].dtype, name
-        assert_close(got[2][name], want[2][name], tol, f"d{name}")
+    return fixed_loss_run(f, inputs)
 
 
 def test_registered_and_dispatched(monkeypatch):
@@ -146,17 +129,12 @@ def test_vmap():
 
     split = [inp[n].reshape(B, 1, *inp[n].shape[1:]) if n != "center"
              else jnp.stack([inp[n], -inp[n]]) for n in NAMES]  # a centre per vmapped call
-    per_row = jax.jit(jax.vmap(grads))(*split)
-    looped = [grads(*[a[i] for a in split]) for i in range(B)]
-    for got, want in zip(per_row, zip(*looped)):
-        np.testing.assert_allclose(got, jnp.stack(want), rtol=1e-5, atol=1e-6)
+    assert_vmap_matches_loop(grads, split)
 
 
 def test_second_run_bitwise_identical():
     inp = make_inputs(7, decay="channel")
-    first, second = run("pallas", inp), run("pallas", inp)
-    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
-        np.testing.assert_array_equal(a, b)
+    assert_repeats_bitwise(lambda: run("pallas", inp))
 
 
 def test_unsupported_calls_raise():

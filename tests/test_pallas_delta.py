@@ -8,6 +8,8 @@ import pytest
 import precond_linattn as pla
 from pallas_kernels import REGISTRY
 from pallas_kernels.delta_rule import Options, delta_rule_pallas
+from conftest import (assert_close, assert_repeats_bitwise, assert_runs_match,
+                      assert_vmap_matches_loop, fixed_loss_run)
 
 B, T, H, K, V, C = 2, 37, 2, 16, 32, 16
 DECAYS = ("none", "scalar", "vector")
@@ -33,32 +35,11 @@ def make_inputs(seed, decay, b=B, t=T, k_dim=K, v_dim=V, n_init=B, dtype=jnp.flo
 
 
 def run(impl, inputs, cu_seqlens=None):
-    """Outputs, final states and the gradients of a fixed random loss w.r.t. every input."""
-
-    def loss(x):
-        o, final = pla.delta_rule(x["q"], x["k"], x["v"], x["beta"], impl=impl,
-                                  write_key=x["write_key"], log_decay=x.get("log_decay"),
-                                  initial_state=x["initial_state"], output_final_state=True,
-                                  cu_seqlens=cu_seqlens, chunk_size=C)
-        o = o.astype(jnp.float32)
-        return jnp.sum(jnp.sin(3.0 * o)) + jnp.sum(final * jnp.cos(final)), (o, final)
-
-    (_, (o, final)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(inputs)
-    return o, final, grads
-
-
-def assert_close(actual, expected, tol, name):
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    assert np.all(np.isfinite(actual)), name
-    err = np.max(np.abs(actual - expected)) / max(np.max(np.abs(expected)), 1e-30)
-    assert err <= tol, f"{name}: relative max error {err:.3g} > {tol}"
-
-
-def assert_runs_match(got, want, tol):
-    assert_close(got[0], want[0], tol, "o")
-    assert_close(got[1], want[1], tol, "final state")
-    for name in want[2]:
-        assert_close(got[2][name], want[2][name], tol, f"d{name}")
+    """Outputs, final states and the gradients of conftest's fixed loss w.r.t. every input."""
+    return fixed_loss_run(lambda x: pla.delta_rule(
+        x["q"], x["k"], x["v"], x["beta"], impl=impl, write_key=x["write_key"],
+        log_decay=x.get("log_decay"), initial_state=x["initial_state"], output_final_state=True,
+        cu_seqlens=cu_seqlens, chunk_size=C), inputs)
 
 
 def test_registered():
@@ -108,10 +89,7 @@ def test_vmap_and_checkpoint():
 
     args = (x["q"], x["k"], x["v"], x["beta"], x["log_decay"])
     split = [a.reshape(B, 1, *a.shape[1:]) for a in args]
-    per_row = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2, 3, 4))))(*split)
-    looped = [jax.grad(loss, argnums=(0, 1, 2, 3, 4))(*[a[i] for a in split]) for i in range(B)]
-    for got, want in zip(per_row, zip(*looped)):
-        np.testing.assert_allclose(got, jnp.stack(want), rtol=1e-5, atol=1e-6)
+    assert_vmap_matches_loop(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), split)
     plain = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*args)
     remat = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2, 3, 4)))(*args)
     for a, b in zip(remat, plain):
@@ -120,9 +98,7 @@ def test_vmap_and_checkpoint():
 
 def test_second_run_bitwise_identical():
     x = make_inputs(5, "vector")
-    first, second = run("pallas", x), run("pallas", x)
-    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
-        np.testing.assert_array_equal(a, b)
+    assert_repeats_bitwise(lambda: run("pallas", x))
 
 
 def test_traced_scale_and_no_state():
@@ -155,15 +131,10 @@ def test_kernel_options_match_reference(decay, opts):
     """The fused pipeline (the measured baseline) and the split one that recomputes the WY
     tensors in the backward (instead of keeping the forward's) stay exact too."""
     x = make_inputs(3, decay)
-
-    def loss(x):
-        o, final = delta_rule_pallas(x["q"], x["k"], x["write_key"], x["v"], x["beta"],
-                                     x.get("log_decay"), K ** -0.5, x["initial_state"], None, C,
-                                     opts)
-        return jnp.sum(jnp.sin(3.0 * o)) + jnp.sum(final * jnp.cos(final)), (o, final)
-
-    (_, (o, final)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(x)
-    assert_runs_match((o, final, grads), run("reference", x), 2e-5)
+    got = fixed_loss_run(lambda x: delta_rule_pallas(
+        x["q"], x["k"], x["write_key"], x["v"], x["beta"], x.get("log_decay"), K ** -0.5,
+        x["initial_state"], None, C, opts), x)
+    assert_runs_match(got, run("reference", x), 2e-5)
 
 
 @pytest.mark.parametrize("save_wy", [True, False], ids=["saved_wy", "recompute_wy"])
@@ -173,13 +144,9 @@ def test_vector_wy_kernel_matches_reference(save_wy):
     cu = jnp.asarray([0, 5, 22, 37], jnp.int32)
     x = make_inputs(8, "vector", b=1, k_dim=24, v_dim=20, n_init=3)
     opts = Options(vector_wy="kernel", save_wy=save_wy)
-
-    def loss(x):
-        o, final = delta_rule_pallas(x["q"], x["k"], x["write_key"], x["v"], x["beta"],
-                                     x["log_decay"], 24 ** -0.5, x["initial_state"], cu, C, opts)
-        return jnp.sum(jnp.sin(3.0 * o)) + jnp.sum(final * jnp.cos(final)), (o, final)
-
-    (_, (o, final)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(x)
-    assert_runs_match((o, final, grads), run("reference", x, cu), 2e-5)
+    got = fixed_loss_run(lambda x: delta_rule_pallas(
+        x["q"], x["k"], x["write_key"], x["v"], x["beta"], x["log_decay"], 24 ** -0.5,
+        x["initial_state"], cu, C, opts), x)
+    assert_runs_match(got, run("reference", x, cu), 2e-5)
     with pytest.raises(ValueError, match="vector_wy"):
         Options(vector_wy="triton")

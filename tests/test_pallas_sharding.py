@@ -3,16 +3,13 @@ Pallas operations inside ``jax.shard_map`` (check_vma=True) and on meshes with E
 on the local shards.
 
 Each case runs tests/pallas_sharding_subprocess.py in a fresh process on 8 fake CPU devices (the
-device count must be set before jax is imported)."""
-
-import os
-import subprocess
-import sys
-from pathlib import Path
+device count must be set before jax is imported); it prints "ok" when its checks pass."""
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT, run_python
+
+SCRIPT = ROOT / "tests" / "pallas_sharding_subprocess.py"
 
 
 @pytest.mark.parametrize("case", ["dense_scalar", "dense_vector", "packed", "osdn_dense",
@@ -20,17 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_sharded_equals_one_device(case):
     """Mesh (data=4, tensor=2): outputs, final states and gradients equal the one-device run,
     stay sharded, and the compiled program has no all-gather."""
-    _run_case(case)
-
-
-def _run_case(case):
-    """Runs one case of tests/pallas_sharding_subprocess.py; it prints "ok" when its checks pass."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("XLA_FLAGS", None)
-    script = ROOT / "tests" / "pallas_sharding_subprocess.py"
-    done = subprocess.run([sys.executable, str(script), case], capture_output=True, text=True,
-                          env=env, timeout=120)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    run_python(SCRIPT, case, timeout=120, ends_with="ok")
 
 
 @pytest.mark.parametrize("op", ["delta", "osgm", "atk"])
@@ -39,11 +26,11 @@ def test_shard_map_equals_one_device(op):
     and atk_precondition (centres invariant over the batch axis) inside ``jax.shard_map`` with
     check_vma=True on mesh (data=4, tensor=2): outputs, final states and the gradients of every
     input equal the one-device run."""
-    _run_case(f"smap_{op}")
+    run_python(SCRIPT, f"smap_{op}", timeout=120, ends_with="ok")
 
 
 @pytest.mark.parametrize("op", ["delta", "osgm", "atk"])
 def test_explicit_mesh_equals_one_device(op):
     """The same ops under ``jit`` on a mesh with ``Explicit`` axes (shardings in the types):
     equal to one device, gradients keep their inputs' shardings, no all-gather."""
-    _run_case(f"explicit_{op}")
+    run_python(SCRIPT, f"explicit_{op}", timeout=120, ends_with="ok")

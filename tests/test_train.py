@@ -3,10 +3,6 @@ stop, remat and gradient accumulation, configs and the CLI (tiny models, chunked
 
 import io
 import itertools
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -25,16 +21,9 @@ from train.config import (DataSpec, ExperimentConfig, LoggingConfig, ModelSpec, 
 from train.data import make_task
 from train.metrics import NonFiniteLossError
 from train.partitioning import annotate, param_axes
+from conftest import ROOT, run_python
 
-ROOT = Path(__file__).resolve().parents[1]
 QUIET = Console(file=io.StringIO())
-
-
-def subprocess_env():
-    """This environment for a fresh Python: the repository importable, no inherited XLA_FLAGS."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("XLA_FLAGS", None)
-    return env
 
 
 def tiny(task="mqar", **changes) -> ExperimentConfig:
@@ -54,9 +43,7 @@ def tiny(task="mqar", **changes) -> ExperimentConfig:
 def test_sharded_training_on_8_fake_devices():
     """(2, 2, 2) mesh: parameters sharded by the rules, no activation all-gather in the compiled
     step, losses equal to one device (tests/train_subprocess.py)."""
-    result = subprocess.run([sys.executable, str(ROOT / "tests" / "train_subprocess.py")],
-                            capture_output=True, text=True, env=subprocess_env(), timeout=300)
-    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+    run_python(ROOT / "tests" / "train_subprocess.py", timeout=300, ends_with="ok")
 
 
 def test_resume_is_exact(tmp_path):
@@ -100,12 +87,10 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch
 
 def test_main_job_prints_the_accuracy_table(tmp_path):
     """The README's command, shortened to a few steps."""
-    command = [sys.executable, "-m", "train", "--config", "configs/mqar_smoke.py", "run.steps=3",
-               "optim.warmup_steps=1", "logging.eval_every=3", "logging.eval_batches=1",
-               "logging.progress=false", f"logging.dir={tmp_path}"]
-    result = subprocess.run(command, capture_output=True, text=True, env=subprocess_env(), cwd=ROOT,
-                            timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_python("-m", "train", "--config", "configs/mqar_smoke.py", "run.steps=3",
+                        "optim.warmup_steps=1", "logging.eval_every=3", "logging.eval_batches=1",
+                        "logging.progress=false", f"logging.dir={tmp_path}", devices=None,
+                        timeout=300)
     table = result.stdout.strip().splitlines()[-4:]
     assert table[0].split() == ["run", "model", "params", "steps", "train", "loss", "eval", "accuracy"]
     names = [row.split()[:2] for row in table[2:]]

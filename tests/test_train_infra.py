@@ -4,10 +4,7 @@ import dataclasses
 import io
 import json
 import math
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -28,17 +25,9 @@ from train.metrics import Monitor, NonFiniteLossError, peak_flops
 from train.optim import lr_schedule, make_optimizer, osdn_recipe, pdn_recipe, weight_decay_mask
 from train.partitioning import annotate
 from train.sharding import init_sharded, logical_to_spec, make_mesh
+from conftest import ROOT, run_python
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def run_script(mode, directory):
-    """Run tests/train_infra_subprocess.py MODE in a fresh process (its own XLA_FLAGS)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("XLA_FLAGS", None)
-    script = ROOT / "tests" / "train_infra_subprocess.py"
-    return subprocess.run([sys.executable, str(script), mode, str(directory)], capture_output=True, text=True,
-                          env=env, timeout=120)
+SCRIPT = ROOT / "tests" / "train_infra_subprocess.py"
 
 
 # ---- config ----
@@ -141,8 +130,7 @@ def test_logical_rules():
 def test_sharding_on_8_fake_devices(tmp_path):
     """Params sharded as the rules say on a (2, 2, 2) mesh; a train step matches one device;
     a sharded checkpoint restores with its shardings."""
-    result = run_script("sharding", tmp_path / "ckpt")
-    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+    run_python(SCRIPT, "sharding", tmp_path / "ckpt", timeout=120, ends_with="ok")
 
 
 
@@ -260,8 +248,8 @@ def test_failed_save_keeps_previous(tmp_path, monkeypatch):
 
 
 def test_sigterm_saves_and_exits(tmp_path):
-    result = run_script("sigterm", tmp_path)
-    assert result.returncode == 0 and "stopped at 3" in result.stdout, result.stderr[-3000:]
+    result = run_python(SCRIPT, "sigterm", tmp_path, timeout=120)
+    assert "stopped at 3" in result.stdout, result.stdout[-1000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["3"]
     previous = signal.getsignal(signal.SIGTERM)
     with Checkpointer(CheckpointConfig(dir=str(tmp_path))) as ck:

@@ -1,24 +1,24 @@
 """Checks of train/ that need their own process, run by tests/test_train_infra.py.
 
-    python tests/train_infra_subprocess.py sharding DIR   # on 8 fake CPU devices, (2, 2, 2) mesh
-    python tests/train_infra_subprocess.py sigterm DIR    # SIGTERM mid-run: save, then a clean exit
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/train_infra_subprocess.py MODE DIR
+
+MODE sharding: a (2, 2, 2) mesh over the 8 fake CPU devices; sigterm: SIGTERM mid-run: save, then
+a clean exit.
 """
 
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"  # before jax is imported
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import PartitionSpec as P
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-from train.checkpoint import Checkpointer  # noqa: E402
-from train.config import CheckpointConfig  # noqa: E402
-from train.sharding import init_sharded, logical_sharding, make_mesh, state_shardings, use_mesh  # noqa: E402
+from train.checkpoint import Checkpointer
+from train.config import CheckpointConfig
+from train.sharding import init_sharded, logical_sharding, make_mesh, state_shardings, use_mesh
 
 
 class Toy(nnx.Module):

@@ -1,6 +1,6 @@
 """The sharded train step on 8 fake CPU devices, run by tests/test_train.py in its own process.
 
-    python tests/train_subprocess.py
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/train_subprocess.py
 
 On a (data, fsdp, tensor) = (2, 2, 2) mesh, for OSDN and PGDN: every parameter and optimiser
 moment is sharded as train.partitioning's rules say; the compiled train step all-gathers only
@@ -8,25 +8,21 @@ parameters (rank <= 2), never activations such as the [B, T, H, D] inputs of the
 and three training steps give the losses of the same run on one device. Prints "ok".
 """
 
-import os
+import io
 import re
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"  # before jax is imported
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+from rich.console import Console
 
-import io  # noqa: E402
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-from rich.console import Console  # noqa: E402
-
-from train.build import data_spec  # noqa: E402
-from train.config import (DataSpec, ExperimentConfig, LoggingConfig, MeshConfig, ModelSpec,  # noqa: E402
+from train.build import data_spec
+from train.config import (DataSpec, ExperimentConfig, LoggingConfig, MeshConfig, ModelSpec,
                           OptimConfig, RunConfig)
-from train.data import build_dataset  # noqa: E402
-from train.loop import build, train  # noqa: E402
-from train.step import device_batch  # noqa: E402
+from train.data import build_dataset
+from train.loop import build, train
+from train.step import device_batch
 
 T = 24
 
