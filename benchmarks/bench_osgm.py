@@ -102,7 +102,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", type=int, nargs=4, default=(8, 2048, 8, 128))
     p.add_argument("--sections", default="checks,time,osdn")
-    p.add_argument("--variants", default="4/1,4/1/1/scalar,2/1/2,2/1/4,1/1/4,2/1/8,2/1/4/scalar")
+    p.add_argument("--variants", default="2/1/8,2/1/8/scalar,4/1,2/1/4,1/1/8")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--budget-s", type=float, default=100)
     a = p.parse_args()

@@ -182,6 +182,9 @@ def test_unsupported_calls_raise():
 # results are bitwise those of unroll=1.
 
 
+ONE_TOKEN = Options(prefetch=4, unroll=1)  # one token per loop step, the kernels before unrolling
+
+
 def unrolled_case(case, t):
     """(inputs, run keywords), the clip active: "dense" (β-aware, APF) and "beta-free" (r ≡ 1)
     two rows; "packed" documents of 5, 1 (first and last token at once), t − 10 and 4 tokens, so
@@ -195,18 +198,19 @@ def unrolled_case(case, t):
 
 def test_unrolled_bitwise_when_traced_unrolled():
     """Packed documents, T = 11: forward k̃, and under differentiation k̃, the final d and all
-    gradients bitwise those of unroll=1 (unroll 2: last group of 1; 4: of 3)."""
+    gradients bitwise those of unroll=1 (unroll 2: last group of 1; 4: of 3; the default 8: of
+    3)."""
     x, kw = unrolled_case("packed", 11)
     with jax.disable_jit():
-        want = precondition(Options(), x, **kw)[0], run(Options(), x, **kw)
-        for options in (Options(unroll=2, scalar_aux=True), Options(unroll=4)):
+        want = precondition(ONE_TOKEN, x, **kw)[0], run(ONE_TOKEN, x, **kw)
+        for options in (Options(unroll=2, scalar_aux=True), Options(unroll=4), Options()):
             got = precondition(options, x, **kw)[0], run(options, x, **kw)
             for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
                 np.testing.assert_array_equal(a, b, err_msg=str(options))
 
 
 @pytest.mark.parametrize("case, options", [("dense", Options(unroll=4, scalar_aux=True)),
-                                           ("beta-free", Options(unroll=3))])
+                                           ("beta-free", Options(unroll=3)), ("dense", Options())])
 def test_unrolled_matches_reference(case, options):
     """Compiled, two rows of T = 37 (a last group of 1): forward k̃, and under differentiation
     k̃, the final d and all gradients within 1e-6 of unroll=1 and 2e-5 of the reference (packed
@@ -214,11 +218,11 @@ def test_unrolled_matches_reference(case, options):
     x, kw = unrolled_case(case, 37)
     assert clipped_fraction(x, 2.0, cu_seqlens=kw.get("cu_seqlens")) > 0.2
     got, want = (jax.jit(lambda x, o=o: precondition(o, x, **kw)[0])(x)
-                 for o in (options, Options()))
+                 for o in (options, ONE_TOKEN))
     assert_close(got, want, 1e-6, "k_write (forward)")
     grads = ("k", "beta", "initial_state") + (("retention",) if kw.get("retention", True) else ())
     got = run(options, x, **kw)
-    assert_runs_match(got, run(Options(), x, **kw), 1e-6, grads)
+    assert_runs_match(got, run(ONE_TOKEN, x, **kw), 1e-6, grads)
     assert_runs_match(got, run("reference", x, **kw), 2e-5, grads)
 
 
@@ -229,7 +233,7 @@ def test_bad_options_raise(field, value):
         Options(**{field: value})
 
 
-@pytest.mark.parametrize("options", [Options(), Options(unroll=4),
+@pytest.mark.parametrize("options", [ONE_TOKEN, Options(), Options(unroll=4),
                                      Options(unroll=3, scalar_aux=True)])
 @pytest.mark.parametrize("packed", [False, True])
 def test_lowers_for_cuda(options, packed):
