@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 benchmarks/bench_delta.py [--shape B T H D] [--budget-s 420]
         [--sections checks,packed,time,jla,chunked,breakdown] [--check-dtypes bf16,fp32]
         [--variants auto/64/4,auto/64/4/fused]
-        # a variant: precision/block_v/num_warps[/num_stages][/fused][/recompute][/vkernel][/pP][/kN]
+        # a variant: precision/block_v/num_warps[/num_stages][/fused][/recompute][/vkernel][/pP][/kN][/sN]
 
 Checks (fresh random inputs per check; the device allocator is filled with NaN before each run so
 an unwritten output element shows): pallas vs the chunked pure-JAX form, outputs, final states
@@ -182,13 +182,15 @@ def breakdown(core, x, reps, options):
     kw = dict(chunk=64, block_v=options.block_v, dots=cfg.dots, num_warps=options.num_warps,
               num_stages=options.num_stages)
     pkw = kw | dict(dots=cfg.pdots)  # the chunk-parallel kernels' dots
+    skw = kw | dict(block_v=options.serial_block_v or options.block_v)  # the serial passes' tile
     steps = dict(
         wy=lambda ins: dr._wy(cfg, ins),
-        state_fwd=lambda W, U, k, gc: sf.state_pass(W, U, k, gc, None, *flags, num_docs=None, **kw),
+        state_fwd=lambda W, U, k, gc: sf.state_pass(W, U, k, gc, None, *flags, num_docs=None,
+                                                    **skw),
         chunk_output=lambda q, P, S, R: sf.chunk_output(q, P, S, R, scale=cfg.scale,
                                                         out_dtype=x["v"].dtype, **pkw),
         dout_products=lambda P, q, do: sb.dout_products(P, q, do, scale=cfg.scale, **pkw),
-        state_bwd=lambda W, k, gc, A, G, df: sb.state_pass(W, k, gc, A, G, df, *flags, **kw),
+        state_bwd=lambda W, k, gc, A, G, df: sb.state_pass(W, k, gc, A, G, df, *flags, **skw),
         chunk_grads=lambda *a: sb.chunk_grads(*a, scale=cfg.scale, block_k=options.block_k, **pkw),
         wy_pullback=lambda ins, extra, cts: dr._wy_pullback(cfg, ins, extra)[1](cts))
     f = {n: jax.jit(fn) for n, fn in steps.items()}
@@ -210,19 +212,21 @@ def breakdown(core, x, reps, options):
 
 def variant(v):
     """Options from precision/block_v/num_warps[/num_stages][/fused][/recompute][/vkernel][/pP]
-    [/kN] (pP: ``Options.parallel_precision`` = P, e.g. ptf32, pbf16; kN: ``Options.block_k`` = N).
-    """
+    [/kN][/sN] (pP: ``Options.parallel_precision`` = P, e.g. ptf32, pbf16; kN: ``Options.block_k``
+    = N; sN: ``Options.serial_block_v`` = N)."""
     f = v.split("/")
     flags = [t for t in f[3:] if not t.isdigit()]
     block_k = [int(t[1:]) for t in flags if t[0] == "k" and t[1:].isdigit()]
     parallel = [t[1:] for t in flags if t[0] == "p"]
+    serial = [int(t[1:]) for t in flags if t[0] == "s" and t[1:].isdigit()]
     stages = int(f[3]) if len(f) > 3 and f[3].isdigit() else Options().num_stages
     return Options(precision=None if f[0] == "auto" else f[0], block_v=int(f[1]),
                    num_warps=int(f[2]), num_stages=stages, split="fused" not in flags,
                    save_wy="recompute" not in flags,
                    vector_wy="kernel" if "vkernel" in flags else "xla",
                    parallel_precision=parallel[0] if parallel else None,
-                   block_k=block_k[0] if block_k else Options().block_k)
+                   block_k=block_k[0] if block_k else Options().block_k,
+                   serial_block_v=serial[0] if serial else None)
 
 
 def variant_tag(opt):
@@ -231,7 +235,8 @@ def variant_tag(opt):
             + ("" if opt.split else "/fused") + ("" if opt.save_wy else "/recompute")
             + ("/vkernel" if opt.vector_wy == "kernel" else "")
             + (f"/p{opt.parallel_precision}" if opt.parallel_precision else "")
-            + (f"/k{opt.block_k}" if opt.block_k != Options().block_k else ""))
+            + (f"/k{opt.block_k}" if opt.block_k != Options().block_k else "")
+            + (f"/s{opt.serial_block_v}" if opt.serial_block_v else ""))
 
 
 def jla_ops():

@@ -76,7 +76,8 @@ class Options:
     precision: str | None = None
     parallel_precision: str | None = None
     block_v: int = 64
-    block_k: int = 64  # key columns per tile of the per-chunk cotangent kernels (chunk_grads, wy_bwd)
+    block_k: int = 64  # key columns per tile of the chunk-parallel WY kernels and chunk_grads
+    serial_block_v: int | None = None  # the serial state passes' V tile (None: block_v)
     num_warps: int = 4
     num_stages: int = 2  # software pipelining of the serial loops' loads (RESULTS run 13)
     split: bool = True  # the split kernels (state_*_triton) instead of the fused delta_fwd/bwd
@@ -170,14 +171,15 @@ def _wy_kernel(cfg, kernel, ins, cts=None):
     in_axes = _WY_IN | (dict(gamma="b t h k") if cfg.decay == "vector" else {}) | _WY_T
     args, axes = dict(zip(in_axes, ins)), dict(in_axes)
     out_axes = tuple(_WY_OUT.values()) + tuple(_WY_T.values())
-    static = dict(dots=cfg.dots)
+    dots = cfg.dots
     if cts is not None:
         args |= dict(zip(_WY_OUT, cts))
         axes |= _WY_OUT
         out_axes = tuple(a for a, x in zip(in_axes.values(), ins[:6]) if x is not None)
-        static = dict(dots=cfg.pdots) | ({} if cfg.decay == "vector" else dict(block_k=o.block_k))
+        dots = cfg.pdots
     outs = _kernel_call(cfg, kernel, args, axes, out_axes, chunk=cfg.chunk, block_v=o.block_v,
-                        num_warps=o.num_warps, num_stages=o.num_stages, **static)
+                        block_k=o.block_k, dots=dots, num_warps=o.num_warps,
+                        num_stages=o.num_stages)
     if cts is None:
         return outs
     outs = iter(outs)
@@ -216,7 +218,8 @@ def _forward(cfg, q, k, kw, v, beta, gamma, init, doc, first, last, store_states
             wy = _wy(cfg, (q, k, kw, v, beta, gamma))[0]
         args = dict(zip(_WY_ARGS, wy)) | dict(initial_state=init, doc=doc, first=first, last=last)
         axes = dict(_WY_AXES, initial_state="n h k v", **_FLAGS)
-        kernel, static = split_forward, dict(out_dtype=v.dtype, pdots=cfg.pdots)
+        kernel, static = split_forward, dict(out_dtype=v.dtype, pdots=cfg.pdots,
+                                             serial_block_v=o.serial_block_v)
     else:
         A = P = None
         if cfg.decay == "vector":
@@ -264,7 +267,8 @@ def _core_bwd(cfg, res, cts):
     dW, dU, dkw, dq, dP, dgc, dinit = _kernel_call(
         cfg, split_backward if o.split else delta_bwd, args, axes, out_axes, chunk=cfg.chunk,
         scale=cfg.scale, block_v=o.block_v, dots=cfg.dots, num_warps=o.num_warps,
-        num_stages=o.num_stages, **(dict(pdots=cfg.pdots, block_k=o.block_k) if o.split else {}))
+        num_stages=o.num_stages, **(dict(pdots=cfg.pdots, block_k=o.block_k,
+                                         serial_block_v=o.serial_block_v) if o.split else {}))
     grads = pullback((dW.sum(0), dU, dkw.sum(0), dq.sum(0), dP.sum(0), dgc.sum(0)))
     return (*match_types((*grads, None if init is None else dinit),
                          (q, k, kw, v, beta, gamma, init)), None, None, None)

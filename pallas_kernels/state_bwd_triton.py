@@ -147,12 +147,13 @@ def chunk_grads(states, dstates, dU, R, do, *, chunk, scale, block_v, dots: Dots
 
 def split_backward(W, U, kw, q, P, gc, states, R, do, dfinal, doc, first, last, *, chunk, scale,
                    block_v, dots: Dots, num_warps, num_stages, block_k=64,
-                   pdots: Dots | None = None):
+                   pdots: Dots | None = None, serial_block_v: int | None = None):
     """``delta_bwd`` in three kernels; arguments and results as ``delta_bwd``, plus R = U − W S
     from the forward: W, kw (K̃'), q (Q') [B, H, Tp, K]; U, R [B, H, Tp, V]; P [B, H, Tp, C];
     gc (Γ_C) [B, H, NC, K]; states (chunk-start) [B, H, NC, K, V]; do [B, Tp, H, V]; dfinal
     [N, H, K, V]; doc, first, last [B, NC]; ``block_k``: key rows per program of kernel 3;
-    ``pdots``: the dots of kernels 1 and 3 (default ``dots``; the serial kernel 2 uses ``dots``).
+    ``pdots``: the dots of kernels 1 and 3 (default ``dots``; the serial kernel 2 uses ``dots``);
+    ``serial_block_v``: kernel 2's V tile (default ``block_v``).
 
     Returns dW, dK̃', dQ' [1, B, H, Tp, K], dU [B, H, Tp, V], dP [1, B, H, Tp, C], dΓ_C
     [1, B, H, NC, K] (already summed over V: the leading axis of ``delta_bwd``'s per-tile partial
@@ -162,7 +163,9 @@ def split_backward(W, U, kw, q, P, gc, states, R, do, dfinal, doc, first, last, 
                 num_stages=num_stages)
     parallel = opts | dict(dots=pdots or dots)
     A, G = dout_products(P, q, do, scale=scale, **parallel)
-    dU, dstates, dinit = state_pass(W, kw, gc, A, G, dfinal, doc, first, last, **opts)
+    check_inputs(W, U, P, chunk=chunk, block_v=serial_block_v or block_v)
+    dU, dstates, dinit = state_pass(W, kw, gc, A, G, dfinal, doc, first, last,
+                                    **(opts | dict(block_v=serial_block_v or block_v)))
     grads = chunk_grads(states, dstates, dU, R, do, scale=scale, block_k=block_k, **parallel)
     dW, dkw, dq, dP, dgc = (x[None] for x in grads)
     return dW, dU, dkw, dq, dP, dgc, dinit

@@ -137,7 +137,8 @@ def chunk_output(q, P, states, R, *, chunk, scale, block_v, dots: Dots, num_warp
 
 def split_forward(W, U, kw, q, P, gc, initial_state, doc, first, last, *, chunk, scale, num_docs,
                   block_v, dots: Dots, num_warps, num_stages, store_states,
-                  out_dtype=jnp.float32, pdots: Dots | None = None):
+                  out_dtype=jnp.float32, pdots: Dots | None = None,
+                  serial_block_v: int | None = None):
     """``delta_fwd`` from the WY tensors. Shapes: W, kw (K̃'), q (Q') [B, H, Tp, K]; U [B, H, Tp, V];
     P [B, H, Tp, C]; gc (Γ_C) [B, H, NC, K]; initial_state None | [N, H, K, V] float32; doc,
     first, last [B, NC] int32; ``num_docs``: N, or None for one document per batch row (N = B).
@@ -145,12 +146,15 @@ def split_forward(W, U, kw, q, P, gc, initial_state, doc, first, last, *, chunk,
     Returns o [B, Tp, H, V] (``out_dtype``), final [N, H, K, V] float32 and, if ``store_states``,
     what the backward reads: the state at the start of every chunk [B, H, NC, K, V] and R = U − W S
     [B, H, Tp, V], float32 (always computed: the output kernel reads them). ``pdots``: the
-    output kernel's dots (default ``dots``; the state pass always uses ``dots``)."""
+    output kernel's dots (default ``dots``; the state pass always uses ``dots``);
+    ``serial_block_v``: the state pass's V tile (default ``block_v``; narrower tiles give the
+    serial pass more programs)."""
     check_inputs(W, U, P, chunk=chunk, block_v=block_v)
     opts = dict(chunk=chunk, block_v=block_v, dots=dots, num_warps=num_warps,
                 num_stages=num_stages)
+    check_inputs(W, U, P, chunk=chunk, block_v=serial_block_v or block_v)
     states, R, final = state_pass(W, U, kw, gc, initial_state, doc, first, last,
-                                  num_docs=num_docs, **opts)
+                                  num_docs=num_docs, **(opts | dict(block_v=serial_block_v or block_v)))
     o = chunk_output(q, P, states, R, scale=scale, out_dtype=out_dtype,
                      **(opts | dict(dots=pdots or dots)))
     return (o, final) + ((states, R) if store_states else ())

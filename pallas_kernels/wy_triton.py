@@ -52,7 +52,7 @@ def _decayed_gram(gram, beta, g_ref, C):
     return beta, jnp.exp(g), jnp.exp(g_last - g), jnp.exp(g_last), D, A, L
 
 
-def _tiles(n, block):
+def tiles(n, block):
     """Static column slices of width min(block, n) covering n columns."""
     width = min(block, n)
     return [pl.ds(t * width, width) for t in range(n // width)]
@@ -60,7 +60,7 @@ def _tiles(n, block):
 
 def u_fwd(T, b, v_ref, U_ref, dots, block_v):
     """U = T Diag(β) V, by value tiles (b = β[:, None])."""
-    for cols in _tiles(v_ref.shape[-1], block_v):
+    for cols in tiles(v_ref.shape[-1], block_v):
         U_ref[:, cols] = dots.nn(T, b * v_ref[:, cols].astype(jnp.float32))
 
 
@@ -68,7 +68,7 @@ def u_bwd(T, b, v_ref, dU_ref, dv_ref, dots, block_v):
     """The pullback of U = T Diag(β) V by value tiles: writes dV = Diag(β) Tᵀ dU and returns
     (dU (Diag(β) V)ᵀ, rowsum(Tᵀ dU ⊙ V)), U's parts of dT and dβ."""
     dT = db = 0.0
-    for cols in _tiles(v_ref.shape[-1], block_v):
+    for cols in tiles(v_ref.shape[-1], block_v):
         v, dU = v_ref[:, cols].astype(jnp.float32), dU_ref[:, cols]
         dT = dT + dots.nt(dU, b * v)
         dVb = dots.tn(T, dU)
@@ -77,23 +77,25 @@ def u_bwd(T, b, v_ref, dU_ref, dv_ref, dots, block_v):
     return dT, db
 
 
-def _fwd_kernel(*refs, dots, block_v, has_decay):
-    """One chunk's W, U, K̃', Q', P, Γ_C and T (module docstring)."""
+def _fwd_kernel(*refs, dots, block_v, block_k, has_decay):
+    """One chunk's W, U, K̃', Q', P, Γ_C and T (module docstring), the [C, K] tensors by key
+    tiles of ``block_k``."""
     q_ref, k_ref, kw_ref, v_ref, beta_ref, *refs = refs
     g_ref = refs.pop(0) if has_decay else None
     W_ref, U_ref, kwt_ref, qd_ref, P_ref, gc_ref, T_ref = refs
     C, K = k_ref.shape
-    k, kw, q = k_ref[...], kw_ref[...], q_ref[...]
-    beta, Gam, tail, gc, D, _, L = _decayed_gram(dots.nt(k, kw), beta_ref[...].astype(jnp.float32),
-                                                 g_ref, C)
+    key_tiles = tiles(K, block_k)
+    gram = sum(dots.nt(k_ref[:, cols], kw_ref[:, cols]) for cols in key_tiles)
+    beta, Gam, tail, gc, D, _, L = _decayed_gram(gram, beta_ref[...].astype(jnp.float32), g_ref, C)
     T = unit_lower_inverse(L, dots)
     T_ref[...] = T
-    b, Gcol = beta[:, None], Gam[:, None]
-    W_ref[...] = dots.nn(T, b * Gcol * k.astype(jnp.float32))
+    b, Gcol, tcol = beta[:, None], Gam[:, None], tail[:, None]
     u_fwd(T, b, v_ref, U_ref, dots, block_v)
-    kwt_ref[...] = kw.astype(jnp.float32) * tail[:, None]
-    qd_ref[...] = q.astype(jnp.float32) * Gcol
-    P_ref[...] = dots.nt(q, kw) * D
+    P_ref[...] = sum(dots.nt(q_ref[:, cols], kw_ref[:, cols]) for cols in key_tiles) * D
+    for cols in key_tiles:
+        W_ref[:, cols] = dots.nn(T, b * Gcol * k_ref[:, cols].astype(jnp.float32))
+        kwt_ref[:, cols] = kw_ref[:, cols].astype(jnp.float32) * tcol
+        qd_ref[:, cols] = q_ref[:, cols].astype(jnp.float32) * Gcol
     gc_ref[...] = jnp.full((K,), gc, jnp.float32)
 
 
@@ -110,7 +112,7 @@ def _bwd_kernel(*refs, dots, block_v, block_k, has_decay):
     C, K = k_ref.shape
     f32 = jnp.float32
     i, j = iota2(C)
-    key_tiles = _tiles(K, block_k)
+    key_tiles = tiles(K, block_k)
     gram = sum(dots.nt(k_ref[:, cols], kw_ref[:, cols]) for cols in key_tiles)
     beta, Gam, tail, gc, D, A, L = _decayed_gram(gram, beta_ref[...].astype(f32), g_ref, C)
     T = T_ref[...]
@@ -193,13 +195,15 @@ def wy_shapes(q, v, grid, chunk, args):
     return rows + [out_struct((B, H, nc, K), jnp.float32, *args), rows[-1]]
 
 
-def wy_fwd(q, k, kw, v, beta, gamma, *, chunk, block_v, dots: Dots, num_warps, num_stages):
+def wy_fwd(q, k, kw, v, beta, gamma, *, chunk, block_v, dots: Dots, num_warps, num_stages,
+           block_k=64):
     """W, U, K̃ ⊙ Γ_C/Γ, Q ⊙ Γ [B, H, Tp, ·], P [B, H, Tp, C] and Γ_C [B, H, NC, K], float32:
     ``delta_rule.prepare``'s outputs by the same formulas (module docstring), and T = (I + L)^-1
-    [B, H, Tp, C] for ``wy_bwd``. gamma: None or [B, Tp, H]."""
+    [B, H, Tp, C] for ``wy_bwd``. gamma: None or [B, Tp, H]; ``block_k``: key columns per tile."""
     in_specs, wy_specs, grid = layout(q, v, gamma, chunk)
     args = [x for x in (q, k, kw, v, beta, gamma) if x is not None]
-    kernel = functools.partial(_fwd_kernel, dots=dots, block_v=block_v, has_decay=gamma is not None)
+    kernel = functools.partial(_fwd_kernel, dots=dots, block_v=block_v, block_k=block_k,
+                               has_decay=gamma is not None)
     return call(kernel, "wy_fwd", grid, in_specs, wy_specs, wy_shapes(q, v, grid, chunk, args),
                  args, dots, num_warps, num_stages)
 

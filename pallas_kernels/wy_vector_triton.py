@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.triton_common import Dots, iota2, out_struct, unit_lower_inverse
-from pallas_kernels.wy_triton import call, layout, u_bwd, u_fwd, wy_shapes
+from pallas_kernels.wy_triton import call, layout, tiles, u_bwd, u_fwd, wy_shapes
 from precond_linattn.chunked.gram import SUB_BLOCK as SUB
 
 f32 = jnp.float32
@@ -45,71 +45,84 @@ def _row_ids(C, K):
     return lax.broadcasted_iota(jnp.int32, (C, K), 0)
 
 
-def _off_blocks(g, g_ref):
+def _off_blocks(g, g_ref, cols):
     """For each 16-row block I >= 1 (r = 16 I): (ex, ey, M) with ex = exp(γ − γ_r) on rows >= r,
-    ey = exp(γ_r − γ) on rows < r (0 elsewhere) [C, K], and M [C, C] the entries (i in I, j < r),
-    those of the gram blocks below the diagonal that (X ⊙ ex)(Y ⊙ ey)ᵀ gives."""
-    C, K = g.shape
-    row = _row_ids(C, K)
+    ey = exp(γ_r − γ) on rows < r (0 elsewhere) [C, BK] for the key columns ``cols`` (g = γ
+    there), and M [C, C] the entries (i in I, j < r), those of the gram blocks below the diagonal
+    that (X ⊙ ex)(Y ⊙ ey)ᵀ gives."""
+    C, BK = g.shape
+    row = _row_ids(C, BK)
     i, j = iota2(C)
     for blk in range(1, C // SUB):
         r = blk * SUB
-        gr = g_ref[r].astype(f32)[None, :]
+        gr = g_ref[r, cols].astype(f32)[None, :]
         ex = jnp.exp(jnp.where(row >= r, g - gr, -jnp.inf))
         ey = jnp.exp(jnp.where(row < r, gr - g, -jnp.inf))
         yield ex, ey, (i // SUB == blk) & (j < r)
 
 
-def _diag_step(t, g, g_ref, kw_ref):
-    """Step t of the diagonal blocks: (k̃_c, e, sel) with k̃_c [C, K] row i = k̃ of row
-    c(i) = 16⌊i/16⌋ + t, e = exp(γ_i − γ_c(i)) for i >= c(i) (0 else), sel [C, C] the entries
-    (i, c(i))."""
-    C, K = g.shape
-    row = _row_ids(C, K)
-    kc = gc = jnp.zeros((C, K), f32)
+def _diag_step(t, g, g_ref, kw_ref, cols):
+    """Step t of the diagonal blocks, key columns ``cols``: (k̃_c, e, sel) with k̃_c [C, BK] row
+    i = k̃ of row c(i) = 16⌊i/16⌋ + t, e = exp(γ_i − γ_c(i)) for i >= c(i) (0 else), sel [C, C]
+    the entries (i, c(i))."""
+    C, BK = g.shape
+    row = _row_ids(C, BK)
+    kc = gc = jnp.zeros((C, BK), f32)
     for blk in range(C // SUB):
         at = row // SUB == blk
-        kc = jnp.where(at, kw_ref[blk * SUB + t].astype(f32)[None, :], kc)
-        gc = jnp.where(at, g_ref[blk * SUB + t].astype(f32)[None, :], gc)
+        kc = jnp.where(at, kw_ref[blk * SUB + t, cols].astype(f32)[None, :], kc)
+        gc = jnp.where(at, g_ref[blk * SUB + t, cols].astype(f32)[None, :], gc)
     e = jnp.exp(jnp.where(row % SUB >= t, g - gc, -jnp.inf))
     i, j = iota2(C)
     return kc, e, j == (i // SUB) * SUB + t
 
 
-def _grams(q, k, kw, g, kw_ref, g_ref, dots):
-    """A and P [C, C] (module docstring; zero above the diagonal)."""
-    C = k.shape[0]
-    A = P = jnp.zeros((C, C), f32)
-    for ex, ey, M in _off_blocks(g, g_ref):
-        Y = kw * ey
-        A = A + jnp.where(M, dots.nt(k * ex, Y), 0.0)
-        P = P + jnp.where(M, dots.nt(q * ex, Y), 0.0)
-
-    def step(t, AP):
-        kc, e, sel = _diag_step(t, g, g_ref, kw_ref)
-        F = kc * e
-        return tuple(X + jnp.where(sel, jnp.sum(Z * F, axis=1)[:, None], 0.0)
-                     for X, Z in zip(AP, (k, q)))
-
-    return lax.fori_loop(0, SUB, step, (A, P))
+def _tile(refs, cols):
+    """The key columns ``cols`` of each ref, float32 [C, BK]."""
+    return [r[:, cols].astype(f32) for r in refs]
 
 
-def _grams_vjp(GK, GQ, q, k, kw, g, kw_ref, g_ref, dots):
-    """(dK_A, dQ_P, dK̃_AP) [C, K]: the pullback of (A, P) = ``_grams`` along (G_K, G_Q) in K, Q
-    and K̃ (module docstring)."""
-    C, K = k.shape
-    dk = dq = dkw = jnp.zeros((C, K), f32)
-    for ex, ey, M in _off_blocks(g, g_ref):
+def _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, with_p=True):
+    """A and, if ``with_p``, P [C, C] (module docstring; zero above the diagonal), summed over
+    the key tiles."""
+    C = k_ref.shape[0]
+    zero = jnp.zeros((C, C), f32)
+    A, P = zero, zero if with_p else None
+    for cols in key_tiles:
+        q, k, kw, g = _tile((q_ref, k_ref, kw_ref, g_ref), cols)
+        for ex, ey, M in _off_blocks(g, g_ref, cols):
+            Y = kw * ey
+            A = A + jnp.where(M, dots.nt(k * ex, Y), 0.0)
+            if with_p:
+                P = P + jnp.where(M, dots.nt(q * ex, Y), 0.0)
+
+        def step(t, AP, q=q, k=k, g=g, cols=cols):
+            kc, e, sel = _diag_step(t, g, g_ref, kw_ref, cols)
+            F = kc * e
+            return tuple(X + jnp.where(sel, jnp.sum(Z * F, axis=1)[:, None], 0.0)
+                         for X, Z in zip(AP, (k, q)))
+
+        A, P = lax.fori_loop(0, SUB, step, (A, P)) if with_p else (
+            lax.fori_loop(0, SUB, lambda t, a: step(t, (a,))[0], A), None)
+    return A, P
+
+
+def _grams_vjp(GK, GQ, q, k, kw, g, g_ref, kw_ref, cols, dots):
+    """(dK_A, dQ_P, dK̃_AP) [C, BK] for the key columns ``cols`` (q, k, kw, g their tiles): the
+    pullback of (A, P) = ``_grams`` along (G_K, G_Q) in K, Q and K̃ (module docstring)."""
+    C, BK = k.shape
+    dk = dq = dkw = jnp.zeros((C, BK), f32)
+    for ex, ey, M in _off_blocks(g, g_ref, cols):
         GKm, GQm = jnp.where(M, GK, 0.0), jnp.where(M, GQ, 0.0)
         Y = kw * ey
         dk = dk + dots.nn(GKm, Y) * ex
         dq = dq + dots.nn(GQm, Y) * ex
         dkw = dkw + (dots.tn(GKm, k * ex) + dots.tn(GQm, q * ex)) * ey
-    row = _row_ids(C, K)
+    row = _row_ids(C, BK)
 
     def step(t, acc):
         dk, dq, dkw = acc
-        kc, e, sel = _diag_step(t, g, g_ref, kw_ref)
+        kc, e, sel = _diag_step(t, g, g_ref, kw_ref, cols)
         gk = jnp.sum(jnp.where(sel, GK, 0.0), axis=1)[:, None]
         gq = jnp.sum(jnp.where(sel, GQ, 0.0), axis=1)[:, None]
         Z = (gk * k + gq * q) * e  # row i's part of dK̃ row c(i)
@@ -121,83 +134,95 @@ def _grams_vjp(GK, GQ, q, k, kw, g, kw_ref, g_ref, dots):
     return lax.fori_loop(0, SUB, step, (dk, dq, dkw))
 
 
-def _chunk(q_ref, k_ref, kw_ref, beta_ref, g_ref, dots):
-    """Shared recomputation: (q, k, k̃, γ [C, K], β [C], A, P, L [C, C]), float32."""
-    q, k, kw, g = (r[...].astype(f32) for r in (q_ref, k_ref, kw_ref, g_ref))
-    beta = beta_ref[...].astype(f32)
-    A, P = _grams(q, k, kw, g, kw_ref, g_ref, dots)
-    i, j = iota2(k.shape[0])
-    return q, k, kw, g, beta, A, P, jnp.where(i > j, beta[:, None] * A, 0.0)
-
-
 def _fwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, W_ref, U_ref, kwt_ref, qd_ref,
-                P_ref, gc_ref, T_ref, *, dots, block_v):
-    """One chunk's W, U, K̃', Q', P, Γ_C and T (module docstring)."""
-    q, k, kw, g, beta, _, P, L = _chunk(q_ref, k_ref, kw_ref, beta_ref, g_ref, dots)
-    T = unit_lower_inverse(L, dots)
+                P_ref, gc_ref, T_ref, *, dots, block_v, block_k):
+    """One chunk's W, U, K̃', Q', P, Γ_C and T (module docstring), by key tiles of ``block_k``."""
+    C, K = k_ref.shape
+    key_tiles = tiles(K, block_k)
+    A, P = _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles)
+    beta = beta_ref[...].astype(f32)
+    i, j = iota2(C)
+    T = unit_lower_inverse(jnp.where(i > j, beta[:, None] * A, 0.0), dots)
     T_ref[...] = T
-    b, Gam, g_last = beta[:, None], jnp.exp(g), g_ref[k.shape[0] - 1].astype(f32)
-    W_ref[...] = dots.nn(T, b * Gam * k)
-    u_fwd(T, b, v_ref, U_ref, dots, block_v)
-    kwt_ref[...] = kw * jnp.exp(g_last[None, :] - g)
-    qd_ref[...] = q * Gam
     P_ref[...] = P
-    gc_ref[...] = jnp.exp(g_last)
+    b = beta[:, None]
+    u_fwd(T, b, v_ref, U_ref, dots, block_v)
+    for cols in key_tiles:
+        q, k, kw, g = _tile((q_ref, k_ref, kw_ref, g_ref), cols)
+        g_last = g_ref[C - 1, cols].astype(f32)
+        Gam = jnp.exp(g)
+        W_ref[:, cols] = dots.nn(T, b * Gam * k)
+        kwt_ref[:, cols] = kw * jnp.exp(g_last[None, :] - g)
+        qd_ref[:, cols] = q * Gam
+        gc_ref[cols] = jnp.exp(g_last)
 
 
 def _bwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, T_ref, dW_ref, dU_ref, dkwt_ref,
                 dqd_ref, dP_ref, dgc_ref, dq_ref, dk_ref, dkw_ref, dv_ref, db_ref, dg_ref, *, dots,
-                block_v):
-    """One chunk's dQ, dK, dK̃, dV, dβ and dγ (module docstring), T read from the forward."""
-    q, k, kw, g, beta, A, _, _ = _chunk(q_ref, k_ref, kw_ref, beta_ref, g_ref, dots)
+                block_v, block_k):
+    """One chunk's dQ, dK, dK̃, dV, dβ and dγ (module docstring), T read from the forward, in two
+    sweeps over key tiles of ``block_k`` (dT and dβ first; then, after dL, each tile's
+    cotangents, Tᵀ dW recomputed per tile)."""
+    C, K = k_ref.shape
+    key_tiles = tiles(K, block_k)
+    A, _ = _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, with_p=False)
     T = T_ref[...]
-    C = k.shape[0]
     i, j = iota2(C)
-    b, Gam, g_last = beta[:, None], jnp.exp(g), g_ref[C - 1].astype(f32)
-    # W = T Diag(β)(K ⊙ Γ), U = T Diag(β) V
-    dW = dW_ref[...]
-    dKg = dots.tn(T, dW)
-    wk = Gam * k * dKg
+    beta = beta_ref[...].astype(f32)
+    b = beta[:, None]
+    # sweep 1: W = T Diag(β)(K ⊙ Γ), U = T Diag(β) V
     dT, db = u_bwd(T, b, v_ref, dU_ref, dv_ref, dots, block_v)
-    dT = dT + dots.nt(dW, b * Gam * k)
+    for cols in key_tiles:
+        k, g = _tile((k_ref, g_ref), cols)
+        dW = dW_ref[:, cols]
+        Gk = jnp.exp(g) * k
+        db = db + jnp.sum(Gk * dots.tn(T, dW), axis=1)
+        dT = dT + dots.nt(dW, b * Gk)
     # T = (I + L)^-1, L = strict_tril(Diag(β) A); P = tril(...)
     dL = jnp.where(i > j, -dots.nt(dots.tn(T, dT), T), 0.0)
-    db_ref[...] = db + jnp.sum(wk, axis=1) + jnp.sum(dL * A, axis=1)
-    GQ = jnp.where(i >= j, dP_ref[...], 0.0)
-    dkA, dqP, dkwAP = _grams_vjp(b * dL, GQ, q, k, kw, g, kw_ref, g_ref, dots)
-    # Q' = Q ⊙ Γ, K̃' = K̃ ⊙ Γ_C/Γ, Γ_C
-    dqd, dkwt = dqd_ref[...], dkwt_ref[...]
-    tail = jnp.exp(g_last[None, :] - g)
-    dk_ref[...] = dkA + b * Gam * dKg
-    dq_ref[...] = dqP + dqd * Gam
-    dkw_ref[...] = dkwAP + dkwt * tail
-    e = dkwt * kw * tail
-    last = jnp.sum(e, axis=0) + jnp.exp(g_last) * dgc_ref[...]
-    dg_ref[...] = (k * dkA + q * dqP - kw * dkwAP + b * wk + dqd * q * Gam - e
-                   + jnp.where(_row_ids(*g.shape) == C - 1, last[None, :], 0.0))
+    db_ref[...] = db + jnp.sum(dL * A, axis=1)
+    GK, GQ = b * dL, jnp.where(i >= j, dP_ref[...], 0.0)
+    # sweep 2: the grams' pullback, Q' = Q ⊙ Γ, K̃' = K̃ ⊙ Γ_C/Γ, Γ_C
+    for cols in key_tiles:
+        q, k, kw, g = _tile((q_ref, k_ref, kw_ref, g_ref), cols)
+        dkA, dqP, dkwAP = _grams_vjp(GK, GQ, q, k, kw, g, g_ref, kw_ref, cols, dots)
+        g_last = g_ref[C - 1, cols].astype(f32)
+        Gam = jnp.exp(g)
+        dKg = dots.tn(T, dW_ref[:, cols])
+        wk = Gam * k * dKg
+        dqd, dkwt = dqd_ref[:, cols], dkwt_ref[:, cols]
+        tail = jnp.exp(g_last[None, :] - g)
+        dk_ref[:, cols] = dkA + b * Gam * dKg
+        dq_ref[:, cols] = dqP + dqd * Gam
+        dkw_ref[:, cols] = dkwAP + dkwt * tail
+        e = dkwt * kw * tail
+        last = jnp.sum(e, axis=0) + jnp.exp(g_last) * dgc_ref[cols]
+        dg_ref[:, cols] = (k * dkA + q * dqP - kw * dkwAP + b * wk + dqd * q * Gam - e
+                           + jnp.where(_row_ids(C, k.shape[1]) == C - 1, last[None, :], 0.0))
 
 
 def wy_vector_fwd(q, k, kw, v, beta, gamma, *, chunk, block_v, dots: Dots, num_warps,
-                  num_stages):
+                  num_stages, block_k=64):
     """``wy_triton.wy_fwd`` for a per-channel decay, gamma [B, Tp, H, K] (the in-chunk cumsum):
     W, U, K̃', Q' [B, H, Tp, ·], P [B, H, Tp, C] and Γ_C [B, H, NC, K], float32, equal to
-    ``delta_rule.prepare``'s outputs (module docstring), and T [B, H, Tp, C] for the pullback."""
+    ``delta_rule.prepare``'s outputs (module docstring), and T [B, H, Tp, C] for the pullback;
+    ``block_k``: key columns per tile (the grams are sums over key tiles)."""
     in_specs, wy_specs, grid = layout(q, v, gamma, chunk, vector=True)
     args = [q, k, kw, v, beta, gamma]
-    kernel = functools.partial(_fwd_kernel, dots=dots, block_v=block_v)
+    kernel = functools.partial(_fwd_kernel, dots=dots, block_v=block_v, block_k=block_k)
     return call(kernel, "wy_vector_fwd", grid, in_specs, wy_specs,
                 wy_shapes(q, v, grid, chunk, args), args, dots, num_warps, num_stages)
 
 
 def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *, chunk,
-                  block_v, dots: Dots, num_warps, num_stages):
+                  block_v, dots: Dots, num_warps, num_stages, block_k=64):
     """Cotangents of q, k, kw [B, Tp, H, K], v [B, Tp, H, V], beta [B, Tp, H] and gamma
     [B, Tp, H, K] (float32) from those of ``wy_vector_fwd``'s outputs and its T (module
-    docstring)."""
+    docstring); ``block_k``: key columns per tile."""
     in_specs, wy_specs, grid = layout(q, v, gamma, chunk, vector=True)
     args = [q, k, kw, v, beta, gamma]
     cts = [T, dW, dU, dkw_t, dq_dec, dP, dgc]
     out_shape = [out_struct(x.shape, f32, *args, *cts) for x in args]
-    kernel = functools.partial(_bwd_kernel, dots=dots, block_v=block_v)
+    kernel = functools.partial(_bwd_kernel, dots=dots, block_v=block_v, block_k=block_k)
     return call(kernel, "wy_vector_bwd", grid, in_specs + wy_specs[-1:] + wy_specs[:-1],
                 in_specs, out_shape, args + cts, dots, num_warps, num_stages)
