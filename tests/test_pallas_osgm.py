@@ -9,6 +9,8 @@ from jax.sharding import AbstractDevice, AbstractMesh
 import precond_linattn as pla
 from pallas_kernels import REGISTRY
 from pallas_kernels.osgm_precond import Options, osgm_pallas
+from conftest import (assert_close, assert_repeats_bitwise, assert_runs_match,
+                      assert_vmap_matches_loop, fixed_loss_run)
 
 B, T, H, K = 2, 37, 2, 24
 D_MIN, D_MAX = 0.5, 2.0
@@ -47,30 +49,9 @@ def precondition(impl, x, *, eta, beta_aware=True, retention=True, cu_seqlens=No
 
 
 def run(impl, x, **kw):
-    """k̃, final d and the gradients of a fixed nonlinear loss w.r.t. every input
+    """k̃, final d and the gradients of conftest's fixed loss w.r.t. every input
     (``precondition``'s arguments)."""
-
-    def loss(x):
-        k_write, final = precondition(impl, x, **kw)
-        k_write = k_write.astype(jnp.float32)
-        return jnp.sum(jnp.sin(3.0 * k_write)) + jnp.sum(final * jnp.cos(final)), (k_write, final)
-
-    (_, (k_write, final)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(x)
-    return k_write, final, grads
-
-
-def assert_close(actual, expected, tol, name):
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    assert np.all(np.isfinite(actual)), name
-    err = np.max(np.abs(actual - expected)) / max(np.max(np.abs(expected)), 1e-30)
-    assert err <= tol, f"{name}: relative max error {err:.3g} > {tol}"
-
-
-def assert_runs_match(got, want, tol, grads=("k", "beta", "retention", "initial_state")):
-    assert_close(got[0], want[0], tol, "k_write")
-    assert_close(got[1], want[1], tol, "final state")
-    for name in grads:
-        assert_close(got[2][name], want[2][name], tol, f"d{name}")
+    return fixed_loss_run(lambda x: precondition(impl, x, **kw), x)
 
 
 def clipped_fraction(x, eta, **kw):
@@ -151,18 +132,12 @@ def test_vmap():
         return jax.grad(loss, argnums=(0, 1, 2, 3))(k, beta, r, d0)
 
     args = [x["k"], x["beta"], x["retention"], x["initial_state"]]
-    split = [a.reshape(B, 1, *a.shape[1:]) for a in args]
-    per_row = jax.jit(jax.vmap(grads))(*split)
-    looped = [grads(*[a[i] for a in split]) for i in range(B)]
-    for got, want in zip(per_row, zip(*looped)):
-        np.testing.assert_allclose(got, jnp.stack(want), rtol=1e-5, atol=1e-6)
+    assert_vmap_matches_loop(grads, [a.reshape(B, 1, *a.shape[1:]) for a in args])
 
 
 def test_second_run_bitwise_identical():
     x = make_inputs(6, skewed=True)
-    first, second = run("pallas", x, eta=2.0), run("pallas", x, eta=2.0)
-    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
-        np.testing.assert_array_equal(a, b)
+    assert_repeats_bitwise(lambda: run("pallas", x, eta=2.0))
 
 
 def test_unsupported_calls_raise():

@@ -4,7 +4,8 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_pallas_delta import DECAYS, assert_close, make_inputs
+from conftest import assert_close
+from test_pallas_delta import DECAYS, make_inputs
 
 from pallas_kernels.delta_bwd_triton import delta_bwd
 from pallas_kernels.delta_rule import Options, _Config, _forward, prepare

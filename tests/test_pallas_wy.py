@@ -12,7 +12,7 @@ from pallas_kernels.triton_common import Dots
 from pallas_kernels.wy_triton import wy_bwd, wy_fwd
 from pallas_kernels.wy_vector_triton import wy_vector_bwd, wy_vector_fwd
 from precond_linattn.chunked.delta import chunk_grams
-from tests.conftest import rel_err
+from conftest import rel_err
 
 B, NC, H, K, V, C = 2, 3, 3, 16, 32, 16
 DOTS = Dots("tf32x3", interpret=True)
