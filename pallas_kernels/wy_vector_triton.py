@@ -61,20 +61,28 @@ def _off_blocks(g, g_ref, cols):
         yield ex, ey, (i // SUB == blk) & (j < r)
 
 
+def _block_rows(t, refs, cols, C):
+    """For each ref, the [C, BK] tile of its key columns ``cols`` whose row i is the ref's row
+    16⌊i/16⌋ + t (row t of i's 16-row block), float32."""
+    out = []
+    for ref in refs:
+        x = None
+        for blk in range(C // SUB):
+            r = ref[blk * SUB + t, cols].astype(f32)[None, :]
+            x = r if x is None else jnp.where(_row_ids(C, r.shape[1]) // SUB == blk, r, x)
+        out.append(x)
+    return out
+
+
 def _diag_step(t, g, g_ref, kw_ref, cols):
-    """Step t of the diagonal blocks, key columns ``cols``: (k̃_c, e, sel) with k̃_c [C, BK] row
-    i = k̃ of row c(i) = 16⌊i/16⌋ + t, e = exp(γ_i − γ_c(i)) for i >= c(i) (0 else), sel [C, C]
-    the entries (i, c(i))."""
+    """Step t of the diagonal blocks, key columns ``cols``: (k̃_c, γ_c, e, sel) with k̃_c, γ_c
+    [C, BK] row i = k̃, γ of row c(i) = 16⌊i/16⌋ + t, e = exp(γ_i − γ_c(i)) for i >= c(i) (0 else),
+    sel [C, C] the entries (i, c(i))."""
     C, BK = g.shape
-    row = _row_ids(C, BK)
-    kc = gc = jnp.zeros((C, BK), f32)
-    for blk in range(C // SUB):
-        at = row // SUB == blk
-        kc = jnp.where(at, kw_ref[blk * SUB + t, cols].astype(f32)[None, :], kc)
-        gc = jnp.where(at, g_ref[blk * SUB + t, cols].astype(f32)[None, :], gc)
-    e = jnp.exp(jnp.where(row % SUB >= t, g - gc, -jnp.inf))
+    kc, gc = _block_rows(t, (kw_ref, g_ref), cols, C)
+    e = jnp.exp(jnp.where(_row_ids(C, BK) % SUB >= t, g - gc, -jnp.inf))
     i, j = iota2(C)
-    return kc, e, j == (i // SUB) * SUB + t
+    return kc, gc, e, j == (i // SUB) * SUB + t
 
 
 def _tile(refs, cols):
@@ -97,7 +105,7 @@ def _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, with_p=True):
                 P = P + jnp.where(M, dots.nt(q * ex, Y), 0.0)
 
         def step(t, AP, q=q, k=k, g=g, cols=cols):
-            kc, e, sel = _diag_step(t, g, g_ref, kw_ref, cols)
+            kc, _, e, sel = _diag_step(t, g, g_ref, kw_ref, cols)
             F = kc * e
             return tuple(X + jnp.where(sel, jnp.sum(Z * F, axis=1)[:, None], 0.0)
                          for X, Z in zip(AP, (k, q)))
@@ -107,9 +115,13 @@ def _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, with_p=True):
     return A, P
 
 
-def _grams_vjp(GK, GQ, q, k, kw, g, g_ref, kw_ref, cols, dots):
-    """(dK_A, dQ_P, dK̃_AP) [C, BK] for the key columns ``cols`` (q, k, kw, g their tiles): the
-    pullback of (A, P) = ``_grams`` along (G_K, G_Q) in K, Q and K̃ (module docstring)."""
+def _grams_vjp(GK, GQ, q, k, kw, g, refs, cols, dots):
+    """(dK_A, dQ_P, dK̃_AP) [C, BK] for the key columns ``cols`` (q, k, kw, g their tiles; refs =
+    (q_ref, k_ref, kw_ref, g_ref)): the pullback of (A, P) = ``_grams`` along (G_K, G_Q) in K, Q
+    and K̃ (module docstring). In the diagonal blocks, step t adds to row i of dK, dQ the terms of
+    column c(i) and to row j of dK̃ those of row c(j) (both 16⌊·/16⌋ + t), reading G at (c(j), j)
+    from Gᵀ: every reduction runs along a row."""
+    q_ref, k_ref, kw_ref, g_ref = refs
     C, BK = k.shape
     dk = dq = dkw = jnp.zeros((C, BK), f32)
     for ex, ey, M in _off_blocks(g, g_ref, cols):
@@ -118,18 +130,19 @@ def _grams_vjp(GK, GQ, q, k, kw, g, g_ref, kw_ref, cols, dots):
         dk = dk + dots.nn(GKm, Y) * ex
         dq = dq + dots.nn(GQm, Y) * ex
         dkw = dkw + (dots.tn(GKm, k * ex) + dots.tn(GQm, q * ex)) * ey
+    GKt, GQt = GK.T, GQ.T
     row = _row_ids(C, BK)
 
     def step(t, acc):
         dk, dq, dkw = acc
-        kc, e, sel = _diag_step(t, g, g_ref, kw_ref, cols)
-        gk = jnp.sum(jnp.where(sel, GK, 0.0), axis=1)[:, None]
+        kc, gc, e, sel = _diag_step(t, g, g_ref, kw_ref, cols)
+        gk = jnp.sum(jnp.where(sel, GK, 0.0), axis=1)[:, None]  # G[i, c(i)]
         gq = jnp.sum(jnp.where(sel, GQ, 0.0), axis=1)[:, None]
-        Z = (gk * k + gq * q) * e  # row i's part of dK̃ row c(i)
-        for blk in range(C // SUB):
-            part = jnp.sum(jnp.where(row // SUB == blk, Z, 0.0), axis=0)[None, :]
-            dkw = dkw + jnp.where(row == blk * SUB + t, part, 0.0)
-        return dk + gk * kc * e, dq + gq * kc * e, dkw
+        gkt = jnp.sum(jnp.where(sel, GKt, 0.0), axis=1)[:, None]  # G[c(j), j]
+        gqt = jnp.sum(jnp.where(sel, GQt, 0.0), axis=1)[:, None]
+        kr, qr = _block_rows(t, (k_ref, q_ref), cols, C)
+        et = jnp.exp(jnp.where(row % SUB <= t, gc - g, -jnp.inf))  # exp(γ_c(j) − γ_j), c(j) >= j
+        return dk + gk * kc * e, dq + gq * kc * e, dkw + (gkt * kr + gqt * qr) * et
 
     return lax.fori_loop(0, SUB, step, (dk, dq, dkw))
 
@@ -185,7 +198,8 @@ def _bwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, T_ref, dW_ref, dU_
     # sweep 2: the grams' pullback, Q' = Q ⊙ Γ, K̃' = K̃ ⊙ Γ_C/Γ, Γ_C
     for cols in key_tiles:
         q, k, kw, g = _tile((q_ref, k_ref, kw_ref, g_ref), cols)
-        dkA, dqP, dkwAP = _grams_vjp(GK, GQ, q, k, kw, g, g_ref, kw_ref, cols, dots)
+        dkA, dqP, dkwAP = _grams_vjp(GK, GQ, q, k, kw, g, (q_ref, k_ref, kw_ref, g_ref), cols,
+                                     dots)
         g_last = g_ref[C - 1, cols].astype(f32)
         Gam = jnp.exp(g)
         dKg = dots.tn(T, dW_ref[:, cols])

@@ -93,6 +93,28 @@ def test_packed_documents(decay):
     check_split(2, decay, cu, b=1, n_init=3)
 
 
+def test_serial_block_v():
+    """``serial_block_v`` (the state passes' V tile) narrower than ``block_v``: the split forward
+    and backward equal the defaults (64 value columns: serial tiles of 16, parallel tiles of 32)."""
+    x = make_inputs(3, "scalar", v_dim=64)
+    cfg, q, k, kw, v, beta, gamma, init, doc, first, last = kernel_inputs(x, "scalar", None, True)
+    wy = prepare(cfg, q, k, kw, v, beta, gamma)
+    kernel = KERNEL | dict(block_v=32)
+    want = split_forward(*wy, init, doc, first, last, num_docs=None, store_states=True, **kernel)
+    got = split_forward(*wy, init, doc, first, last, num_docs=None, store_states=True,
+                        serial_block_v=16, **kernel)
+    for name, a, b in zip(("o", "final", "states", "R"), got, want):
+        assert_close(a, b, TOL, name)
+    rng = np.random.default_rng(4)
+    do = jnp.asarray(rng.standard_normal(v.shape), jnp.float32)
+    dfinal = jnp.asarray(rng.standard_normal(want[1].shape), jnp.float32)
+    args = (*wy, want[2], want[3], do, dfinal, doc, first, last)
+    for name, a, b in zip(("dW", "dU", "dK̃'", "dQ'", "dP", "dΓ_C", "dS_0"),
+                          split_backward(*args, serial_block_v=16, **kernel),
+                          split_backward(*args, **kernel)):
+        assert_close(a, b, TOL, name)
+
+
 def test_bad_inputs_raise():
     """Dimensions the Triton lowering cannot take, or a P of the wrong chunk, are refused before
     any kernel is built."""

@@ -41,14 +41,14 @@ def oracle(decay, ins, dtype=jnp.float32):
 def kernels(ins, cts, block_v, block_k=64):
     """``wy_fwd``'s six WY tensors and ``wy_bwd``'s cotangents (given the forward's T); checks
     that T is (I + L)^-1 for ``chunk_grams``' L."""
-    opts = dict(chunk=C, block_v=block_v, dots=DOTS, num_warps=4, num_stages=1)
+    opts = dict(chunk=C, block_v=block_v, block_k=block_k, dots=DOTS, num_warps=4, num_stages=1)
     *wy, T = jax.jit(functools.partial(wy_fwd, **opts))(*ins)
     views = dr._views(dr._Config(C, "none", 1.0, None, dr.Options(), DOTS, DOTS), *ins)
     L, _ = chunk_grams(*views[:3], views[4], views[5])
     eye = jnp.eye(C)
     TL = jnp.einsum("bhncd,bhnde->bhnce", T.reshape(L.shape), L + eye, precision="highest")
     assert rel_err(TL, jnp.broadcast_to(eye, L.shape)) <= 1e-5
-    return wy, jax.jit(functools.partial(wy_bwd, block_k=block_k, **opts))(*ins, T, *cts)
+    return wy, jax.jit(functools.partial(wy_bwd, **opts))(*ins, T, *cts)
 
 
 def check(got, want, tol, names):
@@ -67,7 +67,7 @@ GRADS = ("dq", "dk", "dkw", "dv", "dbeta", "dgamma")
 @pytest.mark.parametrize("block_v, k_dim, block_k", [(16, K, 64), (64, K, 64), (16, 32, 16)])
 def test_fp32_matches_prepare(rand, decay, block_v, k_dim, block_k):
     """fp32: outputs and every cotangent (measured errors <= 3e-7); block_v 16: two value tiles;
-    K = 32 with block_k 16: two key tiles in each sweep of the pullback."""
+    K = 32 with block_k 16: two key tiles in the forward and in each sweep of the pullback."""
     ins = inputs(rand, decay, jnp.float32, k_dim)
     want_wy, pullback = oracle(decay, ins)
     cts = tuple(rand.normal(*w.shape) for w in want_wy)
@@ -102,12 +102,14 @@ def test_vector_decay_is_refused(rand):
                num_stages=1)
 
 
-@pytest.mark.parametrize("c, k_dim, dtype", [(16, 16, jnp.float32), (32, 32, jnp.float32),
-                                             (32, 16, jnp.float32), (32, 16, jnp.bfloat16)])
-def test_vector_decay_matches_prepare(rand, c, k_dim, dtype):
+@pytest.mark.parametrize("c, k_dim, dtype, block_k", [
+    (16, 16, jnp.float32, 64), (32, 32, jnp.float32, 64), (32, 16, jnp.float32, 64),
+    (32, 16, jnp.bfloat16, 64), (32, 32, jnp.float32, 16)])
+def test_vector_decay_matches_prepare(rand, c, k_dim, dtype, block_k):
     """Per-channel decay: outputs and every cotangent against ``prepare`` on the same values in
     float32. Decays down to −20 per token (exp(γ_i − γ_j) over a chunk would overflow; Γ
-    underflows to 0 in places): the kernels use the same 16-row blocks as ``prepare``."""
+    underflows to 0 in places): the kernels use the same 16-row blocks as ``prepare``. K = 32
+    with block_k 16: the grams summed over two key tiles, the pullback tile by tile."""
     Tp = NC * c
     x = rand.delta_inputs(B, Tp, H, k_dim, V, decay="vector", dtype=dtype)
     g = -jnp.asarray(rand.rng.uniform(0.01, 20.0, (B, NC, c, H, k_dim)), jnp.float32)
@@ -117,7 +119,7 @@ def test_vector_decay_matches_prepare(rand, c, k_dim, dtype):
     want_wy, pullback = jax.vjp(functools.partial(dr.prepare, cfg),
                                 *(a.astype(jnp.float32) for a in ins))
     cts = tuple(rand.normal(*w.shape) for w in want_wy)
-    opts = dict(chunk=c, block_v=16, dots=DOTS, num_warps=4, num_stages=1)
+    opts = dict(chunk=c, block_v=16, block_k=block_k, dots=DOTS, num_warps=4, num_stages=1)
     *got_wy, T = jax.jit(functools.partial(wy_vector_fwd, **opts))(*ins)
     got_grads = jax.jit(functools.partial(wy_vector_bwd, **opts))(*ins, T, *cts)
     check(got_wy, want_wy, 2e-6, WY)
