@@ -3,7 +3,8 @@
     PYTHONPATH=. python3 benchmarks/bench_delta.py [--shape B T H D] [--budget-s 420]
         [--sections checks,packed,time,jla,chunked,breakdown] [--check-dtypes bf16,fp32]
         [--variants auto/64/4,auto/64/4/fused]
-        # a variant: precision/block_v/num_warps[/num_stages][/fused][/recompute][/vkernel][/pP][/kN][/sN]
+        # a variant: precision/block_v/num_warps[/num_stages][/fused][/recompute][/vkernel]
+        #            [/pP][/kN][/sN][/hbf16]   (see ``variant``)
 
 Checks (fresh random inputs per check; the device allocator is filled with NaN before each run so
 an unwritten output element shows): pallas vs the chunked pure-JAX form, outputs, final states
@@ -181,16 +182,18 @@ def breakdown(core, x, reps, options):
     ins = (x["q"], x["k"], x["kw"], x["v"], x["beta"], gamma)
     kw = dict(chunk=64, block_v=options.block_v, dots=cfg.dots, num_warps=options.num_warps,
               num_stages=options.num_stages)
+    store = dict(state_dtype=jnp.dtype(options.state_dtype))
     pkw = kw | dict(dots=cfg.pdots)  # the chunk-parallel kernels' dots
     skw = kw | dict(block_v=options.serial_block_v or options.block_v)  # the serial passes' tile
     steps = dict(
         wy=lambda ins: dr._wy(cfg, ins),
         state_fwd=lambda W, U, k, gc: sf.state_pass(W, U, k, gc, None, *flags, num_docs=None,
-                                                    **skw),
+                                                    **skw, **store),
         chunk_output=lambda q, P, S, R: sf.chunk_output(q, P, S, R, scale=cfg.scale,
                                                         out_dtype=x["v"].dtype, **pkw),
-        dout_products=lambda P, q, do: sb.dout_products(P, q, do, scale=cfg.scale, **pkw),
-        state_bwd=lambda W, k, gc, A, G, df: sb.state_pass(W, k, gc, A, G, df, *flags, **skw),
+        dout_products=lambda P, q, do: sb.dout_products(P, q, do, scale=cfg.scale, **pkw, **store),
+        state_bwd=lambda W, k, gc, A, G, df: sb.state_pass(W, k, gc, A, G, df, *flags, **skw,
+                                                           **store),
         chunk_grads=lambda *a: sb.chunk_grads(*a, scale=cfg.scale, block_k=options.block_k, **pkw),
         wy_pullback=lambda ins, extra, cts: dr._wy_pullback(cfg, ins, extra)[1](cts))
     f = {n: jax.jit(fn) for n, fn in steps.items()}
@@ -212,8 +215,9 @@ def breakdown(core, x, reps, options):
 
 def variant(v):
     """Options from precision/block_v/num_warps[/num_stages][/fused][/recompute][/vkernel][/pP]
-    [/kN][/sN] (pP: ``Options.parallel_precision`` = P, e.g. ptf32, pbf16; kN: ``Options.block_k``
-    = N; sN: ``Options.serial_block_v`` = N)."""
+    [/kN][/sN][/hbf16] (pP: ``Options.parallel_precision`` = P, e.g. ptf32, pbf16; kN:
+    ``Options.block_k`` = N; sN: ``Options.serial_block_v`` = N; hbf16: ``Options.state_dtype`` =
+    "bfloat16")."""
     f = v.split("/")
     flags = [t for t in f[3:] if not t.isdigit()]
     block_k = [int(t[1:]) for t in flags if t[0] == "k" and t[1:].isdigit()]
@@ -226,7 +230,8 @@ def variant(v):
                    vector_wy="kernel" if "vkernel" in flags else "xla",
                    parallel_precision=parallel[0] if parallel else None,
                    block_k=block_k[0] if block_k else Options().block_k,
-                   serial_block_v=serial[0] if serial else None)
+                   serial_block_v=serial[0] if serial else None,
+                   state_dtype="bfloat16" if "hbf16" in flags else "float32")
 
 
 def variant_tag(opt):
@@ -236,7 +241,8 @@ def variant_tag(opt):
             + ("/vkernel" if opt.vector_wy == "kernel" else "")
             + (f"/p{opt.parallel_precision}" if opt.parallel_precision else "")
             + (f"/k{opt.block_k}" if opt.block_k != Options().block_k else "")
-            + (f"/s{opt.serial_block_v}" if opt.serial_block_v else ""))
+            + (f"/s{opt.serial_block_v}" if opt.serial_block_v else "")
+            + ("/hbf16" if opt.state_dtype == "bfloat16" else ""))
 
 
 def jla_ops():

@@ -78,6 +78,7 @@ class Options:
     block_v: int = 64
     block_k: int = 64  # key columns per tile of the chunk-parallel WY kernels and chunk_grads
     serial_block_v: int | None = None  # the serial state passes' V tile (None: block_v)
+    state_dtype: str = "float32"  # split: per-chunk states, R, dR, dO products kept in HBM
     num_warps: int = 4
     num_stages: int = 2  # software pipelining of the serial loops' loads (RESULTS run 13)
     split: bool = True  # the split kernels (state_*_triton) instead of the fused delta_fwd/bwd
@@ -87,6 +88,9 @@ class Options:
     def __post_init__(self):
         if self.vector_wy not in ("xla", "kernel"):
             raise ValueError(f"Options.vector_wy must be 'xla' or 'kernel', got {self.vector_wy!r}")
+        if self.state_dtype not in ("float32", "bfloat16"):
+            raise ValueError("Options.state_dtype must be 'float32' or 'bfloat16', got "
+                             f"{self.state_dtype!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +204,8 @@ def _wy_pullback(cfg, ins, extra=None):
     """(WY tensors, pullback of the WY step at ``ins``): with ``extra`` (``_wy``'s second result,
     the forward having run) the pullback kernel alone; without, the forward first."""
     if cfg.decay == "vector" and cfg.options.vector_wy == "xla":
-        return jax.vjp(functools.partial(prepare, cfg), *ins)
+        wy, vjp = jax.vjp(functools.partial(prepare, cfg), *ins)
+        return wy, lambda cts: vjp(tuple(c.astype(w.dtype) for c, w in zip(cts, wy)))
     wy = None
     if extra is None:
         wy, extra = _wy(cfg, ins)
@@ -219,7 +224,8 @@ def _forward(cfg, q, k, kw, v, beta, gamma, init, doc, first, last, store_states
         args = dict(zip(_WY_ARGS, wy)) | dict(initial_state=init, doc=doc, first=first, last=last)
         axes = dict(_WY_AXES, initial_state="n h k v", **_FLAGS)
         kernel, static = split_forward, dict(out_dtype=v.dtype, pdots=cfg.pdots,
-                                             serial_block_v=o.serial_block_v)
+                                             serial_block_v=o.serial_block_v,
+                                             state_dtype=jnp.dtype(o.state_dtype))
     else:
         A = P = None
         if cfg.decay == "vector":
@@ -268,7 +274,8 @@ def _core_bwd(cfg, res, cts):
         cfg, split_backward if o.split else delta_bwd, args, axes, out_axes, chunk=cfg.chunk,
         scale=cfg.scale, block_v=o.block_v, dots=cfg.dots, num_warps=o.num_warps,
         num_stages=o.num_stages, **(dict(pdots=cfg.pdots, block_k=o.block_k,
-                                         serial_block_v=o.serial_block_v) if o.split else {}))
+                                         serial_block_v=o.serial_block_v,
+                                         state_dtype=jnp.dtype(o.state_dtype)) if o.split else {}))
     grads = pullback((dW.sum(0), dU, dkw.sum(0), dq.sum(0), dP.sum(0), dgc.sum(0)))
     return (*match_types((*grads, None if init is None else dinit),
                          (q, k, kw, v, beta, gamma, init)), None, None, None)

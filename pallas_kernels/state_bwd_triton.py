@@ -31,8 +31,8 @@ from pallas_kernels.triton_common import Dots, out_struct
 def _dout_kernel(P_ref, q_ref, do_ref, A_ref, G_ref, *, scale, dots):
     """A = scale Pᵀ dO and G = scale Q'ᵀ dO for one chunk and V tile."""
     dO = do_ref[...].astype(jnp.float32)
-    A_ref[...] = scale * dots.tn(P_ref[...], dO)
-    G_ref[...] = scale * dots.tn(q_ref[...], dO)
+    A_ref[...] = (scale * dots.tn(P_ref[...], dO)).astype(A_ref.dtype)
+    G_ref[...] = (scale * dots.tn(q_ref[...], dO)).astype(G_ref.dtype)
 
 
 def _serial_kernel(doc_ref, first_ref, last_ref, W_ref, kw_ref, gc_ref, A_ref, G_ref, dfinal_ref,
@@ -45,10 +45,11 @@ def _serial_kernel(doc_ref, first_ref, last_ref, W_ref, kw_ref, gc_ref, A_ref, G
         rows = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
         doc, first, last = doc_ref[c], first_ref[c], last_ref[c]
         dS = jnp.where(last != 0, dfinal_ref[doc], dS)
-        dstates_ref[c] = dS
-        dR = A_ref[rows, :] + dots.nn(kw_ref[rows, :], dS)
-        dU_ref[rows, :] = dR
-        dS0 = gc_ref[c, :][:, None] * dS + G_ref[c] - dots.tn(W_ref[rows, :], dR)
+        dstates_ref[c] = dS.astype(dstates_ref.dtype)
+        dR = A_ref[rows, :].astype(jnp.float32) + dots.nn(kw_ref[rows, :], dS)
+        dU_ref[rows, :] = dR.astype(dU_ref.dtype)
+        dS0 = (gc_ref[c, :][:, None] * dS + G_ref[c].astype(jnp.float32)
+               - dots.tn(W_ref[rows, :], dR))
 
         @pl.when(first != 0)
         def _():
@@ -72,7 +73,8 @@ def _grads_kernel(S_ref, dS_ref, dR_ref, R_ref, do_ref, dW_ref, dkw_ref, dq_ref,
         S, dS, dR, R = S_ref[:, cols], dS_ref[:, cols], dR_ref[:, cols], R_ref[:, cols]
         dO = do_ref[:, cols].astype(jnp.float32)
         return (dW - dots.nt(dR, S), dkw + dots.nt(R, dS), dq + scale * dots.nt(dO, S),
-                dP + scale * dots.nt(dO, R), dgc + jnp.sum(dS * S, axis=1))
+                dP + scale * dots.nt(dO, R),
+                dgc + jnp.sum(dS.astype(jnp.float32) * S.astype(jnp.float32), axis=1))
 
     f32 = jnp.float32
     zeros = (jnp.zeros((C, BK), f32),) * 3 + (jnp.zeros((C, C), f32), jnp.zeros((BK,), f32))
@@ -84,8 +86,10 @@ def _grads_kernel(S_ref, dS_ref, dR_ref, R_ref, do_ref, dW_ref, dkw_ref, dq_ref,
         dP_ref[...] = dP
 
 
-def dout_products(P, q, do, *, chunk, scale, block_v, dots: Dots, num_warps, num_stages):
-    """Kernel 1: A = scale Pᵀ dO [B, H, Tp, V] and G = scale Q'ᵀ dO [B, H, NC, K, V] per chunk."""
+def dout_products(P, q, do, *, chunk, scale, block_v, dots: Dots, num_warps, num_stages,
+                  state_dtype=jnp.float32):
+    """Kernel 1: A = scale Pᵀ dO [B, H, Tp, V] and G = scale Q'ᵀ dO [B, H, NC, K, V] per chunk,
+    stored in ``state_dtype``."""
     B, H, Tp, K = q.shape
     V, nc, BV = do.shape[-1], Tp // chunk, min(block_v, do.shape[-1])
     c = chunk_specs(chunk, K, BV)
@@ -93,7 +97,7 @@ def dout_products(P, q, do, *, chunk, scale, block_v, dots: Dots, num_warps, num
         functools.partial(_dout_kernel, scale=scale, dots=dots),
         grid=(B, H, nc, V // BV), in_specs=[c["c"], c["k"], c["btv"]],
         out_specs=[c["v"], c["state"]],
-        out_shape=[out_struct(shape, jnp.float32, P, q, do) for shape in ((B, H, Tp, V),
+        out_shape=[out_struct(shape, state_dtype, P, q, do) for shape in ((B, H, Tp, V),
                                                                             (B, H, nc, K, V))],
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=dots.interpret, name="dout_products",
@@ -101,9 +105,10 @@ def dout_products(P, q, do, *, chunk, scale, block_v, dots: Dots, num_warps, num
 
 
 def state_pass(W, kw, gc, A, G, dfinal, doc, first, last, *, chunk, block_v, dots: Dots,
-               num_warps, num_stages):
-    """Kernel 2, serial: dU = dR [B, H, Tp, V], the chunk-end cotangents dS_C [B, H, NC, K, V]
-    and dS_0 [N, H, K, V]."""
+               num_warps, num_stages, state_dtype=jnp.float32):
+    """Kernel 2, serial: dU = dR [B, H, Tp, V] and the chunk-end cotangents dS_C
+    [B, H, NC, K, V] stored in ``state_dtype`` (the carry stays float32), dS_0 [N, H, K, V]
+    float32."""
     B, H, Tp, K = W.shape
     V, N, nc = A.shape[-1], dfinal.shape[0], Tp // chunk
     BV, f32 = min(block_v, V), jnp.float32
@@ -114,8 +119,9 @@ def state_pass(W, kw, gc, A, G, dfinal, doc, first, last, *, chunk, block_v, dot
         in_specs=[s["flags"]] * 3 + [s["seq_k"], s["seq_k"], s["per_chunk_k"], s["seq_v"],
                                      s["states"], s["docs"]],
         out_specs=[s["seq_v"], s["states"], s["docs"]],
-        out_shape=[out_struct(shape, f32, doc, first, last, W, kw, gc, A, G, dfinal)
-                   for shape in ((B, H, Tp, V), (B, H, nc, K, V), (N, H, K, V))],
+        out_shape=[out_struct(shape, dtype, doc, first, last, W, kw, gc, A, G, dfinal)
+                   for shape, dtype in (((B, H, Tp, V), state_dtype),
+                                        ((B, H, nc, K, V), state_dtype), ((N, H, K, V), f32))],
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=dots.interpret, name="state_bwd",
     )(doc, first, last, W, kw, gc, A, G, dfinal)
@@ -147,13 +153,15 @@ def chunk_grads(states, dstates, dU, R, do, *, chunk, scale, block_v, dots: Dots
 
 def split_backward(W, U, kw, q, P, gc, states, R, do, dfinal, doc, first, last, *, chunk, scale,
                    block_v, dots: Dots, num_warps, num_stages, block_k=64,
-                   pdots: Dots | None = None, serial_block_v: int | None = None):
+                   pdots: Dots | None = None, serial_block_v: int | None = None,
+                   state_dtype=jnp.float32):
     """``delta_bwd`` in three kernels; arguments and results as ``delta_bwd``, plus R = U − W S
     from the forward: W, kw (K̃'), q (Q') [B, H, Tp, K]; U, R [B, H, Tp, V]; P [B, H, Tp, C];
     gc (Γ_C) [B, H, NC, K]; states (chunk-start) [B, H, NC, K, V]; do [B, Tp, H, V]; dfinal
     [N, H, K, V]; doc, first, last [B, NC]; ``block_k``: key rows per program of kernel 3;
     ``pdots``: the dots of kernels 1 and 3 (default ``dots``; the serial kernel 2 uses ``dots``);
-    ``serial_block_v``: kernel 2's V tile (default ``block_v``).
+    ``serial_block_v``: kernel 2's V tile (default ``block_v``); ``state_dtype``: that of the
+    tensors kernels 1 and 2 store (A, G, dU, dS_C).
 
     Returns dW, dK̃', dQ' [1, B, H, Tp, K], dU [B, H, Tp, V], dP [1, B, H, Tp, C], dΓ_C
     [1, B, H, NC, K] (already summed over V: the leading axis of ``delta_bwd``'s per-tile partial
@@ -162,9 +170,10 @@ def split_backward(W, U, kw, q, P, gc, states, R, do, dfinal, doc, first, last, 
     opts = dict(chunk=chunk, block_v=block_v, dots=dots, num_warps=num_warps,
                 num_stages=num_stages)
     parallel = opts | dict(dots=pdots or dots)
-    A, G = dout_products(P, q, do, scale=scale, **parallel)
+    A, G = dout_products(P, q, do, scale=scale, state_dtype=state_dtype, **parallel)
     check_inputs(W, U, P, chunk=chunk, block_v=serial_block_v or block_v)
     dU, dstates, dinit = state_pass(W, kw, gc, A, G, dfinal, doc, first, last,
+                                    state_dtype=state_dtype,
                                     **(opts | dict(block_v=serial_block_v or block_v)))
     grads = chunk_grads(states, dstates, dU, R, do, scale=scale, block_k=block_k, **parallel)
     dW, dkw, dq, dP, dgc = (x[None] for x in grads)

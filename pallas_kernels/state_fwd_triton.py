@@ -74,9 +74,9 @@ def _serial_kernel(*refs, chunk, dots, has_init, num_chunks):
         rows = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
         doc, first, last = doc_ref[c], first_ref[c], last_ref[c]
         S = jnp.where(first != 0, init_ref[doc] if has_init else 0.0, S)
-        states_ref[c] = S
+        states_ref[c] = S.astype(states_ref.dtype)
         R = U_ref[rows, :] - dots.nn(W_ref[rows, :], S)
-        R_ref[rows, :] = R
+        R_ref[rows, :] = R.astype(R_ref.dtype)
         S = gc_ref[c, :][:, None] * S + dots.tn(kw_ref[rows, :], R)
 
         @pl.when(last != 0)
@@ -95,9 +95,9 @@ def _output_kernel(q_ref, P_ref, S_ref, R_ref, o_ref, *, scale, dots):
 
 
 def state_pass(W, U, kw, gc, initial_state, doc, first, last, *, chunk, num_docs, block_v,
-               dots: Dots, num_warps, num_stages):
-    """Kernel 1, serial: the chunk-start states [B, H, NC, K, V], R = U − W S [B, H, Tp, V] and
-    the final states [N, H, K, V], all float32."""
+               dots: Dots, num_warps, num_stages, state_dtype=jnp.float32):
+    """Kernel 1, serial: the chunk-start states [B, H, NC, K, V] and R = U − W S [B, H, Tp, V]
+    stored in ``state_dtype`` (the carry stays float32), the final states [N, H, K, V] float32."""
     B, H, Tp, K = W.shape
     V, nc, f32 = U.shape[-1], Tp // chunk, jnp.float32
     BV, N = min(block_v, V), B if num_docs is None else num_docs
@@ -112,8 +112,8 @@ def state_pass(W, U, kw, gc, initial_state, doc, first, last, *, chunk, num_docs
                           has_init=initial_state is not None, num_chunks=nc),
         grid=(B, H, V // BV), in_specs=specs,
         out_specs=[s["states"], s["seq_v"], s["docs"]],
-        out_shape=[out_struct(shape, f32, *args) for shape in ((B, H, nc, K, V), (B, H, Tp, V),
-                                                                 (N, H, K, V))],
+        out_shape=[out_struct(shape, dtype, *args) for shape, dtype in (
+            ((B, H, nc, K, V), state_dtype), ((B, H, Tp, V), state_dtype), ((N, H, K, V), f32))],
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=dots.interpret, name="state_fwd",
     )(*args)
@@ -138,7 +138,7 @@ def chunk_output(q, P, states, R, *, chunk, scale, block_v, dots: Dots, num_warp
 def split_forward(W, U, kw, q, P, gc, initial_state, doc, first, last, *, chunk, scale, num_docs,
                   block_v, dots: Dots, num_warps, num_stages, store_states,
                   out_dtype=jnp.float32, pdots: Dots | None = None,
-                  serial_block_v: int | None = None):
+                  serial_block_v: int | None = None, state_dtype=jnp.float32):
     """``delta_fwd`` from the WY tensors. Shapes: W, kw (K̃'), q (Q') [B, H, Tp, K]; U [B, H, Tp, V];
     P [B, H, Tp, C]; gc (Γ_C) [B, H, NC, K]; initial_state None | [N, H, K, V] float32; doc,
     first, last [B, NC] int32; ``num_docs``: N, or None for one document per batch row (N = B).
@@ -148,13 +148,16 @@ def split_forward(W, U, kw, q, P, gc, initial_state, doc, first, last, *, chunk,
     [B, H, Tp, V], float32 (always computed: the output kernel reads them). ``pdots``: the
     output kernel's dots (default ``dots``; the state pass always uses ``dots``);
     ``serial_block_v``: the state pass's V tile (default ``block_v``; narrower tiles give the
-    serial pass more programs)."""
+    serial pass more programs); ``state_dtype``: that of the stored states and R (bfloat16 halves
+    their traffic; the kernels that read them round them to bf16 at their dots anyway when
+    ``pdots`` is "bf16")."""
     check_inputs(W, U, P, chunk=chunk, block_v=block_v)
     opts = dict(chunk=chunk, block_v=block_v, dots=dots, num_warps=num_warps,
                 num_stages=num_stages)
     check_inputs(W, U, P, chunk=chunk, block_v=serial_block_v or block_v)
     states, R, final = state_pass(W, U, kw, gc, initial_state, doc, first, last,
-                                  num_docs=num_docs, **(opts | dict(block_v=serial_block_v or block_v)))
+                                  num_docs=num_docs, state_dtype=state_dtype,
+                                  **(opts | dict(block_v=serial_block_v or block_v)))
     o = chunk_output(q, P, states, R, scale=scale, out_dtype=out_dtype,
                      **(opts | dict(dots=pdots or dots)))
     return (o, final) + ((states, R) if store_states else ())

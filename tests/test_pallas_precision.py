@@ -62,6 +62,38 @@ def test_bf16_parallel_dots_within_fla_bars(rand, decay):
     assert max(rel_rms(fast[2][n], exact[2][n]) for n in ref[2]) > 1e-4
 
 
+@pytest.mark.parametrize("decay", [None, "vector"])
+def test_bf16_state_storage_within_fla_bars(rand, decay):
+    """``state_dtype="bfloat16"`` (per-chunk states, R, dR and dO products stored in bf16, bf16
+    parallel dots): outputs, final state and every gradient within FLA's bars of the float32
+    chunked reference and close to float32 storage (the parallel kernels round those tensors at
+    their dots already; the serial backward adds its dO products in bf16)."""
+    x = rand.delta_inputs(B, T, H, K, V, decay=decay, dtype=jnp.bfloat16)
+    x = {n: a for n, a in x.items() if a is not None}
+    x["s0"] = rand.normal(B, H, K, V)
+
+    def kernel(options, x):
+        return delta_rule_pallas(x["q"], x["k"], x["write_key"], x["v"], x["beta"],
+                                 x.get("log_decay"), K ** -0.5, x["s0"], None, 64, options)
+
+    def reference(x):
+        return pla.delta_rule(x["q"], x["k"], x["v"], x["beta"], write_key=x["write_key"],
+                              log_decay=x.get("log_decay"), initial_state=x["s0"],
+                              output_final_state=True, impl="chunked")
+
+    key = jax.random.key(5)
+    run = lambda f: jax.jit(functools.partial(outputs_and_grads, f))(x, key)  # noqa: E731
+    small = run(functools.partial(kernel, Options(state_dtype="bfloat16")))
+    full = run(functools.partial(kernel, Options()))
+    ref = run(reference)
+    assert rel_rms(small[0], ref[0]) <= 6e-3 and rel_rms(small[1], ref[1]) <= 6e-3
+    for name in ref[2]:
+        assert rel_rms(small[2][name], ref[2][name]) <= 8e-3, name
+        assert rel_rms(small[2][name], full[2][name]) <= 4e-3, name
+
+
 def test_unknown_precision_is_refused():
     with pytest.raises(ValueError, match="precision must be one of"):
         Dots("fp16")
+    with pytest.raises(ValueError, match="Options.state_dtype"):
+        Options(state_dtype="float16")
