@@ -1,0 +1,116 @@
+"""FLA's Triton kernels at the benchmark shape, for ratios taken in the same device run as
+``bench_delta.py`` / ``bench_ops.py`` (PyTorch; FLA is pure Python: carry its wheel, see
+benchmarks/NOTES.md "Running it on the device").
+
+    PYTHONPATH=/tmp/site python3 benchmarks/bench_fla.py [--shape B T H D]
+        [--ops delta,gdn,kda,pgdn,pkda] [--reps 20]
+
+Inputs as bench_delta's: unit q and k, v normal, β = σ(x), log decays log σ(x + 4) (per head for
+GDN / PGDN and the ATK gates, per channel for KDA), bf16 but for the gates. Times: median of
+``--reps`` calls after warm-up (CUDA events), forward and forward+backward (``backward`` of the
+output with a fixed random cotangent, gradients of every input); peak memory of the
+forward+backward above what the inputs hold. Prints one JSON line per op and a table.
+"""
+
+import argparse
+import json
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+GATE_KINDS = {"delta": (), "gdn": ("head",), "kda": ("channel",),
+              "pgdn": ("head", "head"), "pkda": ("channel", "head")}
+
+
+def inputs(B, T, H, D, op, seed=0):
+    """(q, k, v, gates..., betas...) as the op takes them positionally after v."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rand = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    q = F.normalize(rand(B, T, H, D), dim=-1).bfloat16()
+    k = F.normalize(rand(B, T, H, D), dim=-1).bfloat16()
+    v = rand(B, T, H, D).bfloat16()
+    gates = [F.logsigmoid(rand(B, T, H, *((D,) if kind == "channel" else ())) + 4.0)
+             for kind in GATE_KINDS[op]]
+    betas = [torch.sigmoid(rand(B, T, H)).bfloat16() for _ in range(1 + op.startswith("p"))]
+    return [q, k, v, *gates, *betas]
+
+
+def fla_ops():
+    """{op: function(q, k, v, *gates, *betas) -> output}, FLA 0.6.0's chunked kernels."""
+    from fla.ops.delta_rule import chunk_delta_rule
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.kda import chunk_kda
+    from fla.ops.precond_gated_delta_rule import chunk_precond_gated_delta_rule
+    from fla.ops.precond_kda import chunk_precond_kda
+    return {"delta": lambda q, k, v, b: chunk_delta_rule(q, k, v, b)[0],
+            "gdn": lambda q, k, v, g, b: chunk_gated_delta_rule(q, k, v, g, b)[0],
+            "kda": lambda q, k, v, g, b: chunk_kda(q, k, v, g, b)[0],
+            # (g_atk, g, beta_atk, beta) and (g, g_atk, beta_atk, beta): FLA's argument orders
+            "pgdn": lambda q, k, v, g, ga, ba, b: chunk_precond_gated_delta_rule(
+                q, k, v, ga, g, ba, b)[0],
+            "pkda": lambda q, k, v, g, ga, ba, b: chunk_precond_kda(q, k, v, g, ga, ba, b)[0]}
+
+
+def median_ms(fn, reps):
+    """Median milliseconds of ``reps`` calls after three warm-up calls (CUDA events)."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def bench(name, op, args, reps):
+    """Forward and forward+backward times and the forward+backward's peak extra memory."""
+    leaves = [a.detach().clone().requires_grad_(a.is_floating_point()) for a in args]
+    do = torch.randn_like(op(*args))
+
+    def fwd():
+        with torch.no_grad():
+            op(*args)
+
+    def fwdbwd():
+        for a in leaves:
+            a.grad = None
+        op(*leaves).backward(do)
+
+    r = dict(op=f"fla {name}", fwd_ms=round(median_ms(fwd, reps), 3))
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    r["fwdbwd_ms"] = round(median_ms(fwdbwd, reps), 3)
+    r["fwdbwd_mib"] = round((torch.cuda.max_memory_allocated() - base) / 2**20)
+    print(json.dumps(r), flush=True)
+    return r
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", type=int, nargs=4, default=(8, 2048, 8, 128))
+    p.add_argument("--ops", default=",".join(GATE_KINDS))
+    p.add_argument("--reps", type=int, default=20)
+    a = p.parse_args()
+    import fla
+    print(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                          fla=getattr(fla, "__version__", "?"), shape=a.shape)), flush=True)
+    ops, rows = fla_ops(), []
+    for name in a.ops.split(","):
+        try:
+            rows.append(bench(name, ops[name], inputs(*a.shape, name), a.reps))
+        except Exception as e:  # noqa: BLE001 (one failing op must not end the run)
+            print(json.dumps(dict(failed=name, error=f"{type(e).__name__}: {str(e)[:400]}")))
+    print(f"\n{'op, bf16 ' + 'x'.join(map(str, a.shape)):32s} {'fwd ms':>8s} {'fwd+bwd ms':>10s} "
+          f"{'MiB':>6s}")
+    for r in rows:
+        print(f"{r['op']:32s} {r['fwd_ms']:8.3f} {r['fwdbwd_ms']:10.3f} {r['fwdbwd_mib']:6d}")
+
+
+if __name__ == "__main__":
+    main()
