@@ -172,6 +172,22 @@ def test_counts_and_state_bytes_match_a_real_model():
     assert count_params(untied) - count_params(c) == 32000 * 1024
 
 
+def test_mlp_width_follows_hidden_ratio():
+    """The SwiGLU width is derived on use (FLA's rule), so replacing hidden_ratio resizes the MLP;
+    an explicit intermediate_size wins."""
+    c = ModelConfig(vocab_size=VOCAB, num_layers=1, layer=LayerConfig(96, 2))
+    assert (c.intermediate_size, c.mlp_width) == (None, 256)  # int(96·4·2/3) = 256
+    wide = dataclasses.replace(c, hidden_ratio=8)
+    assert wide.mlp_width == 512  # int(96·8·2/3) = 512
+    mlp = nnx.eval_shape(lambda: LanguageModel(wide, rngs=nnx.Rngs(0))).layers[0].mlp
+    assert mlp.gate_proj.kernel.shape == (96, 512) and mlp.down_proj.kernel.shape == (512, 96)
+    fixed = dataclasses.replace(c, intermediate_size=48)
+    assert dataclasses.replace(fixed, hidden_ratio=8).mlp_width == 48
+    assert preset("deltanet-340m").mlp_width == 2816  # FLA's DeltaNet-340M
+    with pytest.raises(ValueError, match="intermediate_size"):
+        dataclasses.replace(c, intermediate_size=0)
+
+
 def test_model_config_errors():
     layer = LayerConfig(32, 2)
     with pytest.raises(ValueError, match="vocab_size"):

@@ -4,6 +4,7 @@ stop, remat and gradient accumulation, configs and the CLI (tiny models, chunked
 import io
 import itertools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,16 +12,17 @@ from flax import nnx
 from rich.console import Console
 
 from precond_linattn.layers import BACKBONES, PRECONDITIONERS, LayerConfig, OSGMConfig
-from precond_linattn.models import LanguageModel, ModelConfig
+from precond_linattn.models import LanguageModel, ModelConfig, count_params
 from train import loop
 from train.__main__ import main
 from train.build import data_spec, model_config
 from train.checkpoint import Checkpointer
 from train.config import (DataSpec, ExperimentConfig, LoggingConfig, ModelSpec, OptimConfig,
                           RunConfig, apply_overrides, load_runs)
-from train.data import make_task
+from train.data import build_dataset, make_task
 from train.metrics import NonFiniteLossError
 from train.partitioning import annotate, param_axes
+from train.step import device_batch, make_eval_step
 from conftest import ROOT, run_python
 
 QUIET = Console(file=io.StringIO())
@@ -83,6 +85,27 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch
         loop.train(cfg, console=QUIET)
     with Checkpointer(cfg.checkpoint, handle_sigterm=False) as ck:
         assert ck.manager.all_steps() == [2, 4]  # step 6 was never reached, nothing saved after 4
+
+
+def test_evaluator_draws_once_and_sums_on_device(monkeypatch):
+    """The held-out batches are drawn once for every evaluation; the device-side sums give the
+    metrics of summing each batch's on the host (the former way), exactly."""
+    cfg = tiny(**{"logging.eval_batches": 3})
+    setup = loop.build(cfg)
+    assert setup.task == make_task(setup.data) and setup.model_config.vocab_size == 64
+    built = []
+    monkeypatch.setattr(loop, "build_dataset", lambda *a, **k: built.append(a) or build_dataset(*a, **k))
+    evaluate = loop.Evaluator(cfg, setup.graphdef, setup.shardings, setup.task)
+    first, second = evaluate(setup.params), evaluate(setup.params)
+    assert len(built) == 1 and first == second
+    step, data, totals = make_eval_step(setup.graphdef, setup.shardings), iter(build_dataset(
+        data_spec(cfg, evaluation=True))), None
+    for _ in range(3):
+        sums = jax.device_get(step(setup.params, device_batch(next(data), 1, setup.shardings.batch)))
+        totals = sums if totals is None else jax.tree.map(np.add, totals, sums)
+    n = float(totals["count"])
+    assert n > 0 and first == dict(loss=float(totals["nll"]) / n, accuracy=float(totals["correct"]) / n)
+    assert loop.train(tiny(**{"run.steps": 2}), console=QUIET).num_params == count_params(setup.model_config)
 
 
 def test_main_job_prints_the_accuracy_table(tmp_path):

@@ -267,6 +267,8 @@ def test_metrics_files_and_nan_check(tmp_path):
     monitor.write_eval(4, {"accuracy": 0.5})
     with pytest.raises(NonFiniteLossError, match="non-finite .*'loss': nan.* at step 5"):
         monitor.update(5, {"loss": math.nan})
+    with pytest.raises(NonFiniteLossError, match=r"non-finite \{'grad_norm': inf\} at step 5"):
+        monitor.update(5, {"loss": 1.0, "grad_norm": math.inf})
     monitor.close()
     assert written[0] is None and written[2] is None and written[1]["tokens_per_s"] > 0
     lines = [json.loads(s) for s in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from precond_linattn.layers import ATKConfig, LayerConfig, OSGMConfig
 from precond_linattn.models import ModelConfig, preset
 from train.config import ExperimentConfig
-from train.data import DataSpec, make_task
+from train.data import DataSpec
 
 EVAL_SEED_OFFSET = 10
 _MODEL_KEYS = {f.name for f in dataclasses.fields(ModelConfig)} - {"layer"}
@@ -29,13 +29,13 @@ _LAYER_KEYS = {f.name for f in dataclasses.fields(LayerConfig)} - {"dtype", "par
 
 
 def data_spec(cfg: ExperimentConfig, *, evaluation: bool = False) -> DataSpec:
-    """The training pipeline's spec, or (``evaluation``) the held-out one, in micro-batches."""
+    """The training pipeline's spec, or (``evaluation``) the held-out one, in micro-batches. Both
+    have the same task (``make_task`` of either validates it and its params)."""
     params = dict(cfg.data.params)
     if params.setdefault("seq_len", cfg.run.seq_len) != cfg.run.seq_len:
         raise ValueError(f"data.params.seq_len ({params['seq_len']}) differs from run.seq_len "
                          f"({cfg.run.seq_len}); set run.seq_len only")
     spec = DataSpec(task=cfg.data.task, params=params, batch_size=cfg.run.batch_size, seed=cfg.run.seed)
-    make_task(spec)  # validates the task and its params
     if not evaluation:
         return spec
     if cfg.data.task == "text":
@@ -62,8 +62,6 @@ def model_config(cfg: ExperimentConfig, vocab_size: int) -> ModelConfig:
     if not cfg.model.preset:
         return ModelConfig(layer=LayerConfig(dtype=dtype, **kwargs), **model_kw)
     base = preset(cfg.model.preset, kwargs.pop("preconditioner", "none"), dtype=dtype, **kwargs)
-    if "hidden_ratio" in model_kw:
-        model_kw.setdefault("intermediate_size", None)  # recomputed from the new ratio
     return dataclasses.replace(base, **model_kw)
 
 

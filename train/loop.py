@@ -1,17 +1,19 @@
 """One training run: mesh, model, optimiser and data from a config; resume; train; evaluate; save.
 
 ``train(cfg)`` builds the (data, fsdp, tensor) mesh, the model with its parameters sharded by
-``train.partitioning`` (created directly in their shards), the optimiser state alike, and the
-grain pipeline. With ``checkpoint.dir`` set and a checkpoint in it, the run resumes from the
-latest one: parameters, optimiser state, RNG key and the data iterator's position, so it
-continues the identical run (same batches, same losses). It then trains to ``run.steps``:
+``train.partitioning`` (created directly in their shards), the optimiser state alike, the data
+task (once: it sizes the vocabulary and feeds both pipelines) and the grain pipeline. With
+``checkpoint.dir`` set and a checkpoint in it, the run resumes from the latest one: parameters,
+optimiser state, RNG key and the data iterator's position, so it continues the identical run
+(same batches, same losses). It then trains to ``run.steps``:
 
 - metrics are fetched one step late (the device never waits for the host), except before a
   checkpoint or an evaluation, so nothing is saved after a step whose loss or gradient norm is
   NaN/inf: that raises ``NonFiniteLossError`` and the latest checkpoint is the last good one;
 - checkpoints every ``checkpoint.every`` steps, at the end, and when a SIGTERM arrives (or after
   step ``stop_at``): then the run saves and returns early;
-- evaluation on the held-out set every ``logging.eval_every`` steps and at the end.
+- evaluation on the held-out set (its batches drawn once) every ``logging.eval_every`` steps
+  and at the end.
 
 The RNG key saved with the checkpoints is the run's (``run.seed``); the models have no stochastic
 layers, so it only seeds the initialisation.
@@ -21,17 +23,18 @@ import dataclasses
 import typing
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rich.console import Console
 
-from precond_linattn.models import LanguageModel, ModelConfig, count_params
+from precond_linattn.models import LanguageModel, ModelConfig
 from train.build import data_spec, flops_per_token, model_config
 from train.checkpoint import Checkpointer
 from train.config import ExperimentConfig
-from train.data import build_dataset, make_task
-from train.metrics import Monitor, check_finite
+from train.data import DataSpec, build_dataset, make_task
+from train.metrics import Monitor
 from train.optim import lr_schedule, make_optimizer
 from train.partitioning import annotate
 from train.sharding import drop_mesh_axis, init_sharded, logical_sharding, make_mesh, state_shardings
@@ -58,6 +61,8 @@ class Setup:
     """Everything a run computes with, before any step (``build``)."""
 
     mesh: Mesh
+    data: DataSpec
+    task: object  # make_task(data), built once: its vocabulary sized the model
     model_config: ModelConfig
     graphdef: nnx.GraphDef
     params: nnx.State
@@ -67,10 +72,12 @@ class Setup:
 
 
 def build(cfg: ExperimentConfig, *, devices=None) -> Setup:
-    """The mesh over ``devices`` (default: all), the sharded model and optimiser states, and the
-    jitted train step of ``cfg``."""
+    """The mesh over ``devices`` (default: all), the data spec and task, the sharded model and
+    optimiser states, and the jitted train step of ``cfg``."""
     mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
-    model_cfg = model_config(cfg, make_task(data_spec(cfg)).vocab_size)
+    spec = data_spec(cfg)
+    task = make_task(spec)
+    model_cfg = model_config(cfg, task.vocab_size)
     A, B = cfg.optim.grad_accum, cfg.run.batch_size
     rows = mesh.shape["data"] * mesh.shape["fsdp"]
     if (B // A) % rows:
@@ -81,10 +88,10 @@ def build(cfg: ExperimentConfig, *, devices=None) -> Setup:
     graphdef, params = nnx.split(model, nnx.Param)
     opt_shardings = state_shardings(jax.eval_shape(tx.init, params), mesh)
     opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
-    param_shardings = state_shardings(params, mesh)
+    param_shardings = jax.tree.map(lambda x: x.sharding, params)  # placed by init_sharded
     shardings = StepShardings(param_shardings, opt_shardings, drop_mesh_axis(param_shardings, "fsdp"),
                               logical_sharding(mesh, (None, "batch")), NamedSharding(mesh, PartitionSpec()))
-    return Setup(mesh, model_cfg, graphdef, params, opt_state, shardings,
+    return Setup(mesh, spec, task, model_cfg, graphdef, params, opt_state, shardings,
                  make_train_step(graphdef, tx, shardings, remat=cfg.run.remat))
 
 
@@ -98,21 +105,21 @@ def train(cfg: ExperimentConfig, *, stop_at: int | None = None, devices=None,
     model_cfg, shardings, train_step = setup.model_config, setup.shardings, setup.train_step
     params, opt_state, mesh = setup.params, setup.opt_state, setup.mesh
     A, B, T, steps = cfg.optim.grad_accum, cfg.run.batch_size, cfg.run.seq_len, cfg.run.steps
-    data, rng, start = iter(build_dataset(data_spec(cfg))), jax.random.key(cfg.run.seed), 0
+    data, rng, start = iter(build_dataset(setup.data, task=setup.task)), jax.random.key(cfg.run.seed), 0
+    num_params = sum(x.size for x in jax.tree.leaves(params))  # tied embeddings count once
 
     checkpointer = Checkpointer(cfg.checkpoint) if cfg.checkpoint.dir else None
     if checkpointer is not None and checkpointer.latest_step() is not None:
         restored = checkpointer.restore(model=params, opt=opt_state)
         params, opt_state, rng, start = restored.model, restored.opt, restored.rng, restored.step
         data.set_state(restored.data_state)
-    num_params = count_params(model_cfg)
     say(f"[bold]{cfg.name}[/bold]: {model_cfg.layer.variant}, {num_params / 1e6:.2f}M parameters, "
         f"mesh {dict(mesh.shape)}, {B} × {T} tokens per step"
         + (f", resuming after step {start}" if start else ""))
 
     monitor = Monitor(cfg.logging, total_steps=steps, tokens_per_step=B * T, start_step=start,
                       flops_per_token=flops_per_token(model_cfg, num_params), console=console)
-    evaluate = Evaluator(cfg, setup.graphdef, shardings) if cfg.logging.eval_every else None
+    evaluate = Evaluator(cfg, setup.graphdef, shardings, setup.task) if cfg.logging.eval_every else None
     # the learning rates of all steps, once on the host (a device op per step would wait for
     # the step in flight and undo the one-step-late metrics)
     lrs = np.asarray(jax.device_get(jax.vmap(lr_schedule(cfg.optim, steps))(np.arange(steps))))
@@ -123,8 +130,7 @@ def train(cfg: ExperimentConfig, *, stop_at: int | None = None, devices=None,
         for s, metrics in pending:
             host = {k: float(v) for k, v in jax.device_get(metrics).items()}
             host["lr"] = float(lrs[s - 1])
-            check_finite(s, host, ("loss", "grad_norm"))
-            monitor.update(s, host)
+            monitor.update(s, host)  # raises NonFiniteLossError first on a NaN/inf loss or grad_norm
             result.losses[s] = host["loss"]
         pending.clear()
 
@@ -160,17 +166,23 @@ def train(cfg: ExperimentConfig, *, stop_at: int | None = None, devices=None,
 
 class Evaluator:
     """Loss and accuracy on the supervised tokens (MQAR: the query positions) of the first
-    ``logging.eval_batches`` batches of the held-out set (``train.build.data_spec``)."""
+    ``logging.eval_batches`` batches of the held-out set (``train.build.data_spec``) of ``task``:
 
-    def __init__(self, cfg: ExperimentConfig, graphdef, shardings: StepShardings):
-        self.spec, self.batches = data_spec(cfg, evaluation=True), cfg.logging.eval_batches
-        self.step, self.sharding = make_eval_step(graphdef, shardings), shardings.batch
+        loss = Σ nll / Σ count,   accuracy = Σ correct / Σ count   (sums over those batches)
+
+    The batches are drawn and placed on the devices once; the sums stay on the devices until the
+    single fetch at the end of an evaluation."""
+
+    def __init__(self, cfg: ExperimentConfig, graphdef, shardings: StepShardings, task):
+        data = iter(build_dataset(data_spec(cfg, evaluation=True), task=task))
+        self.batches = [device_batch(next(data), 1, shardings.batch) for _ in range(cfg.logging.eval_batches)]
+        self.step = make_eval_step(graphdef, shardings)
 
     def __call__(self, params) -> dict[str, float]:
-        data, totals = iter(build_dataset(self.spec)), None
-        for _ in range(self.batches):
-            sums = self.step(params, device_batch(next(data), 1, self.sharding))
-            totals = sums if totals is None else jax.tree.map(np.add, totals, sums)
+        totals = None
+        for batch in self.batches:
+            sums = self.step(params, batch)
+            totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
         totals = {k: float(v) for k, v in jax.device_get(totals).items()}
         count = max(totals["count"], 1.0)
         return dict(loss=totals["nll"] / count, accuracy=totals["correct"] / count)

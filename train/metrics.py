@@ -33,9 +33,9 @@ def peak_flops(device_kind: str) -> float | None:
     return next((v for k, v in PEAK_FLOPS.items() if k in device_kind), None)
 
 
-def check_finite(step: int, metrics: dict, keys=("loss",)):
-    """Raise ``NonFiniteLossError`` when a metric in ``keys`` is NaN or inf. The loop saves no
-    checkpoint after this, so the latest checkpoint stays the last good one."""
+def check_finite(step: int, metrics: dict, keys=("loss", "grad_norm")):
+    """Raise ``NonFiniteLossError`` when a metric in ``keys`` (those present) is NaN or inf. The
+    training loop saves no checkpoint after this, so the latest checkpoint stays the last good one."""
     bad = {k: metrics[k] for k in keys if k in metrics and not math.isfinite(metrics[k])}
     if bad:
         raise NonFiniteLossError(f"non-finite {bad} at step {step}: stopping the run; the latest checkpoint "
@@ -66,7 +66,8 @@ class MetricsWriter:
 
 
 class Monitor:
-    """Progress bar, periodic metric writing, throughput and MFU, and the NaN/inf check.
+    """Progress bar, periodic metric writing, throughput and MFU, and the run's one NaN/inf check
+    (``check_finite`` of loss and grad_norm, before anything is recorded).
 
     tokens_per_step: tokens of one optimizer step over all devices; flops_per_token: model FLOPs
     (forward + backward) per token, None to omit MFU. Only process 0 writes and shows the bar."""
@@ -90,7 +91,8 @@ class Monitor:
         self._last = None  # (step, time) of the previous update
 
     def update(self, step: int, metrics: dict) -> dict | None:
-        """Record optimizer step ``step``'s scalar ``metrics``; returns what was written, if any."""
+        """Record optimizer step ``step``'s scalar ``metrics``; returns what was written, if any.
+        A NaN/inf loss or grad_norm raises ``NonFiniteLossError`` before anything is recorded."""
         check_finite(step, metrics)
         now, written = time.perf_counter(), None
         if self._last is not None and step % self.cfg.every == 0:

@@ -9,8 +9,8 @@ Packed documents: the ops take ``cu_seqlens`` only for B = 1, so each row runs a
 [1, T] sequence under ``jax.vmap`` over (row tokens, row offsets). Vmapping keeps the batch axis
 (and its sharding) and each row's recurrence length T; flattening the batch to [1, B·T] instead
 would make the sharded batch axis part of one sequential recurrence. The offsets' padding
-(repeated T) are empty documents, which the ops skip under jit. Rows of one example (MQAR:
-``cu_seqlens`` [0, T]) need no boundaries and run as a plain [b, T] batch.
+(repeated T) are empty documents, which the ops skip under jit. Rows of one example (MQAR)
+come without ``cu_seqlens`` and run as a plain [b, T] batch.
 
 Precision: parameters (the optimiser's master copy) are float32; the layers compute in their
 ``dtype`` (bf16 by default) with float32 states; logits and the loss are float32.
@@ -56,11 +56,10 @@ class StepShardings:
 
 
 def device_batch(batch: dict, micro_batches: int, sharding: NamedSharding) -> dict:
-    """This host's batch (numpy [b_local, ...]) -> global arrays [A, B / A, ...] on ``sharding``;
-    ``cu_seqlens`` is kept only when a row may hold several documents (width > 2)."""
-    keys = [k for k in BATCH_KEYS if k != "cu_seqlens" or batch[k].shape[-1] > 2]
+    """This host's batch (numpy [b_local, ...]) -> global arrays [A, B / A, ...] on ``sharding``,
+    of the keys the step reads (``BATCH_KEYS``; ``cu_seqlens`` only from packed tasks)."""
     out = {}
-    for key in keys:
+    for key in (k for k in BATCH_KEYS if k in batch):
         local = np.asarray(batch[key])
         local = local.reshape(micro_batches, local.shape[0] // micro_batches, *local.shape[1:])
         shape = (micro_batches, local.shape[1] * jax.process_count(), *local.shape[2:])

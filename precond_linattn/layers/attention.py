@@ -180,6 +180,30 @@ class PrecondDeltaAttention(nnx.Module):
         scale = jnp.exp(self.log_d_init[...]) if c.osgm.learn_init_scale else jnp.ones((c.num_heads,))
         return jnp.broadcast_to(scale.astype(jnp.float32)[None, :, None], (n, c.num_heads, c.head_dim))
 
+    def _write_key(self, k, beta, pre, state, sequence=None):
+        """The write key and the preconditioner's new state: k̃ = k (none), d ⊙ k (OSGM, SPEC 3.1)
+        or B(A) ⊙ k (ATK, SPEC 3.2).
+
+        sequence None: one decode step, k [B, H, K] from the cached ``state`` (``osgm_step`` /
+        ``atk_step``); otherwise the ops' full-sequence options (output_final_state, cu_seqlens,
+        impl, chunk_size), k [B, T, H, K] from the initial ``state`` (None: the op's default).
+        Returns (k̃, state or None)."""
+        c = self.config
+        if c.preconditioner == "atk":
+            args = (k, pre["log_decay"], pre["gain"], self.log_atk_scale[...])
+            options = dict(x=c.atk.squash_x, eps=c.atk.squash_eps)
+            if sequence is None:
+                return atk_step(*args, state, **options)
+            return atk_precondition(*args, initial_state=state, **options, **sequence)
+        if c.preconditioner.startswith("osgm"):
+            o = c.osgm
+            options = dict(eta=o.eta, d_min=o.d_min, d_max=o.d_max, retention=pre.get("retention"),
+                           beta_aware=o.beta_aware, eps=o.eps)
+            if sequence is None:
+                return osgm_step(k, beta, state, **options)
+            return osgm_precondition(k, beta, initial_state=state, **options, **sequence)
+        return k, None
+
     # ---- full sequence ----
 
     def _forward(self, x, cu_seqlens, want_cache):
@@ -192,16 +216,10 @@ class PrecondDeltaAttention(nnx.Module):
         beta, g, pre = self._gates(p)
         run = dict(output_final_state=want_cache, cu_seqlens=cu_seqlens, impl=c.impl,
                    chunk_size=c.chunk_size)
-        k_write, p_state = k, None
-        if c.preconditioner == "atk":
-            k_write, p_state = atk_precondition(k, pre["log_decay"], pre["gain"], self.log_atk_scale[...],
-                                                x=c.atk.squash_x, eps=c.atk.squash_eps, **run)
-        elif c.preconditioner.startswith("osgm"):
-            o = c.osgm
-            n = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-            k_write, p_state = osgm_precondition(
-                k, beta, eta=o.eta, d_min=o.d_min, d_max=o.d_max, retention=pre.get("retention"),
-                beta_aware=o.beta_aware, eps=o.eps, initial_state=self._d_init(n), **run)
+        p_state = None
+        if c.preconditioner.startswith("osgm"):
+            p_state = self._d_init(x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1)
+        k_write, p_state = self._write_key(k, beta, pre, p_state, run)
         out, S = delta_rule(q, k, v, beta, write_key=k_write, log_decay=g, **run)
         y = self._output(out, p)
         if not want_cache:
@@ -241,14 +259,6 @@ class PrecondDeltaAttention(nnx.Module):
         stepped = [m.step(a, tail) for m, a, tail in zip(convs, pre_conv, cache.conv)]
         q, k, v = self._heads(*(s[0] for s in stepped))
         beta, g, pre = self._gates(p)
-        k_write, p_state = k, None
-        if c.preconditioner == "atk":
-            k_write, p_state = atk_step(k, pre["log_decay"], pre["gain"], self.log_atk_scale[...],
-                                        cache.precond, x=c.atk.squash_x, eps=c.atk.squash_eps)
-        elif c.preconditioner.startswith("osgm"):
-            o = c.osgm
-            k_write, p_state = osgm_step(k, beta, cache.precond, eta=o.eta, d_min=o.d_min,
-                                         d_max=o.d_max, retention=pre.get("retention"),
-                                         beta_aware=o.beta_aware, eps=o.eps)
+        k_write, p_state = self._write_key(k, beta, pre, cache.precond)
         out, S = delta_rule_step(q, k, v, beta, cache.memory, write_key=k_write, log_decay=g)
         return self._output(out, p), LayerCache(S, p_state, tuple(s[1] for s in stepped))

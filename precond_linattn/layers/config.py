@@ -7,8 +7,9 @@ Every model of both papers is one backbone (decay) × one preconditioner (write 
 
 Options that belong to one preconditioner live in their own dataclass (``OSGMConfig``,
 ``ATKConfig``); leaving it None gives the paper defaults, and setting it for a variant it does not
-apply to is a ValueError, as is any other inconsistent choice. The dataclasses are frozen and
-hashable, so a config can be a static argument of ``jax.jit``.
+apply to is a ValueError, as is any other inconsistent choice; scalar options go through the ops'
+own check (``precond_linattn.validation.check_scale``), named by their path (e.g. "osgm.eta").
+The dataclasses are frozen and hashable, so a config can be a static argument of ``jax.jit``.
 """
 
 import dataclasses
@@ -16,7 +17,7 @@ import math
 
 import jax.numpy as jnp
 
-from precond_linattn.validation import check_chunk_size, check_impl
+from precond_linattn.validation import check_chunk_size, check_impl, check_scale
 
 BACKBONES = ("deltanet", "gdn", "kda")
 PRECONDITIONERS = ("none", "osgm", "osgm_apf", "atk")
@@ -143,9 +144,11 @@ class LayerConfig:
             o = dataclasses.replace(o, init_retention=0.999)
         _require(not apf or 0.0 < o.init_retention < 1.0,
                  f"osgm.init_retention must be in (0, 1), got {o.init_retention}")
-        _require(o.eta >= 0, f"osgm.eta must be >= 0, got {o.eta}")
-        _require(0 < o.d_min <= o.d_max, f"osgm box needs 0 < d_min <= d_max, got [{o.d_min}, {o.d_max}]")
-        _require(o.eps > 0, f"osgm.eps must be > 0, got {o.eps}")
+        check_scale("osgm.eta", o.eta, minimum=0.0)
+        check_scale("osgm.d_min", o.d_min, minimum=0.0, strict=True)
+        check_scale("osgm.d_max", o.d_max)
+        _require(o.d_min <= o.d_max, f"osgm box needs 0 < d_min <= d_max, got [{o.d_min}, {o.d_max}]")
+        check_scale("osgm.eps", o.eps, minimum=0.0, strict=True)
         object.__setattr__(self, "osgm", o)
 
     def _resolve_atk(self):
@@ -154,8 +157,8 @@ class LayerConfig:
                      f"got preconditioner={self.preconditioner!r}")
             return
         a = self.atk or ATKConfig()
-        _require(a.squash_x >= 1, f"atk.squash_x must be >= 1, got {a.squash_x}")
-        _require(a.squash_eps > 0, f"atk.squash_eps must be > 0, got {a.squash_eps}")
+        check_scale("atk.squash_x", a.squash_x, minimum=1.0)
+        check_scale("atk.squash_eps", a.squash_eps, minimum=0.0, strict=True)
         object.__setattr__(self, "atk", a)
 
     @property

@@ -11,8 +11,9 @@ class ModelConfig:
 
         h ← h + Attention(RMSNorm(h));   h ← h + SwiGLU(RMSNorm(h));   logits = RMSNorm(h) W_head
 
-    intermediate_size: SwiGLU width; None gives FLA's rule, the multiple of 256 at or above
-      int(hidden_size · hidden_ratio · 2/3).
+    intermediate_size: SwiGLU width F; None (kept as None) derives it from hidden_ratio with FLA's
+      rule, the multiple of 256 at or above int(hidden_size · hidden_ratio · 2/3): ``mlp_width``
+      is the width in use, so ``dataclasses.replace(config, hidden_ratio=...)`` resizes the MLP.
     tie_embeddings: the LM head reuses the embedding matrix (logits = h Eᵀ).
     Compute and parameter dtypes are the layer's (``layer.dtype``, ``layer.param_dtype``).
     """
@@ -32,10 +33,8 @@ class ModelConfig:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if not isinstance(self.layer, LayerConfig):
             raise ValueError(f"layer must be a LayerConfig, got {type(self.layer).__name__}")
-        if self.intermediate_size is None:
-            width = int(self.layer.hidden_size * self.hidden_ratio * 2 / 3)
-            object.__setattr__(self, "intermediate_size", 256 * -(-width // 256))
-        if not isinstance(self.intermediate_size, int) or self.intermediate_size < 1:
+        if self.intermediate_size is not None and (not isinstance(self.intermediate_size, int)
+                                                   or self.intermediate_size < 1):
             raise ValueError(f"intermediate_size must be a positive int, got {self.intermediate_size!r}")
         if self.norm_eps <= 0:
             raise ValueError(f"norm_eps must be > 0, got {self.norm_eps}")
@@ -43,3 +42,10 @@ class ModelConfig:
     @property
     def hidden_size(self) -> int:
         return self.layer.hidden_size
+
+    @property
+    def mlp_width(self) -> int:
+        """F: ``intermediate_size``, or when None 256 · ⌈int(hidden_size · hidden_ratio · 2/3) / 256⌉."""
+        if self.intermediate_size is not None:
+            return self.intermediate_size
+        return 256 * -(-int(self.hidden_size * self.hidden_ratio * 2 / 3) // 256)

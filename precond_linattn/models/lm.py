@@ -37,7 +37,7 @@ class SwiGLU(nnx.Module):
     """y = W_down (SiLU(W_gate x) ⊙ W_up x)."""
 
     def __init__(self, c: ModelConfig, *, rngs: nnx.Rngs):
-        D, F = c.hidden_size, c.intermediate_size
+        D, F = c.hidden_size, c.mlp_width
         self.gate_proj, self.up_proj = _linear(D, F, c, rngs), _linear(D, F, c, rngs)
         self.down_proj = _linear(F, D, c, rngs)
 

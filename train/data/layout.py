@@ -5,6 +5,9 @@ A batch is a dict of int32 numpy arrays (B rows of T tokens, on each host its sh
     inputs       [B, T]      token ids; padding holds the tokenizer's PAD id
     targets      [B, T]      the token to predict at each position, or IGNORE_INDEX (-100) where
                              there is no loss: padding, MQAR's non-query positions
+
+and, from the packed tasks only (rows of several documents; an MQAR row is one example):
+
     segment_ids  [B, T]      document of each token within its row: 1, 2, ... in row order;
                              0 marks padding (grain's convention)
     positions    [B, T]      offset of each token within its document (0 at a document's start);

@@ -25,7 +25,7 @@ import dataclasses
 import grain
 import numpy as np
 
-from train.data.layout import IGNORE_INDEX, AddCuSeqlens
+from train.data.layout import IGNORE_INDEX
 
 
 def query_gap_probs(space: int, power_a: float) -> np.ndarray:
@@ -92,25 +92,22 @@ class MQARTask:
         return {"inputs": inputs, "targets": targets}
 
     def source(self, seed: int) -> grain.MapDataset:
-        """The example set: element i is one row, ``example(seed, i)`` as a single document."""
+        """The example set: element i is one row, ``example(seed, i)``."""
         return grain.MapDataset.range(self.num_examples).map(_MQARRow(self, seed))
 
     def rows(self, examples: grain.MapDataset, batch_size: int,
              read_options: grain.ReadOptions) -> grain.IterDataset:
-        """Batches of the layout in ``train.data.layout`` (one segment per row)."""
-        return (examples.batch(batch_size, drop_remainder=True)
-                .map(AddCuSeqlens(1))
-                .to_iter_dataset(read_options))
+        """Batches of ``inputs`` and ``targets`` [B, T]: one example per row, so no document
+        boundaries (``train.data.layout``)."""
+        return examples.batch(batch_size, drop_remainder=True).to_iter_dataset(read_options)
 
 
 @dataclasses.dataclass(frozen=True)
 class _MQARRow:
-    """Example index -> its row: ``inputs``, ``targets``, ``segment_ids`` (all 1), ``positions``."""
+    """Example index -> its row, ``task.example(seed, index)``."""
 
     task: MQARTask
     seed: int
 
     def __call__(self, index) -> dict:
-        T = self.task.seq_len
-        return {**self.task.example(self.seed, int(index)),
-                "segment_ids": np.ones(T, np.int32), "positions": np.arange(T, dtype=np.int32)}
+        return self.task.example(self.seed, int(index))

@@ -5,7 +5,7 @@
                             (p = jax.process_index(), P = jax.process_count() unless given)
     .shuffle(seed)          a global permutation of the host's slice, a different one per epoch
     .repeat(num_epochs)     None: forever
-    task.rows(...)          tokenize, pack (text), batch to batch_size / P rows, add cu_seqlens;
+    task.rows(...)          tokenize, pack and add cu_seqlens (text), batch to batch_size / P rows;
                             ends with to_iter_dataset(ReadOptions(read_threads, read_buffer_size))
     .mp_prefetch(...)       with worker_count > 0: that many worker processes, each producing
                             the batches of its slice of the MapDataset stage
@@ -73,9 +73,10 @@ def make_task(spec: DataSpec):
     return cls(**spec.params)
 
 
-def build_dataset(spec: DataSpec, *, process_index: int | None = None,
-                  process_count: int | None = None) -> grain.IterDataset:
-    """The batches of ``spec`` read by process ``process_index`` of ``process_count``."""
+def build_dataset(spec: DataSpec, *, process_index: int | None = None, process_count: int | None = None,
+                  task=None) -> grain.IterDataset:
+    """The batches of ``spec`` read by process ``process_index`` of ``process_count``; ``task``:
+    ``make_task(spec)`` when the caller has built it already (with its tokenizer), else built here."""
     p = jax.process_index() if process_index is None else process_index
     P = jax.process_count() if process_count is None else process_count
     if not 0 <= p < P:
@@ -83,7 +84,7 @@ def build_dataset(spec: DataSpec, *, process_index: int | None = None,
     if spec.batch_size < 1 or spec.batch_size % P:
         raise ValueError(f"batch_size must be a positive multiple of process_count={P}, "
                          f"got {spec.batch_size}")
-    task = make_task(spec)
+    task = make_task(spec) if task is None else task
     ds = task.source(spec.seed)[p::P]
     if spec.shuffle:
         ds = ds.shuffle(spec.seed)
