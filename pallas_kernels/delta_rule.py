@@ -79,6 +79,8 @@ class Options:
     block_k: int = 64  # key columns per tile of the chunk-parallel WY kernels and chunk_grads
     serial_block_v: int | None = None  # the serial state passes' V tile (None: block_v)
     state_dtype: str = "float32"  # split: per-chunk states, R, dR, dO products kept in HBM
+    output_in_serial: bool = False  # split: outputs formed in the forward state pass
+    dout_in_serial: bool = False  # split: dO products formed in the backward state pass
     num_warps: int = 4
     num_stages: int = 2  # software pipelining of the serial loops' loads (RESULTS run 13)
     split: bool = True  # the split kernels (state_*_triton) instead of the fused delta_fwd/bwd
@@ -225,7 +227,8 @@ def _forward(cfg, q, k, kw, v, beta, gamma, init, doc, first, last, store_states
         axes = dict(_WY_AXES, initial_state="n h k v", **_FLAGS)
         kernel, static = split_forward, dict(out_dtype=v.dtype, pdots=cfg.pdots,
                                              serial_block_v=o.serial_block_v,
-                                             state_dtype=jnp.dtype(o.state_dtype))
+                                             state_dtype=jnp.dtype(o.state_dtype),
+                                             output_in_serial=o.output_in_serial)
     else:
         A = P = None
         if cfg.decay == "vector":
@@ -275,7 +278,8 @@ def _core_bwd(cfg, res, cts):
         scale=cfg.scale, block_v=o.block_v, dots=cfg.dots, num_warps=o.num_warps,
         num_stages=o.num_stages, **(dict(pdots=cfg.pdots, block_k=o.block_k,
                                          serial_block_v=o.serial_block_v,
-                                         state_dtype=jnp.dtype(o.state_dtype)) if o.split else {}))
+                                         state_dtype=jnp.dtype(o.state_dtype),
+                                         dout_in_serial=o.dout_in_serial) if o.split else {}))
     grads = pullback((dW.sum(0), dU, dkw.sum(0), dq.sum(0), dP.sum(0), dgc.sum(0)))
     return (*match_types((*grads, None if init is None else dinit),
                          (q, k, kw, v, beta, gamma, init)), None, None, None)

@@ -35,21 +35,34 @@ def _dout_kernel(P_ref, q_ref, do_ref, A_ref, G_ref, *, scale, dots):
     G_ref[...] = (scale * dots.tn(q_ref[...], dO)).astype(G_ref.dtype)
 
 
-def _serial_kernel(doc_ref, first_ref, last_ref, W_ref, kw_ref, gc_ref, A_ref, G_ref, dfinal_ref,
-                   dU_ref, dstates_ref, dinit_ref, *, chunk, dots, num_chunks):
-    """The reverse recurrence dS_C → Γ_C ⊙ dS_C + G − Wᵀ (A + K̃' dS_C), storing dR and dS_C."""
-    K, BV = W_ref.shape[-1], A_ref.shape[-1]
+def _serial_kernel(doc_ref, first_ref, last_ref, W_ref, kw_ref, gc_ref, *refs, chunk, dots,
+                   num_chunks, products):
+    """The reverse recurrence dS_C → Γ_C ⊙ dS_C + G − Wᵀ (A + K̃' dS_C), storing dR and dS_C.
+    A, G are read (refs A, G), or with ``products`` = (scale, their dots) formed here from P,
+    Q', dO (refs P, q, do) as ``dout_products`` does, off the carry's path."""
+    n_in = 3 if products else 2
+    ins, (dfinal_ref, dU_ref, dstates_ref, dinit_ref) = refs[:n_in], refs[n_in:]
+    K, BV = W_ref.shape[-1], dU_ref.shape[-1]
+
+    def dout(c, rows):
+        """(A, G) of chunk c, float32."""
+        if not products:
+            A_ref, G_ref = ins
+            return A_ref[rows, :].astype(jnp.float32), G_ref[c].astype(jnp.float32)
+        (scale, pdots), (P_ref, q_ref, do_ref) = products, ins
+        dO = do_ref[rows, :].astype(jnp.float32)
+        return scale * pdots.tn(P_ref[rows, :], dO), scale * pdots.tn(q_ref[rows, :], dO)
 
     def body(it, dS):
         c = num_chunks - 1 - it
         rows = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
         doc, first, last = doc_ref[c], first_ref[c], last_ref[c]
+        A, G = dout(c, rows)
         dS = jnp.where(last != 0, dfinal_ref[doc], dS)
         dstates_ref[c] = dS.astype(dstates_ref.dtype)
-        dR = A_ref[rows, :].astype(jnp.float32) + dots.nn(kw_ref[rows, :], dS)
+        dR = A + dots.nn(kw_ref[rows, :], dS)
         dU_ref[rows, :] = dR.astype(dU_ref.dtype)
-        dS0 = (gc_ref[c, :][:, None] * dS + G_ref[c].astype(jnp.float32)
-               - dots.tn(W_ref[rows, :], dR))
+        dS0 = gc_ref[c, :][:, None] * dS + G - dots.tn(W_ref[rows, :], dR)
 
         @pl.when(first != 0)
         def _():
@@ -105,26 +118,34 @@ def dout_products(P, q, do, *, chunk, scale, block_v, dots: Dots, num_warps, num
 
 
 def state_pass(W, kw, gc, A, G, dfinal, doc, first, last, *, chunk, block_v, dots: Dots,
-               num_warps, num_stages, state_dtype=jnp.float32):
+               num_warps, num_stages, state_dtype=jnp.float32, products=None):
     """Kernel 2, serial: dU = dR [B, H, Tp, V] and the chunk-end cotangents dS_C
     [B, H, NC, K, V] stored in ``state_dtype`` (the carry stays float32), dS_0 [N, H, K, V]
-    float32."""
+    float32. A, G: kernel 1's products; or None with ``products`` = (P, q, do, scale, dots): the
+    pass forms them itself (no kernel 1)."""
     B, H, Tp, K = W.shape
-    V, N, nc = A.shape[-1], dfinal.shape[0], Tp // chunk
+    V, N, nc = dfinal.shape[-1], dfinal.shape[0], Tp // chunk
     BV, f32 = min(block_v, V), jnp.float32
     s = serial_specs(nc, Tp, K, BV, N)
+    if products is None:
+        ins, in_specs, static = [A, G], [s["seq_v"], s["states"]], None
+    else:
+        P, q, do, scale, pdots = products
+        ins, in_specs, static = [P, q, do], [s["seq_c"], s["seq_k"], s["btv"]], (scale, pdots)
+    args = [doc, first, last, W, kw, gc, *ins, dfinal]
     return pl.pallas_call(
-        functools.partial(_serial_kernel, chunk=chunk, dots=dots, num_chunks=nc),
+        functools.partial(_serial_kernel, chunk=chunk, dots=dots, num_chunks=nc,
+                          products=static),
         grid=(B, H, V // BV),
-        in_specs=[s["flags"]] * 3 + [s["seq_k"], s["seq_k"], s["per_chunk_k"], s["seq_v"],
-                                     s["states"], s["docs"]],
+        in_specs=[s["flags"]] * 3 + [s["seq_k"], s["seq_k"], s["per_chunk_k"], *in_specs,
+                                     s["docs"]],
         out_specs=[s["seq_v"], s["states"], s["docs"]],
-        out_shape=[out_struct(shape, dtype, doc, first, last, W, kw, gc, A, G, dfinal)
+        out_shape=[out_struct(shape, dtype, *args)
                    for shape, dtype in (((B, H, Tp, V), state_dtype),
                                         ((B, H, nc, K, V), state_dtype), ((N, H, K, V), f32))],
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=dots.interpret, name="state_bwd",
-    )(doc, first, last, W, kw, gc, A, G, dfinal)
+    )(*args)
 
 
 def chunk_grads(states, dstates, dU, R, do, *, chunk, scale, block_v, dots: Dots, num_warps,
@@ -154,14 +175,15 @@ def chunk_grads(states, dstates, dU, R, do, *, chunk, scale, block_v, dots: Dots
 def split_backward(W, U, kw, q, P, gc, states, R, do, dfinal, doc, first, last, *, chunk, scale,
                    block_v, dots: Dots, num_warps, num_stages, block_k=64,
                    pdots: Dots | None = None, serial_block_v: int | None = None,
-                   state_dtype=jnp.float32):
+                   state_dtype=jnp.float32, dout_in_serial: bool = False):
     """``delta_bwd`` in three kernels; arguments and results as ``delta_bwd``, plus R = U − W S
     from the forward: W, kw (K̃'), q (Q') [B, H, Tp, K]; U, R [B, H, Tp, V]; P [B, H, Tp, C];
     gc (Γ_C) [B, H, NC, K]; states (chunk-start) [B, H, NC, K, V]; do [B, Tp, H, V]; dfinal
     [N, H, K, V]; doc, first, last [B, NC]; ``block_k``: key rows per program of kernel 3;
     ``pdots``: the dots of kernels 1 and 3 (default ``dots``; the serial kernel 2 uses ``dots``);
     ``serial_block_v``: kernel 2's V tile (default ``block_v``); ``state_dtype``: that of the
-    tensors kernels 1 and 2 store (A, G, dU, dS_C).
+    tensors kernels 1 and 2 store (A, G, dU, dS_C); ``dout_in_serial``: kernel 2 forms A and G
+    itself (no kernel 1).
 
     Returns dW, dK̃', dQ' [1, B, H, Tp, K], dU [B, H, Tp, V], dP [1, B, H, Tp, C], dΓ_C
     [1, B, H, NC, K] (already summed over V: the leading axis of ``delta_bwd``'s per-tile partial
@@ -170,10 +192,14 @@ def split_backward(W, U, kw, q, P, gc, states, R, do, dfinal, doc, first, last, 
     opts = dict(chunk=chunk, block_v=block_v, dots=dots, num_warps=num_warps,
                 num_stages=num_stages)
     parallel = opts | dict(dots=pdots or dots)
-    A, G = dout_products(P, q, do, scale=scale, state_dtype=state_dtype, **parallel)
+    A = G = products = None
+    if dout_in_serial:
+        products = (P, q, do, scale, pdots or dots)
+    else:
+        A, G = dout_products(P, q, do, scale=scale, state_dtype=state_dtype, **parallel)
     check_inputs(W, U, P, chunk=chunk, block_v=serial_block_v or block_v)
     dU, dstates, dinit = state_pass(W, kw, gc, A, G, dfinal, doc, first, last,
-                                    state_dtype=state_dtype,
+                                    state_dtype=state_dtype, products=products,
                                     **(opts | dict(block_v=serial_block_v or block_v)))
     grads = chunk_grads(states, dstates, dU, R, do, scale=scale, block_k=block_k, **parallel)
     dW, dkw, dq, dP, dgc = (x[None] for x in grads)

@@ -52,31 +52,46 @@ def chunk_specs(chunk, K, BV):
 
 
 def serial_specs(nc, Tp, K, BV, N):
-    """BlockSpecs for a serial grid (b, h, j): flags [NC], whole sequences [Tp, K] / [Tp, BV],
-    per-chunk rows [NC, K], all chunk states [NC, K, BV] and document states [N, K, BV]."""
+    """BlockSpecs for a serial grid (b, h, j): flags [NC], whole sequences [Tp, K] / [Tp, BV] /
+    [Tp, C] of [B, H, Tp, ·] tensors and [Tp, BV] of [B, Tp, H, V] ones (o, dO), per-chunk rows
+    [NC, K], all chunk states [NC, K, BV] and document states [N, K, BV]."""
     return dict(
         flags=pl.BlockSpec((None, nc), lambda b, h, j: (b, 0)),
         seq_k=pl.BlockSpec((None, None, Tp, K), lambda b, h, j: (b, h, 0, 0)),
         seq_v=pl.BlockSpec((None, None, Tp, BV), lambda b, h, j: (b, h, 0, j)),
         per_chunk_k=pl.BlockSpec((None, None, nc, K), lambda b, h, j: (b, h, 0, 0)),
         states=pl.BlockSpec((None, None, nc, K, BV), lambda b, h, j: (b, h, 0, 0, j)),
-        docs=pl.BlockSpec((N, None, K, BV), lambda b, h, j: (0, h, 0, j)))
+        docs=pl.BlockSpec((N, None, K, BV), lambda b, h, j: (0, h, 0, j)),
+        seq_c=pl.BlockSpec((None, None, Tp, Tp // nc), lambda b, h, j: (b, h, 0, 0)),
+        btv=pl.BlockSpec((None, Tp, None, BV), lambda b, h, j: (b, 0, h, j)))
 
 
-def _serial_kernel(*refs, chunk, dots, has_init, num_chunks):
-    """The chunk recurrence S → Γ_C ⊙ S + K̃'ᵀ (U − W S), storing S and R = U − W S per chunk."""
+def _serial_kernel(*refs, chunk, dots, has_init, num_chunks, store, output):
+    """The chunk recurrence S → Γ_C ⊙ S + K̃'ᵀ (U − W S), storing (``store``) S and R = U − W S
+    per chunk; with ``output`` = (scale, output dots) also O = scale (Q' S + P R) per chunk, off
+    the carry's path."""
+    refs = list(refs)
     doc_ref, first_ref, last_ref, W_ref, U_ref, kw_ref, gc_ref = refs[:7]
     init_ref = refs[7] if has_init else None
-    states_ref, R_ref, final_ref = refs[-3:]
+    q_ref, P_ref = refs[7 + has_init:9 + has_init] if output else (None, None)
+    outs = refs[7 + has_init + 2 * bool(output):]
+    states_ref, R_ref = outs[:2] if store else (None, None)
+    final_ref = outs[2 * store]
+    o_ref = outs[-1] if output else None
     K, BV = W_ref.shape[-1], U_ref.shape[-1]
 
     def body(c, S):
         rows = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
         doc, first, last = doc_ref[c], first_ref[c], last_ref[c]
         S = jnp.where(first != 0, init_ref[doc] if has_init else 0.0, S)
-        states_ref[c] = S.astype(states_ref.dtype)
         R = U_ref[rows, :] - dots.nn(W_ref[rows, :], S)
-        R_ref[rows, :] = R.astype(R_ref.dtype)
+        if store:
+            states_ref[c] = S.astype(states_ref.dtype)
+            R_ref[rows, :] = R.astype(R_ref.dtype)
+        if output:
+            scale, odots = output
+            o = scale * (odots.nn(q_ref[rows, :], S) + odots.nn(P_ref[rows, :], R))
+            o_ref[rows, :] = o.astype(o_ref.dtype)
         S = gc_ref[c, :][:, None] * S + dots.tn(kw_ref[rows, :], R)
 
         @pl.when(last != 0)
@@ -95,9 +110,12 @@ def _output_kernel(q_ref, P_ref, S_ref, R_ref, o_ref, *, scale, dots):
 
 
 def state_pass(W, U, kw, gc, initial_state, doc, first, last, *, chunk, num_docs, block_v,
-               dots: Dots, num_warps, num_stages, state_dtype=jnp.float32):
-    """Kernel 1, serial: the chunk-start states [B, H, NC, K, V] and R = U − W S [B, H, Tp, V]
-    stored in ``state_dtype`` (the carry stays float32), the final states [N, H, K, V] float32."""
+               dots: Dots, num_warps, num_stages, state_dtype=jnp.float32, store=True,
+               output=None):
+    """Kernel 1, serial: if ``store``, the chunk-start states [B, H, NC, K, V] and R = U − W S
+    [B, H, Tp, V] stored in ``state_dtype`` (the carry stays float32); the final states
+    [N, H, K, V] float32; with ``output`` = (q, P, scale, dots, dtype) also
+    o = scale (Q' S + P R) [B, Tp, H, V] (``chunk_output`` inside the pass). Returns that list."""
     B, H, Tp, K = W.shape
     V, nc, f32 = U.shape[-1], Tp // chunk, jnp.float32
     BV, N = min(block_v, V), B if num_docs is None else num_docs
@@ -107,13 +125,23 @@ def state_pass(W, U, kw, gc, initial_state, doc, first, last, *, chunk, num_docs
     if initial_state is not None:
         args.append(initial_state)
         specs.append(s["docs"])
+    out_specs, shapes = [s["docs"]], [((N, H, K, V), f32)]
+    if store:
+        out_specs[:0] = [s["states"], s["seq_v"]]
+        shapes[:0] = [((B, H, nc, K, V), state_dtype), ((B, H, Tp, V), state_dtype)]
+    if output is not None:
+        q, P, scale, odots, out_dtype = output
+        args += [q, P]
+        specs += [s["seq_k"], s["seq_c"]]
+        out_specs.append(s["btv"])
+        shapes.append(((B, Tp, H, V), out_dtype))
+        output = (scale, odots)
     return pl.pallas_call(
         functools.partial(_serial_kernel, chunk=chunk, dots=dots,
-                          has_init=initial_state is not None, num_chunks=nc),
-        grid=(B, H, V // BV), in_specs=specs,
-        out_specs=[s["states"], s["seq_v"], s["docs"]],
-        out_shape=[out_struct(shape, dtype, *args) for shape, dtype in (
-            ((B, H, nc, K, V), state_dtype), ((B, H, Tp, V), state_dtype), ((N, H, K, V), f32))],
+                          has_init=initial_state is not None, num_chunks=nc, store=store,
+                          output=output),
+        grid=(B, H, V // BV), in_specs=specs, out_specs=out_specs,
+        out_shape=[out_struct(shape, dtype, *args) for shape, dtype in shapes],
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=dots.interpret, name="state_fwd",
     )(*args)
@@ -138,7 +166,8 @@ def chunk_output(q, P, states, R, *, chunk, scale, block_v, dots: Dots, num_warp
 def split_forward(W, U, kw, q, P, gc, initial_state, doc, first, last, *, chunk, scale, num_docs,
                   block_v, dots: Dots, num_warps, num_stages, store_states,
                   out_dtype=jnp.float32, pdots: Dots | None = None,
-                  serial_block_v: int | None = None, state_dtype=jnp.float32):
+                  serial_block_v: int | None = None, state_dtype=jnp.float32,
+                  output_in_serial: bool = False):
     """``delta_fwd`` from the WY tensors. Shapes: W, kw (K̃'), q (Q') [B, H, Tp, K]; U [B, H, Tp, V];
     P [B, H, Tp, C]; gc (Γ_C) [B, H, NC, K]; initial_state None | [N, H, K, V] float32; doc,
     first, last [B, NC] int32; ``num_docs``: N, or None for one document per batch row (N = B).
@@ -150,14 +179,20 @@ def split_forward(W, U, kw, q, P, gc, initial_state, doc, first, last, *, chunk,
     ``serial_block_v``: the state pass's V tile (default ``block_v``; narrower tiles give the
     serial pass more programs); ``state_dtype``: that of the stored states and R (bfloat16 halves
     their traffic; the kernels that read them round them to bf16 at their dots anyway when
-    ``pdots`` is "bf16")."""
+    ``pdots`` is "bf16"); ``output_in_serial``: form o inside the state pass (no output kernel;
+    without ``store_states`` the states and R are then never written)."""
     check_inputs(W, U, P, chunk=chunk, block_v=block_v)
     opts = dict(chunk=chunk, block_v=block_v, dots=dots, num_warps=num_warps,
                 num_stages=num_stages)
     check_inputs(W, U, P, chunk=chunk, block_v=serial_block_v or block_v)
-    states, R, final = state_pass(W, U, kw, gc, initial_state, doc, first, last,
-                                  num_docs=num_docs, state_dtype=state_dtype,
-                                  **(opts | dict(block_v=serial_block_v or block_v)))
+    serial = dict(num_docs=num_docs, state_dtype=state_dtype,
+                  **(opts | dict(block_v=serial_block_v or block_v)))
+    if output_in_serial:
+        *saved, final, o = state_pass(W, U, kw, gc, initial_state, doc, first, last,
+                                      store=store_states, **serial,
+                                      output=(q, P, scale, pdots or dots, out_dtype))
+        return (o, final, *saved)
+    states, R, final = state_pass(W, U, kw, gc, initial_state, doc, first, last, **serial)
     o = chunk_output(q, P, states, R, scale=scale, out_dtype=out_dtype,
                      **(opts | dict(dots=pdots or dots)))
     return (o, final) + ((states, R) if store_states else ())

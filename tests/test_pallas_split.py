@@ -115,6 +115,35 @@ def test_serial_block_v():
         assert_close(a, b, TOL, name)
 
 
+@pytest.mark.parametrize("decay", ["none", "scalar"])
+def test_outputs_and_dout_products_in_the_serial_passes(decay):
+    """``output_in_serial`` (o formed in the forward state pass; without ``store_states`` the
+    states and R are not written) and ``dout_in_serial`` (A, G formed in the backward pass)
+    equal the separate kernels; packed documents, an initial state per document."""
+    cu = jnp.asarray([0, 5, 22, 37], jnp.int32)
+    x = make_inputs(5, decay, b=1, n_init=3)
+    cfg, q, k, kw, v, beta, gamma, init, doc, first, last = kernel_inputs(x, decay, cu, True)
+    wy = prepare(cfg, q, k, kw, v, beta, gamma)
+    fwd = lambda **o: split_forward(*wy, init, doc, first, last,  # noqa: E731
+                                    num_docs=cfg.num_docs, **KERNEL, **o)
+    want = fwd(store_states=True)
+    got = fwd(store_states=True, output_in_serial=True)
+    for name, a, b in zip(("o", "final", "states", "R"), got, want):
+        assert a.shape == b.shape, name
+        assert_close(a, b, TOL, name)
+    inference = fwd(store_states=False, output_in_serial=True)
+    assert len(inference) == 2
+    assert_close(inference[0], want[0], TOL, "o (no states stored)")
+    rng = np.random.default_rng(6)
+    do = jnp.asarray(rng.standard_normal(v.shape), jnp.float32)
+    dfinal = jnp.asarray(rng.standard_normal(want[1].shape), jnp.float32)
+    args = (*wy, want[2], want[3], do, dfinal, doc, first, last)
+    for name, a, b in zip(("dW", "dU", "dK̃'", "dQ'", "dP", "dΓ_C", "dS_0"),
+                          split_backward(*args, dout_in_serial=True, **KERNEL),
+                          split_backward(*args, **KERNEL)):
+        assert_close(a, b, TOL, name)
+
+
 def test_bad_inputs_raise():
     """Dimensions the Triton lowering cannot take, or a P of the wrong chunk, are refused before
     any kernel is built."""
