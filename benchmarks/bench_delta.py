@@ -4,7 +4,7 @@
         [--sections checks,packed,time,jla,chunked,breakdown] [--check-dtypes bf16,fp32]
         [--variants auto/64/4,auto/64/4/fused]
         # a variant: precision/block_v/num_warps[/num_stages][/fused][/recompute][/vkernel]
-        #            [/pP][/kN][/sN][/hbf16]   (see ``variant``)
+        #            [/pP][/kN][/sN][/hbf16][/oserial][/dserial]   (see ``variant``)
 
 Checks (fresh random inputs per check; the device allocator is filled with NaN before each run so
 an unwritten output element shows): pallas vs the chunked pure-JAX form, outputs, final states
@@ -215,9 +215,10 @@ def breakdown(core, x, reps, options):
 
 def variant(v):
     """Options from precision/block_v/num_warps[/num_stages][/fused][/recompute][/vkernel][/pP]
-    [/kN][/sN][/hbf16] (pP: ``Options.parallel_precision`` = P, e.g. ptf32, pbf16; kN:
-    ``Options.block_k`` = N; sN: ``Options.serial_block_v`` = N; hbf16: ``Options.state_dtype`` =
-    "bfloat16")."""
+    [/kN][/sN][/hbf16][/oserial][/dserial] (pP: ``Options.parallel_precision`` = P, e.g. ptf32,
+    pbf16; kN: ``Options.block_k`` = N; sN: ``Options.serial_block_v`` = N; hbf16:
+    ``Options.state_dtype`` = "bfloat16"; oserial / dserial: ``Options.output_in_serial`` /
+    ``dout_in_serial``, which ``breakdown`` ignores: it times the separate kernels)."""
     f = v.split("/")
     flags = [t for t in f[3:] if not t.isdigit()]
     block_k = [int(t[1:]) for t in flags if t[0] == "k" and t[1:].isdigit()]
@@ -231,7 +232,8 @@ def variant(v):
                    parallel_precision=parallel[0] if parallel else None,
                    block_k=block_k[0] if block_k else Options().block_k,
                    serial_block_v=serial[0] if serial else None,
-                   state_dtype="bfloat16" if "hbf16" in flags else "float32")
+                   state_dtype="bfloat16" if "hbf16" in flags else "float32",
+                   output_in_serial="oserial" in flags, dout_in_serial="dserial" in flags)
 
 
 def variant_tag(opt):
@@ -242,7 +244,8 @@ def variant_tag(opt):
             + (f"/p{opt.parallel_precision}" if opt.parallel_precision else "")
             + (f"/k{opt.block_k}" if opt.block_k != Options().block_k else "")
             + (f"/s{opt.serial_block_v}" if opt.serial_block_v else "")
-            + ("/hbf16" if opt.state_dtype == "bfloat16" else ""))
+            + ("/hbf16" if opt.state_dtype == "bfloat16" else "")
+            + ("/oserial" if opt.output_in_serial else "") + ("/dserial" if opt.dout_in_serial else ""))
 
 
 def jla_ops():
