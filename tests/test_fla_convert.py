@@ -52,7 +52,7 @@ def fla_shapes(c: ModelConfig) -> dict:
             shapes.update({a + "f_proj.0.weight": (V, D), a + "f_proj.1.weight": (H * K, V),
                            a + "A_log": (H,), a + "dt_bias": (H * K,), a + "g_proj.0.weight": (V, D),
                            a + "g_proj.1.weight": (H * V, V), a + "g_proj.1.bias": (H * V,)})
-        elif lc.use_gate:
+        elif lc.gated:
             shapes[a + "g_proj.weight"] = (H * V, D)
         if lc.preconditioner == "atk":
             shapes.update({a + ("a_proj" if kda else "a_atk_proj") + ".weight": (H, D),

@@ -1,6 +1,8 @@
 """The attention layer and its parts: config validation, FLA parameter names, the short
 convolution, the gated RMSNorm, packed prefill caches and mixed precision (CPU, chunked ops)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,14 +31,23 @@ def prefill(layer, x, cu_seqlens=None):
     (dict(preconditioner="osgm", atk=ATKConfig()), "atk options apply only"),
     (dict(preconditioner="osgm", osgm=OSGMConfig(init_retention=0.99)), "init_retention applies only"),
     (dict(preconditioner="osgm_apf", osgm=OSGMConfig(init_retention=1.0)), "init_retention must be"),
-    (dict(preconditioner="osgm", osgm=OSGMConfig(d_min=2.0, d_max=1.0)), "box"),
+    (dict(preconditioner="osgm", osgm=OSGMConfig(d_min=2.0, d_max=1.0)),
+     r"osgm.d_max must be >= osgm.d_min, got the empty box \[d_min, d_max\] = \[2.0, 1.0\]"),
+    (dict(preconditioner="osgm", osgm=OSGMConfig(d_max=float("nan"))), "osgm.d_max must be a finite"),
+    (dict(preconditioner="osgm", osgm=OSGMConfig(beta_aware=1)), "osgm.beta_aware must be a bool"),
+    (dict(preconditioner="osgm", osgm=dict(eta=0.1)), "osgm must be an OSGMConfig"),
+    (dict(preconditioner="atk", atk=dict(squash_x=2.0)), "atk must be an ATKConfig"),
     (dict(preconditioner="osgm", osgm=OSGMConfig(eta=-0.1)), "eta"),
     (dict(preconditioner="osgm", osgm=OSGMConfig(d_min=0.0)), "osgm.d_min must be > 0"),
     (dict(preconditioner="osgm", osgm=OSGMConfig(eps=0.0)), "osgm.eps must be > 0"),
     (dict(preconditioner="osgm", osgm=OSGMConfig(eta=float("inf"))), "osgm.eta must be a finite"),
-    (dict(preconditioner="atk", atk=ATKConfig(squash_x=0.5)), "squash_x"),
+    (dict(preconditioner="atk", atk=ATKConfig(squash_x=0.5)), "atk.squash_x must be >= 1"),
     (dict(preconditioner="atk", atk=ATKConfig(squash_eps=-1e-6)), "atk.squash_eps must be > 0"),
     (dict(backbone="kda", use_gate=False), "use_gate=False does not apply"),
+    (dict(use_gate=1), "use_gate must be None or a bool"),
+    (dict(dtype="int32"), "dtype must be one of float32, bfloat16, float16"),
+    (dict(dtype=None), "dtype must be one of"),
+    (dict(param_dtype="float64"), "param_dtype must be one of"),
     (dict(head_dim=16, expand_v=0.3), "expand_v"),
     (dict(num_heads=0), "num_heads"),
     (dict(impl="triton"), "impl"),
@@ -48,20 +59,69 @@ def test_config_errors(kwargs, match):
 
 
 def test_config_defaults():
+    """Unset fields stay None; the properties give the values in use."""
     c = LayerConfig(1024, 6, backbone="gdn", preconditioner="osgm_apf", head_dim=128, expand_v=2.0)
     assert (c.key_dim, c.value_dim, c.head_v_dim) == (768, 1536, 256)
-    assert c.use_gate and c.variant == "OSGDN-APF"
-    assert c.osgm == OSGMConfig(init_retention=0.999) and c.atk is None
+    assert c.use_gate is None and c.gated and c.variant == "OSGDN-APF"
+    assert c.osgm is None and c.osgm_options == OSGMConfig(init_retention=0.999)
+    assert c.atk is None and c.atk_options is None
     assert c.dtype == jnp.bfloat16 and c.param_dtype == jnp.float32
     d = LayerConfig(1024, 8, preconditioner="atk")
-    assert (d.head_dim, d.use_gate, d.atk, d.variant) == (128, False, ATKConfig(), "PDN")
-    assert LayerConfig(D, H, backbone="kda").use_gate
+    assert (d.head_dim, d.head_k_dim, d.gated, d.atk, d.variant) == (None, 128, False, None, "PDN")
+    assert d.atk_options == ATKConfig() and d.osgm_options is None
+    assert LayerConfig(D, H, backbone="kda").gated
+    # dtypes are stored canonically, so equal configs hash equally (static jit arguments)
+    e = LayerConfig(D, H, dtype="bfloat16", param_dtype=np.float32)
+    assert e == LayerConfig(D, H) and hash(e) == hash(LayerConfig(D, H))
+
+
+def test_replace_rederives_unset_values():
+    """``dataclasses.replace`` re-derives head size, gate and preconditioner options from the new
+    fields; the layer built from the result has the shapes of a config built directly."""
+    c = LayerConfig(64, 4, preconditioner="osgm_apf")
+    wide = dataclasses.replace(c, hidden_size=128)
+    assert (wide.head_k_dim, wide.key_dim, wide.head_v_dim) == (32, 128, 32)
+    assert dataclasses.replace(c, num_heads=2).head_k_dim == 32
+    assert [dataclasses.replace(c, backbone=b).gated for b in BACKBONES] == [False, True, True]
+    osdn = dataclasses.replace(c, preconditioner="osgm")
+    assert osdn.osgm_options == OSGMConfig() and osdn.variant == "OSDN"
+    assert dataclasses.replace(osdn, preconditioner="osgm_apf").osgm_options.init_retention == 0.999
+    pdn = dataclasses.replace(c, preconditioner="atk")
+    assert (pdn.atk_options, pdn.osgm_options) == (ATKConfig(), None)
+    for new, direct in [(wide, LayerConfig(128, 4, preconditioner="osgm_apf")),
+                        (dataclasses.replace(c, backbone="gdn"),
+                         LayerConfig(64, 4, backbone="gdn", preconditioner="osgm_apf")),
+                        (osdn, LayerConfig(64, 4, preconditioner="osgm")),
+                        (pdn, LayerConfig(64, 4, preconditioner="atk"))]:
+        assert new == direct
+        layer = nnx.eval_shape(lambda cfg=new: PrecondDeltaAttention(cfg, rngs=nnx.Rngs(0)))
+        params = {".".join(map(str, path)): v.shape
+                  for path, v in nnx.to_flat_state(nnx.state(layer, nnx.Param))}
+        assert params == fla_shapes(direct)
+
+
+def test_replace_keeps_explicit_values():
+    """Values the user set survive ``replace`` (and stay checked against the new fields)."""
+    osgm = OSGMConfig(eta=0.1, init_retention=0.9, learn_init_scale=True)
+    c = LayerConfig(64, 4, preconditioner="osgm_apf", head_dim=8, use_gate=False, osgm=osgm)
+    wide = dataclasses.replace(c, hidden_size=128, backbone="gdn")
+    assert (wide.head_k_dim, wide.key_dim, wide.gated, wide.osgm_options) == (8, 32, False, osgm)
+    assert dataclasses.replace(c, use_gate=True, backbone="kda").gated
+    assert dataclasses.replace(c, dtype=jnp.float32).dtype == jnp.float32
+    with pytest.raises(ValueError, match="init_retention applies only"):
+        dataclasses.replace(c, preconditioner="osgm")
+    with pytest.raises(ValueError, match="use_gate=False does not apply"):
+        dataclasses.replace(c, backbone="kda")
+    with pytest.raises(ValueError, match="osgm options apply only"):
+        dataclasses.replace(c, preconditioner="atk")
+    with pytest.raises(ValueError, match="not divisible"):
+        dataclasses.replace(LayerConfig(64, 4), num_heads=3)
 
 
 def fla_shapes(c: LayerConfig):
     """Parameter shapes of FLA 0.6.0's layer for this variant, in this package's names and Flax
     layouts (kernel = weightᵀ, conv kernel [W, D]); OSDN's additions where FLA has none."""
-    Dm, Hh, K, V, W = c.hidden_size, c.num_heads, c.head_dim, c.head_v_dim, c.conv_size
+    Dm, Hh, K, V, W = c.hidden_size, c.num_heads, c.head_k_dim, c.head_v_dim, c.conv_size
     s = {"q_proj.kernel": (Dm, Hh * K), "k_proj.kernel": (Dm, Hh * K), "v_proj.kernel": (Dm, Hh * V),
          "q_conv1d.kernel": (W, Hh * K), "k_conv1d.kernel": (W, Hh * K), "v_conv1d.kernel": (W, Hh * V),
          "b_proj.kernel": (Dm, Hh), "o_norm.scale": (V,), "o_proj.kernel": (Hh * V, Dm)}
@@ -76,9 +136,9 @@ def fla_shapes(c: LayerConfig):
                   "dt_bias_atk": (Hh,), "log_atk_scale": (Hh,)})
     if c.preconditioner == "osgm_apf":
         s.update({"retention_proj.kernel": (Dm, Hh), "retention_proj.bias": (Hh,)})
-    if c.preconditioner.startswith("osgm") and c.osgm.learn_init_scale:
+    if c.preconditioner.startswith("osgm") and c.osgm_options.learn_init_scale:
         s["log_d_init"] = (Hh,)
-    if c.use_gate and c.backbone == "deltanet":
+    if c.gated and c.backbone == "deltanet":
         s["g_proj.kernel"] = (Dm, Hh * V)
     return s
 

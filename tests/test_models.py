@@ -188,6 +188,20 @@ def test_mlp_width_follows_hidden_ratio():
         dataclasses.replace(c, intermediate_size=0)
 
 
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_layers_rederive_under_replace(name):
+    """Switching a preset's preconditioner or width with ``replace`` gives the layer the preset
+    builds directly (derived head size, gate and options are never stale)."""
+    layer = preset(name, "osgm_apf").layer
+    assert dataclasses.replace(layer, preconditioner="osgm") == preset(name, "osgm").layer
+    if layer.osgm is None:  # deltanet-1.3b sets its own OSGM options, which do not apply to ATK
+        assert dataclasses.replace(layer, preconditioner="atk") == preset(name, "atk").layer
+        assert dataclasses.replace(layer, preconditioner="none") == preset(name).layer
+    if layer.head_dim is None:
+        double = dataclasses.replace(layer, hidden_size=2 * layer.hidden_size)
+        assert double.head_k_dim == 2 * layer.head_k_dim
+
+
 def test_model_config_errors():
     layer = LayerConfig(32, 2)
     with pytest.raises(ValueError, match="vocab_size"):

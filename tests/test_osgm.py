@@ -281,7 +281,7 @@ def inputs(rand):
     (dict(cu_seqlens=jnp.array([0, 7, 7, 12])), "cu_seqlens must be strictly increasing"),
     (dict(eta=-0.1), "eta must be >= 0"),
     (dict(d_min=0.0), "d_min must be > 0"),
-    (dict(d_min=1.5, d_max=1.0), "d_max must be >= 1.5"),
+    (dict(d_min=1.5, d_max=1.0), r"^d_max must be >= d_min, got the empty box .* = \[1.5, 1.0\]"),
     (dict(d_max=float("inf")), "d_max must be a finite scalar"),
     (dict(eps=0.0), "eps must be > 0"),
     (dict(beta_aware=1), "beta_aware must be a bool"),
@@ -311,7 +311,7 @@ def test_cu_seqlens_needs_batch_one(rand):
     (dict(d=lambda a: a[..., :3]), r"d must have shape \[B, H, K\]"),
     (dict(retention=lambda a: a[:, :1]), r"retention must have shape \[B, H\]"),
     (dict(eta=-1.0), "eta must be >= 0"),
-    (dict(d_min=3.0), "d_max must be >= 3.0"),
+    (dict(d_min=3.0), r"^d_max must be >= d_min, got the empty box .* = \[3.0, 2.0\]"),
     (dict(eps=-1.0), "eps must be > 0"),
 ])
 def test_step_bad_arguments(rand, kw, match):

@@ -72,6 +72,6 @@ def flops_per_token(config: ModelConfig, num_params: int) -> float:
     (2 · C·(K + V))."""
     c = config.layer
     matmul = num_params - (0 if config.tie_embeddings else config.vocab_size * c.hidden_size)
-    recurrent = config.num_layers * c.num_heads * (4 * c.head_dim * c.head_v_dim
-                                                    + 2 * c.chunk_size * (c.head_dim + c.head_v_dim))
+    recurrent = config.num_layers * c.num_heads * (4 * c.head_k_dim * c.head_v_dim
+                                                    + 2 * c.chunk_size * (c.head_k_dim + c.head_v_dim))
     return 3.0 * (2 * matmul + recurrent)

@@ -70,7 +70,7 @@ def _softplus_decay(a, A_log, dt_bias):
 class PrecondDeltaAttention(nnx.Module):
     def __init__(self, config: LayerConfig, *, rngs: nnx.Rngs):
         c = self.config = config
-        D, H, K, Vh = c.hidden_size, c.num_heads, c.head_dim, c.head_v_dim
+        D, H, K, Vh = c.hidden_size, c.num_heads, c.head_k_dim, c.head_v_dim
 
         def lin(i, o, use_bias=False, **kw):
             return nnx.Linear(i, o, use_bias=use_bias, dtype=c.dtype, param_dtype=c.param_dtype,
@@ -92,19 +92,19 @@ class PrecondDeltaAttention(nnx.Module):
         if c.preconditioner == "atk":
             self.a_atk_proj, self.b_atk_proj = lin(D, H), lin(D, H)
             self.A_log_atk, self.dt_bias_atk = param(a_log_init(a_lower), (H,)), param(dt_bias_init, (H,))
-            self.log_atk_scale = nnx.Param(jnp.full((H,), c.atk.center_init, c.param_dtype))
+            self.log_atk_scale = nnx.Param(jnp.full((H,), c.atk_options.center_init, c.param_dtype))
         elif c.preconditioner.startswith("osgm"):
-            if c.osgm.learn_init_scale:
+            if c.osgm_options.learn_init_scale:
                 self.log_d_init = nnx.Param(jnp.zeros((H,), c.param_dtype))
             if c.preconditioner == "osgm_apf":
-                r0 = c.osgm.init_retention
+                r0 = c.osgm_options.init_retention
                 logit = nnx.initializers.constant(math.log(r0 / (1.0 - r0)))
                 self.retention_proj = lin(D, H, use_bias=True, bias_init=logit)
         if c.backbone == "kda":
             self.g_proj = nnx.Sequential(lin(D, Vh), lin(Vh, c.value_dim, use_bias=True))
-        elif c.use_gate:
+        elif c.gated:
             self.g_proj = lin(D, c.value_dim)
-        activation = ("sigmoid" if c.backbone == "kda" else "swish") if c.use_gate else None
+        activation = ("sigmoid" if c.backbone == "kda" else "swish") if c.gated else None
         self.o_norm = RMSNorm(Vh, eps=c.norm_eps, activation=activation, dtype=c.dtype,
                               param_dtype=c.param_dtype)
         self.o_proj = lin(c.value_dim, D)
@@ -119,7 +119,7 @@ class PrecondDeltaAttention(nnx.Module):
         names += {"gdn": ["a_proj"], "kda": ["f_proj"]}.get(c.backbone, [])
         names += {"atk": ["a_atk_proj", "b_atk_proj"], "osgm_apf": ["retention_proj"]}.get(
             c.preconditioner, [])
-        names += ["g_proj"] if c.use_gate else []
+        names += ["g_proj"] if c.gated else []
         first = lambda m: m.layers[0] if isinstance(m, nnx.Sequential) else m  # noqa: E731
         return {n: first(getattr(self, n)) for n in names}
 
@@ -142,7 +142,7 @@ class PrecondDeltaAttention(nnx.Module):
         """β, the memory's decay g, and the preconditioner's per-token inputs, all float32, from
         the input projections ``p``."""
         c = self.config
-        H, K = c.num_heads, c.head_dim
+        H, K = c.num_heads, c.head_k_dim
         beta = jax.nn.sigmoid(p["b_proj"].astype(jnp.float32)) * (2.0 if c.allow_neg_eigval else 1.0)
         g = None
         if c.backbone == "gdn":
@@ -162,13 +162,13 @@ class PrecondDeltaAttention(nnx.Module):
     def _heads(self, q, k, v):
         c = self.config
         split = lambda a, d: a.reshape(*a.shape[:-1], c.num_heads, d)
-        return (_l2norm(split(q, c.head_dim)), _l2norm(split(k, c.head_dim)),
+        return (_l2norm(split(q, c.head_k_dim)), _l2norm(split(k, c.head_k_dim)),
                 split(v, c.head_v_dim))
 
     def _output(self, o, p):
         c = self.config
         gate = None
-        if c.use_gate:
+        if c.gated:
             gate = self.g_proj.layers[1](p["g_proj"]) if c.backbone == "kda" else p["g_proj"]
             gate = gate.reshape(*gate.shape[:-1], c.num_heads, c.head_v_dim)
         o = self.o_norm(o.astype(c.dtype), gate)
@@ -177,8 +177,8 @@ class PrecondDeltaAttention(nnx.Module):
     def _d_init(self, n):
         """OSGM d_1 [n, H, K]: ones, or exp(log_d_init) per head when it is learned."""
         c = self.config
-        scale = jnp.exp(self.log_d_init[...]) if c.osgm.learn_init_scale else jnp.ones((c.num_heads,))
-        return jnp.broadcast_to(scale.astype(jnp.float32)[None, :, None], (n, c.num_heads, c.head_dim))
+        scale = jnp.exp(self.log_d_init[...]) if c.osgm_options.learn_init_scale else jnp.ones((c.num_heads,))
+        return jnp.broadcast_to(scale.astype(jnp.float32)[None, :, None], (n, c.num_heads, c.head_k_dim))
 
     def _write_key(self, k, beta, pre, state, sequence=None):
         """The write key and the preconditioner's new state: k̃ = k (none), d ⊙ k (OSGM, SPEC 3.1)
@@ -191,12 +191,12 @@ class PrecondDeltaAttention(nnx.Module):
         c = self.config
         if c.preconditioner == "atk":
             args = (k, pre["log_decay"], pre["gain"], self.log_atk_scale[...])
-            options = dict(x=c.atk.squash_x, eps=c.atk.squash_eps)
+            options = dict(x=c.atk_options.squash_x, eps=c.atk_options.squash_eps)
             if sequence is None:
                 return atk_step(*args, state, **options)
             return atk_precondition(*args, initial_state=state, **options, **sequence)
         if c.preconditioner.startswith("osgm"):
-            o = c.osgm
+            o = c.osgm_options
             options = dict(eta=o.eta, d_min=o.d_min, d_max=o.d_max, retention=pre.get("retention"),
                            beta_aware=o.beta_aware, eps=o.eps)
             if sequence is None:
@@ -240,7 +240,7 @@ class PrecondDeltaAttention(nnx.Module):
     def init_cache(self, batch: int) -> LayerCache:
         """The state before any token: S = 0, d = d_1 (OSGM) or A = 0 (ATK), zero conv tails."""
         c = self.config
-        H, K, W = c.num_heads, c.head_dim, c.conv_size - 1
+        H, K, W = c.num_heads, c.head_k_dim, c.conv_size - 1
         p_state = None
         if c.preconditioner == "atk":
             p_state = jnp.zeros((batch, H, K), jnp.float32)

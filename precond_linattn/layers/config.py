@@ -7,9 +7,12 @@ Every model of both papers is one backbone (decay) × one preconditioner (write 
 
 Options that belong to one preconditioner live in their own dataclass (``OSGMConfig``,
 ``ATKConfig``); leaving it None gives the paper defaults, and setting it for a variant it does not
-apply to is a ValueError, as is any other inconsistent choice; scalar options go through the ops'
-own check (``precond_linattn.validation.check_scale``), named by their path (e.g. "osgm.eta").
-The dataclasses are frozen and hashable, so a config can be a static argument of ``jax.jit``.
+apply to is a ValueError, as is any other inconsistent choice; their scalars go through the ops'
+own checks (``check_osgm_hyper``, ``check_atk_squash``), named by their path (e.g. "osgm.eta").
+A ``LayerConfig`` keeps every field as the user set it (None: derive it) and derives on read
+(``head_k_dim``, ``gated``, ``osgm_options``, ``atk_options``), so ``dataclasses.replace`` never
+leaves a stale derived value. The dataclasses are frozen and hashable, so a config can be a static
+argument of ``jax.jit``.
 """
 
 import dataclasses
@@ -17,7 +20,10 @@ import math
 
 import jax.numpy as jnp
 
-from precond_linattn.validation import check_chunk_size, check_impl, check_scale
+from precond_linattn.numerics import SUPPORTED_DTYPES
+from precond_linattn.ops.atk import check_atk_squash
+from precond_linattn.ops.osgm import check_osgm_hyper
+from precond_linattn.validation import check_chunk_size, check_impl
 
 BACKBONES = ("deltanet", "gdn", "kda")
 PRECONDITIONERS = ("none", "osgm", "osgm_apf", "atk")
@@ -32,6 +38,16 @@ VARIANT_NAMES = {
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+def _as_dtype(name: str, value) -> jnp.dtype:
+    """``value`` as a ``jnp.dtype``; ValueError naming ``name`` unless it is a supported one."""
+    try:
+        supported = value is not None and jnp.dtype(value) in SUPPORTED_DTYPES
+    except TypeError:
+        supported = False
+    _require(supported, f"{name} must be one of {', '.join(map(str, SUPPORTED_DTYPES))}, got {value!r}")
+    return jnp.dtype(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,14 +87,21 @@ class ATKConfig:
 
 @dataclasses.dataclass(frozen=True)
 class LayerConfig:
-    """One attention layer. Dimensions: H heads of key size K = head_dim and value size
-    V = head_dim · expand_v; head_dim None means hidden_size / num_heads (must divide).
+    """One attention layer. Dimensions: H heads of key size K = ``head_k_dim`` and value size
+    V = K · expand_v (``head_v_dim``).
 
+    Fields hold what the user set; the values derived from other fields stay unset (None) and are
+    read through properties, so ``dataclasses.replace`` re-derives them:
+
+    head_dim: K; None means hidden_size / num_heads (must divide). In use: ``head_k_dim``.
     use_gate: the output gate of the head-wise RMSNorm (o = RMSNorm(o) ⊙ act(g_proj(x))); None
       means the backbone's FLA default (DeltaNet False, GDN True with SiLU, KDA always, with a
-      low-rank projection and a sigmoid).
+      low-rank projection and a sigmoid). In use: ``gated``.
+    osgm / atk: the preconditioner's options; None means the defaults. In use: ``osgm_options`` /
+      ``atk_options`` (None for a preconditioner they do not apply to).
     allow_neg_eigval: β = 2σ(b_proj(x)) ∈ (0, 2) instead of σ(·) ∈ (0, 1).
-    dtype / param_dtype: compute and parameter dtypes (states are always float32).
+    dtype / param_dtype: compute and parameter dtypes (states are always float32), stored as
+      ``jnp.dtype`` (so equal configs hash equally; this reads no other field).
     impl / chunk_size: passed to the ops (``impl="auto"``: Pallas on GPU when available).
     """
 
@@ -101,7 +124,6 @@ class LayerConfig:
     chunk_size: int = 64
 
     def __post_init__(self):
-        set_ = lambda name, value: object.__setattr__(self, name, value)
         _require(self.backbone in BACKBONES,
                  f"backbone must be one of {BACKBONES}, got {self.backbone!r}")
         _require(self.preconditioner in PRECONDITIONERS,
@@ -113,65 +135,88 @@ class LayerConfig:
             _require(self.hidden_size % self.num_heads == 0,
                      f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads} "
                      "(set head_dim to decouple the head size from the width)")
-            set_("head_dim", self.hidden_size // self.num_heads)
-        _require(isinstance(self.head_dim, int) and self.head_dim >= 1,
+        _require(isinstance(self.head_k_dim, int) and self.head_k_dim >= 1,
                  f"head_dim must be a positive int, got {self.head_dim!r}")
-        v = self.head_dim * self.expand_v
+        v = self.head_k_dim * self.expand_v
         _require(v >= 1 and math.isclose(v, round(v)),
-                 f"head_dim * expand_v must be a positive integer, got {self.head_dim} * {self.expand_v}")
-        if self.use_gate is None:
-            set_("use_gate", self.backbone != "deltanet")
-        _require(self.use_gate or self.backbone != "kda",
+                 f"head_dim * expand_v must be a positive integer, got {self.head_k_dim} * {self.expand_v}")
+        _require(self.use_gate is None or isinstance(self.use_gate, bool),
+                 f"use_gate must be None or a bool, got {self.use_gate!r}")
+        _require(self.gated or self.backbone != "kda",
                  "use_gate=False does not apply to backbone 'kda': its output gate is part of the layer")
         _require(self.norm_eps > 0, f"norm_eps must be > 0, got {self.norm_eps}")
         check_impl(self.impl)
         check_chunk_size(self.chunk_size)
-        set_("dtype", jnp.dtype(self.dtype))
-        set_("param_dtype", jnp.dtype(self.param_dtype))
-        self._resolve_osgm()
-        self._resolve_atk()
+        for name in ("dtype", "param_dtype"):
+            object.__setattr__(self, name, _as_dtype(name, getattr(self, name)))
+        self._check_osgm()
+        self._check_atk()
 
-    def _resolve_osgm(self):
+    def _check_osgm(self):
         if not self.preconditioner.startswith("osgm"):
             _require(self.osgm is None, "osgm options apply only to preconditioner 'osgm' or "
                      f"'osgm_apf', got preconditioner={self.preconditioner!r}")
             return
-        o = self.osgm or OSGMConfig()
-        apf = self.preconditioner == "osgm_apf"
-        _require(apf or o.init_retention is None,
-                 "osgm.init_retention applies only to preconditioner 'osgm_apf' (the APF gate)")
-        if apf and o.init_retention is None:
-            o = dataclasses.replace(o, init_retention=0.999)
-        _require(not apf or 0.0 < o.init_retention < 1.0,
-                 f"osgm.init_retention must be in (0, 1), got {o.init_retention}")
-        check_scale("osgm.eta", o.eta, minimum=0.0)
-        check_scale("osgm.d_min", o.d_min, minimum=0.0, strict=True)
-        check_scale("osgm.d_max", o.d_max)
-        _require(o.d_min <= o.d_max, f"osgm box needs 0 < d_min <= d_max, got [{o.d_min}, {o.d_max}]")
-        check_scale("osgm.eps", o.eps, minimum=0.0, strict=True)
-        object.__setattr__(self, "osgm", o)
+        _require(self.osgm is None or isinstance(self.osgm, OSGMConfig),
+                 f"osgm must be an OSGMConfig or None, got {type(self.osgm).__name__}")
+        o = self.osgm_options
+        if self.preconditioner == "osgm":
+            _require(o.init_retention is None,
+                     "osgm.init_retention applies only to preconditioner 'osgm_apf' (the APF gate)")
+        else:
+            _require(0.0 < o.init_retention < 1.0,
+                     f"osgm.init_retention must be in (0, 1), got {o.init_retention}")
+        check_osgm_hyper(o.eta, o.d_min, o.d_max, o.beta_aware, o.eps, prefix="osgm.")
 
-    def _resolve_atk(self):
+    def _check_atk(self):
         if self.preconditioner != "atk":
             _require(self.atk is None, "atk options apply only to preconditioner 'atk', "
                      f"got preconditioner={self.preconditioner!r}")
             return
-        a = self.atk or ATKConfig()
-        check_scale("atk.squash_x", a.squash_x, minimum=1.0)
-        check_scale("atk.squash_eps", a.squash_eps, minimum=0.0, strict=True)
-        object.__setattr__(self, "atk", a)
+        _require(self.atk is None or isinstance(self.atk, ATKConfig),
+                 f"atk must be an ATKConfig or None, got {type(self.atk).__name__}")
+        check_atk_squash(self.atk_options.squash_x, self.atk_options.squash_eps, prefix="atk.squash_")
+
+    @property
+    def head_k_dim(self) -> int:
+        """K: ``head_dim``, or when None hidden_size // num_heads."""
+        return self.hidden_size // self.num_heads if self.head_dim is None else self.head_dim
 
     @property
     def head_v_dim(self) -> int:
-        return round(self.head_dim * self.expand_v)
+        """V = K · expand_v."""
+        return round(self.head_k_dim * self.expand_v)
 
     @property
     def key_dim(self) -> int:
-        return self.num_heads * self.head_dim
+        return self.num_heads * self.head_k_dim
 
     @property
     def value_dim(self) -> int:
         return self.num_heads * self.head_v_dim
+
+    @property
+    def gated(self) -> bool:
+        """Whether the output gate is on: ``use_gate``, or when None backbone != "deltanet"."""
+        return self.backbone != "deltanet" if self.use_gate is None else self.use_gate
+
+    @property
+    def osgm_options(self) -> OSGMConfig | None:
+        """The OSGM options in use: ``osgm`` or the defaults, with init_retention 0.999 for
+        "osgm_apf" when unset; None unless the preconditioner is "osgm" / "osgm_apf"."""
+        if not self.preconditioner.startswith("osgm"):
+            return None
+        o = OSGMConfig() if self.osgm is None else self.osgm
+        if self.preconditioner == "osgm_apf" and o.init_retention is None:
+            return dataclasses.replace(o, init_retention=0.999)
+        return o
+
+    @property
+    def atk_options(self) -> ATKConfig | None:
+        """The ATK options in use: ``atk`` or the defaults; None unless the preconditioner is "atk"."""
+        if self.preconditioner != "atk":
+            return None
+        return ATKConfig() if self.atk is None else self.atk
 
     @property
     def variant(self) -> str:

@@ -10,10 +10,12 @@ from precond_linattn.validation import (
     check_array, check_chunk_size, check_cu_seqlens, check_decay, check_scale, check_tensor)
 
 
-def _check_squash(center, H, x, eps):
-    check_tensor("center", center, (H,), "[H]")
-    check_scale("x", x, minimum=1.0)
-    check_scale("eps", eps, minimum=0.0, strict=True)
+def check_atk_squash(x, eps, *, prefix: str = "") -> None:
+    """The squash hyper-parameters are valid: width x >= 1 and eps > 0, both finite. Traced values
+    are trusted; messages name each as ``prefix + name`` (the layer config passes "atk.squash_",
+    its field names)."""
+    check_scale(f"{prefix}x", x, minimum=1.0)
+    check_scale(f"{prefix}eps", eps, minimum=0.0, strict=True)
 
 
 def atk_precondition(k, log_decay, gain, center, *, x=1.5, eps=1e-6, initial_state=None,
@@ -46,7 +48,8 @@ def atk_precondition(k, log_decay, gain, center, *, x=1.5, eps=1e-6, initial_sta
     B, T, H, K = k.shape
     check_decay(log_decay, B, T, H, K)
     check_tensor("gain", gain, (B, T, H), "[B, T, H]")
-    _check_squash(center, H, x, eps)
+    check_tensor("center", center, (H,), "[H]")
+    check_atk_squash(x, eps)
     N = check_cu_seqlens(cu_seqlens, B, T)
     if initial_state is not None:
         check_tensor("initial_state", initial_state, (N, H, K), "[N, H, K]")
@@ -84,7 +87,8 @@ def atk_step(k, log_decay, gain, center, A, *, x=1.5, eps=1e-6):
                          f"got {getattr(log_decay, 'shape', log_decay)}")
     check_tensor("gain", gain, (B, H), "[B, H]")
     check_tensor("A", A, (B, H, K), "[B, H, K]")
-    _check_squash(center, H, x, eps)
+    check_tensor("center", center, (H,), "[H]")
+    check_atk_squash(x, eps)
     g = jnp.zeros((B, H), jnp.float32) if log_decay is None else f32(log_decay)
     A, k_write = atk_step_fn(f32(A), f32(k), g, f32(gain), f32(center), x, eps)
     return k_write.astype(k.dtype), A

@@ -10,16 +10,20 @@ from precond_linattn.validation import (
     check_array, check_chunk_size, check_cu_seqlens, check_scale, check_tensor)
 
 
-def _check_hyper(eta, d_min, d_max, beta_aware, eps):
-    check_scale("eta", eta, minimum=0.0)
-    check_scale("d_min", d_min, minimum=0.0, strict=True)
-    if isinstance(d_min, jax.core.Tracer):
-        check_scale("d_max", d_max)
-    else:
-        check_scale("d_max", d_max, minimum=float(d_min))  # the box [d_min, d_max] is not empty
-    check_scale("eps", eps, minimum=0.0, strict=True)
+def check_osgm_hyper(eta, d_min, d_max, beta_aware, eps, *, prefix: str = "") -> None:
+    """The OSGM hyper-parameters are valid: eta >= 0, the box 0 < d_min <= d_max (finite), eps > 0,
+    beta_aware a bool. Traced values are trusted; messages name each as ``prefix + name`` (e.g.
+    "osgm.eta" for the layer config's options)."""
+    check_scale(f"{prefix}eta", eta, minimum=0.0)
+    check_scale(f"{prefix}d_min", d_min, minimum=0.0, strict=True)
+    check_scale(f"{prefix}d_max", d_max)
+    if not isinstance(d_min, jax.core.Tracer) and not isinstance(d_max, jax.core.Tracer) \
+            and float(d_max) < float(d_min):
+        raise ValueError(f"{prefix}d_max must be >= {prefix}d_min, got the empty box "
+                         f"[d_min, d_max] = [{float(d_min)}, {float(d_max)}]")
+    check_scale(f"{prefix}eps", eps, minimum=0.0, strict=True)
     if not isinstance(beta_aware, bool):
-        raise ValueError(f"beta_aware must be a bool, got {beta_aware!r}")
+        raise ValueError(f"{prefix}beta_aware must be a bool, got {beta_aware!r}")
 
 
 def osgm_precondition(k, beta, *, eta=0.003, d_min=0.5, d_max=2.0, retention=None, beta_aware=True,
@@ -57,7 +61,7 @@ def osgm_precondition(k, beta, *, eta=0.003, d_min=0.5, d_max=2.0, retention=Non
     check_tensor("beta", beta, (B, T, H), "[B, T, H]")
     if retention is not None:
         check_tensor("retention", retention, (B, T, H), "[B, T, H]")
-    _check_hyper(eta, d_min, d_max, beta_aware, eps)
+    check_osgm_hyper(eta, d_min, d_max, beta_aware, eps)
     N = check_cu_seqlens(cu_seqlens, B, T)
     if initial_state is not None:
         check_tensor("initial_state", initial_state, (N, H, K), "[N, H, K]")
@@ -90,7 +94,7 @@ def osgm_step(k, beta, d, *, eta, d_min, d_max, retention=None, beta_aware=True,
     check_tensor("d", d, (B, H, K), "[B, H, K]")
     if retention is not None:
         check_tensor("retention", retention, (B, H), "[B, H]")
-    _check_hyper(eta, d_min, d_max, beta_aware, eps)
+    check_osgm_hyper(eta, d_min, d_max, beta_aware, eps)
     k_write, d = osgm_step_fn(f32(d), f32(k), f32(beta), f32(retention), eta, d_min, d_max,
                               beta_aware, eps)
     return k_write.astype(k.dtype), d
