@@ -109,12 +109,14 @@ def test_evaluator_draws_once_and_sums_on_device(monkeypatch):
 
 
 def test_main_job_prints_the_accuracy_table(tmp_path):
-    """The README's command, shortened to a few steps."""
+    """The README's command, shortened to a few steps: the table, then the PNG of the curves."""
     result = run_python("-m", "train", "--config", "configs/mqar_smoke.py", "run.steps=3",
                         "optim.warmup_steps=1", "logging.eval_every=3", "logging.eval_batches=1",
-                        "logging.progress=false", f"logging.dir={tmp_path}", devices=None,
-                        timeout=300)
-    table = result.stdout.strip().splitlines()[-4:]
+                        "logging.progress=false", f"logging.dir={tmp_path}", "--plot",
+                        str(tmp_path / "curves.png"), devices=None, timeout=300)
+    assert result.stdout.strip().splitlines()[-1] == f"loss curves: {tmp_path / 'curves.png'}"
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = result.stdout.strip().splitlines()[-5:-1]
     assert table[0].split() == ["run", "model", "params", "steps", "train", "loss", "eval", "accuracy"]
     names = [row.split()[:2] for row in table[2:]]
     assert names == [["mqar_smoke/DeltaNet", "DeltaNet"], ["mqar_smoke/OSDN", "OSDN"]]

@@ -1,9 +1,10 @@
-"""``python -m train --config configs/NAME.py [--only GLOB ...] [--distributed] [key=value ...]``
+"""``python -m train --config configs/NAME.py [--only GLOB ...] [--plot PNG] [--distributed]
+[key=value ...]``
 
 Runs the config's experiment, or each of its ``VARIANTS`` in sequence (``--only`` selects them by
 glob, e.g. ``--only 'len/*'``), with the ``key=value`` overrides of ``train.config`` on top
 (an unknown key is an error listing the valid ones), and ends with a table of each run's final
-loss and held-out accuracy.
+loss and held-out accuracy (and, with ``--plot``, a PNG of every run's loss curve).
 
 Multi-host: start the same command on every host with ``--distributed``; it calls
 ``jax.distributed.initialize()`` first, which finds the coordinator, process count and index on
@@ -22,6 +23,7 @@ import jax
 from train.config import load_runs
 from train.loop import train
 from train.metrics import NonFiniteLossError
+from train.plots import plot_runs
 
 
 def parse_args(argv):
@@ -29,6 +31,7 @@ def parse_args(argv):
     parser.add_argument("--config", required=True, help="a configs/NAME.py file")
     parser.add_argument("--only", action="append", default=[], metavar="GLOB",
                         help="run only the variants matching GLOB (repeatable)")
+    parser.add_argument("--plot", metavar="PNG", help="write every run's loss curve to this PNG")
     parser.add_argument("--distributed", action="store_true", help="call jax.distributed.initialize()")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     return parser.parse_args(argv)
@@ -76,6 +79,8 @@ def main(argv=None) -> int:
     finally:
         if results and jax.process_index() == 0:
             print("\n" + summary_table(results))
+            if args.plot:
+                print(f"loss curves: {plot_runs(results, args.plot)}")
     return 0
 
 
