@@ -58,8 +58,8 @@ class Options:
     """Kernel tuning (static). ``split``: run the chunk recurrence as the split kernels (serial
     state passes with 2 matmuls per chunk, everything else chunk-parallel) rather than the fused
     ones (all per-chunk work inside the serial loop). ``save_wy``: the backward reuses the
-    forward's WY tensors (W, U, K̃', Q', P, Γ_C: ~5 float32 [B, H, T, 128] arrays more residual
-    memory) instead of recomputing them. ``precision``: that of float32 dots on
+    forward's WY tensors (W, U, K̃', Q', P, Γ_C, T: ~5 float32 [B, H, T, 128] arrays more
+    residual memory) instead of recomputing them. ``precision``: that of float32 dots on
     tensor cores ("tf32", "tf32x3", "ieee"); None picks "tf32" when q, k, k̃ and v are all
     16-bit and "tf32x3" (about fp32) otherwise: see benchmarks/NOTES.md for the errors measured with each.
     ``vector_wy``: with a per-channel decay, the split pipeline's WY tensors and their pullback
@@ -71,7 +71,8 @@ class Options:
     (as FLA's kernels do; errors within FLA's bars, benchmarks/NOTES.md v6), else ``precision``.
     "bf16" halves those kernels' operand registers and doubles the tensor-core rate; the serial
     passes and the WY forward, whose rounding would compound along the sequence, keep
-    ``precision``."""
+    ``precision``. ``serial_block_v``, ``state_dtype``, ``output_in_serial`` and
+    ``dout_in_serial`` (session 3) are exact but not yet measured on a GPU: defaults off."""
 
     precision: str | None = None
     parallel_precision: str | None = None
@@ -84,7 +85,7 @@ class Options:
     num_warps: int = 4
     num_stages: int = 2  # software pipelining of the serial loops' loads (RESULTS run 13)
     split: bool = True  # the split kernels (state_*_triton) instead of the fused delta_fwd/bwd
-    save_wy: bool = True  # split, no / scalar decay: keep the WY tensors for the backward
+    save_wy: bool = True  # split: keep the WY tensors for the backward (not with vector_wy="xla")
     vector_wy: str = "xla"  # "xla" | "kernel": the per-channel-decay WY step
 
     def __post_init__(self):
