@@ -62,7 +62,7 @@ def test_bf16_parallel_dots_within_fla_bars(rand, decay):
     assert max(rel_rms(fast[2][n], exact[2][n]) for n in ref[2]) > 1e-4
 
 
-@pytest.mark.parametrize("decay", [None, "vector"])
+@pytest.mark.parametrize("decay", ["vector"])  # the per-channel decay also takes the XLA WY pullback
 def test_bf16_state_storage_within_fla_bars(rand, decay):
     """``state_dtype="bfloat16"`` (per-chunk states, R, dR and dO products stored in bf16, bf16
     parallel dots): outputs, final state and every gradient within FLA's bars of the float32
