@@ -29,66 +29,57 @@ def outputs_and_grads(f, x, key):
     return o, final, pullback(cts)[0]
 
 
+def kernel_runs(rand, decay, seed, *options):
+    """(o, final, gradients) for random cotangents of the kernel under each of ``options`` and
+    of the float32 chunked reference (last), on bf16 inputs with an initial state."""
+    x = rand.delta_inputs(B, T, H, K, V, decay=decay, dtype=jnp.bfloat16)
+    x = {n: a for n, a in x.items() if a is not None}
+    x["s0"] = rand.normal(B, H, K, V)
+
+    def kernel(options, x):
+        return delta_rule_pallas(x["q"], x["k"], x["write_key"], x["v"], x["beta"],
+                                 x.get("log_decay"), K ** -0.5, x["s0"], None, 64, options)
+
+    def reference(x):
+        return pla.delta_rule(x["q"], x["k"], x["v"], x["beta"], write_key=x["write_key"],
+                              log_decay=x.get("log_decay"), initial_state=x["s0"],
+                              output_final_state=True, impl="chunked")
+
+    key = jax.random.key(seed)
+    fs = [functools.partial(kernel, o) for o in options] + [reference]
+    return [jax.jit(functools.partial(outputs_and_grads, f))(x, key) for f in fs]
+
+
+def assert_within_fla_bars(got, ref):
+    """Outputs and final state within 6e-3, every gradient within 8e-3 (relative RMS)."""
+    assert rel_rms(got[0], ref[0]) <= 6e-3 and rel_rms(got[1], ref[1]) <= 6e-3
+    for name in ref[2]:
+        assert rel_rms(got[2][name], ref[2][name]) <= 8e-3, name
+
+
 @pytest.mark.parametrize("decay", [None, "scalar"])
 def test_bf16_parallel_dots_within_fla_bars(rand, decay):
     """bf16 inputs: the default is bf16 parallel dots (equal to asking for them); outputs, final
     state and every gradient within FLA's bf16 bars (relative RMS 6e-3 / 8e-3) of the float32
     chunked reference, and different from float32 parallel dots (the option reaches the kernels:
     the gradients move by more than 1e-4)."""
-    x = rand.delta_inputs(B, T, H, K, V, decay=decay, dtype=jnp.bfloat16)
-    x = {n: a for n, a in x.items() if a is not None}
-    x["s0"] = rand.normal(B, H, K, V)
-
-    def kernel(options, x):
-        return delta_rule_pallas(x["q"], x["k"], x["write_key"], x["v"], x["beta"],
-                                 x.get("log_decay"), K ** -0.5, x["s0"], None, 64, options)
-
-    def reference(x):
-        return pla.delta_rule(x["q"], x["k"], x["v"], x["beta"], write_key=x["write_key"],
-                              log_decay=x.get("log_decay"), initial_state=x["s0"],
-                              output_final_state=True, impl="chunked")
-
-    key = jax.random.key(3)
-    run = lambda f: jax.jit(functools.partial(outputs_and_grads, f))(x, key)  # noqa: E731
-    fast = run(functools.partial(kernel, Options(parallel_precision="bf16")))
-    default = run(functools.partial(kernel, Options()))
-    exact = run(functools.partial(kernel, Options(parallel_precision="tf32")))
-    ref = run(reference)
+    fast, default, exact, ref = kernel_runs(rand, decay, 3, Options(parallel_precision="bf16"),
+                                            Options(), Options(parallel_precision="tf32"))
     for a, b in zip(jax.tree.leaves(fast), jax.tree.leaves(default)):
         assert bool(jnp.all(a == b))
-    assert rel_rms(fast[0], ref[0]) <= 6e-3 and rel_rms(fast[1], ref[1]) <= 6e-3
-    for name in ref[2]:
-        assert rel_rms(fast[2][name], ref[2][name]) <= 8e-3, name
+    assert_within_fla_bars(fast, ref)
     assert max(rel_rms(fast[2][n], exact[2][n]) for n in ref[2]) > 1e-4
 
 
-@pytest.mark.parametrize("decay", ["vector"])  # the per-channel decay also takes the XLA WY pullback
-def test_bf16_state_storage_within_fla_bars(rand, decay):
+def test_bf16_state_storage_within_fla_bars(rand):
     """``state_dtype="bfloat16"`` (per-chunk states, R, dR and dO products stored in bf16, bf16
-    parallel dots): outputs, final state and every gradient within FLA's bars of the float32
-    chunked reference and close to float32 storage (the parallel kernels round those tensors at
-    their dots already; the serial backward adds its dO products in bf16)."""
-    x = rand.delta_inputs(B, T, H, K, V, decay=decay, dtype=jnp.bfloat16)
-    x = {n: a for n, a in x.items() if a is not None}
-    x["s0"] = rand.normal(B, H, K, V)
-
-    def kernel(options, x):
-        return delta_rule_pallas(x["q"], x["k"], x["write_key"], x["v"], x["beta"],
-                                 x.get("log_decay"), K ** -0.5, x["s0"], None, 64, options)
-
-    def reference(x):
-        return pla.delta_rule(x["q"], x["k"], x["v"], x["beta"], write_key=x["write_key"],
-                              log_decay=x.get("log_decay"), initial_state=x["s0"],
-                              output_final_state=True, impl="chunked")
-
-    key = jax.random.key(5)
-    run = lambda f: jax.jit(functools.partial(outputs_and_grads, f))(x, key)  # noqa: E731
-    small = run(functools.partial(kernel, Options(state_dtype="bfloat16")))
-    full = run(functools.partial(kernel, Options()))
-    ref = run(reference)
-    assert rel_rms(small[0], ref[0]) <= 6e-3 and rel_rms(small[1], ref[1]) <= 6e-3
+    parallel dots), per-channel decay (which also takes the XLA WY pullback): outputs, final
+    state and every gradient within FLA's bars of the float32 chunked reference and close to
+    float32 storage (the parallel kernels round those tensors at their dots already; the serial
+    backward adds its dO products in bf16)."""
+    small, full, ref = kernel_runs(rand, "vector", 5, Options(state_dtype="bfloat16"), Options())
+    assert_within_fla_bars(small, ref)
     for name in ref[2]:
-        assert rel_rms(small[2][name], ref[2][name]) <= 8e-3, name
         assert rel_rms(small[2][name], full[2][name]) <= 4e-3, name
 
 
