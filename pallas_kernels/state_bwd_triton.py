@@ -188,7 +188,7 @@ def split_backward(W, U, kw, q, P, gc, states, R, do, dfinal, doc, first, last, 
     Returns dW, dK̃', dQ' [1, B, H, Tp, K], dU [B, H, Tp, V], dP [1, B, H, Tp, C], dΓ_C
     [1, B, H, NC, K] (already summed over V: the leading axis of ``delta_bwd``'s per-tile partial
     sums has size 1) and dS_0 [N, H, K, V]."""
-    check_inputs(W, U, P, chunk=chunk, block_v=block_v)
+    check_inputs(W, U, P, chunk=chunk, block_v=block_v, serial_block_v=serial_block_v)
     opts = dict(chunk=chunk, block_v=block_v, dots=dots, num_warps=num_warps,
                 num_stages=num_stages)
     parallel = opts | dict(dots=pdots or dots)
@@ -197,7 +197,6 @@ def split_backward(W, U, kw, q, P, gc, states, R, do, dfinal, doc, first, last, 
         products = (P, q, do, scale, pdots or dots)
     else:
         A, G = dout_products(P, q, do, scale=scale, state_dtype=state_dtype, **parallel)
-    check_inputs(W, U, P, chunk=chunk, block_v=serial_block_v or block_v)
     dU, dstates, dinit = state_pass(W, kw, gc, A, G, dfinal, doc, first, last,
                                     state_dtype=state_dtype, products=products,
                                     **(opts | dict(block_v=serial_block_v or block_v)))

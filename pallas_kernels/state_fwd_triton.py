@@ -25,12 +25,16 @@ from jax.experimental.pallas import triton as pltr
 from pallas_kernels.triton_common import Dots, out_struct
 
 
-def check_inputs(W, U, P, *, chunk, block_v):
+def check_inputs(W, U, P, *, chunk, block_v, serial_block_v=None):
     """The V tile width min(block_v, V); ValueError naming the argument unless the chunk, the head
-    dims and the tile are powers of two >= 16, P is [.., Tp, chunk] and chunk divides Tp."""
-    BV = min(block_v, U.shape[-1])
-    for name, n in (("chunk", chunk), ("W (head dim K)", W.shape[-1]),
-                    ("U (head dim V)", U.shape[-1]), ("block_v", BV)):
+    dims and the tiles (``serial_block_v``: the serial passes' own, if given) are powers of two
+    >= 16, P is [.., Tp, chunk] and chunk divides Tp."""
+    V = U.shape[-1]
+    BV = min(block_v, V)
+    tiles = [("block_v", BV)] + ([("serial_block_v", min(serial_block_v, V))]
+                                 if serial_block_v else [])
+    for name, n in (("chunk", chunk), ("W (head dim K)", W.shape[-1]), ("U (head dim V)", V),
+                    *tiles):
         if n < 16 or n & (n - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {n}")
     if P.shape[-1] != chunk or W.shape[-2] % chunk:
@@ -181,10 +185,9 @@ def split_forward(W, U, kw, q, P, gc, initial_state, doc, first, last, *, chunk,
     their traffic; the kernels that read them round them to bf16 at their dots anyway when
     ``pdots`` is "bf16"); ``output_in_serial``: form o inside the state pass (no output kernel;
     without ``store_states`` the states and R are then never written)."""
-    check_inputs(W, U, P, chunk=chunk, block_v=block_v)
+    check_inputs(W, U, P, chunk=chunk, block_v=block_v, serial_block_v=serial_block_v)
     opts = dict(chunk=chunk, block_v=block_v, dots=dots, num_warps=num_warps,
                 num_stages=num_stages)
-    check_inputs(W, U, P, chunk=chunk, block_v=serial_block_v or block_v)
     serial = dict(num_docs=num_docs, state_dtype=state_dtype,
                   **(opts | dict(block_v=serial_block_v or block_v)))
     if output_in_serial:

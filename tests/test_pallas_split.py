@@ -155,5 +155,8 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="block_v"):
         split_backward(U, U, U, U, P, gc, states, U, U, states[0], flags, flags, flags,
                        **{**KERNEL, "block_v": 24})
+    with pytest.raises(ValueError, match="serial_block_v"):
+        split_backward(U, U, U, U, P, gc, states, U, U, states[0], flags, flags, flags,
+                       serial_block_v=24, **KERNEL)
     with pytest.raises(ValueError, match="P must be"):
         split_backward(U, U, U, U, U, gc, states, U, U, states[0], flags, flags, flags, **KERNEL)
