@@ -91,28 +91,25 @@ def _tile(refs, cols):
 
 
 def _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, with_p=True):
-    """A and, if ``with_p``, P [C, C] (module docstring; zero above the diagonal), summed over
-    the key tiles."""
+    """(A, P) [C, C] (module docstring; zero above the diagonal), summed over the key tiles;
+    without ``with_p`` only (A,)."""
     C = k_ref.shape[0]
-    zero = jnp.zeros((C, C), f32)
-    A, P = zero, zero if with_p else None
+    grams = (jnp.zeros((C, C), f32),) * (2 if with_p else 1)
     for cols in key_tiles:
         q, k, kw, g = _tile((q_ref, k_ref, kw_ref, g_ref), cols)
+        rows = (k, q)[:len(grams)]  # the left factors of A (and P)
         for ex, ey, M in _off_blocks(g, g_ref, cols):
             Y = kw * ey
-            A = A + jnp.where(M, dots.nt(k * ex, Y), 0.0)
-            if with_p:
-                P = P + jnp.where(M, dots.nt(q * ex, Y), 0.0)
+            grams = tuple(X + jnp.where(M, dots.nt(Z * ex, Y), 0.0) for X, Z in zip(grams, rows))
 
-        def step(t, AP, q=q, k=k, g=g, cols=cols):
+        def step(t, grams, rows=rows, g=g, cols=cols):
             kc, _, e, sel = _diag_step(t, g, g_ref, kw_ref, cols)
             F = kc * e
             return tuple(X + jnp.where(sel, jnp.sum(Z * F, axis=1)[:, None], 0.0)
-                         for X, Z in zip(AP, (k, q)))
+                         for X, Z in zip(grams, rows))
 
-        A, P = lax.fori_loop(0, SUB, step, (A, P)) if with_p else (
-            lax.fori_loop(0, SUB, lambda t, a: step(t, (a,))[0], A), None)
-    return A, P
+        grams = lax.fori_loop(0, SUB, step, grams)
+    return grams
 
 
 def _grams_vjp(GK, GQ, q, k, kw, g, refs, cols, dots):
@@ -178,7 +175,7 @@ def _bwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, T_ref, dW_ref, dU_
     cotangents, Tᵀ dW recomputed per tile)."""
     C, K = k_ref.shape
     key_tiles = tiles(K, block_k)
-    A, _ = _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, with_p=False)
+    (A,) = _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, with_p=False)
     T = T_ref[...]
     i, j = iota2(C)
     beta = beta_ref[...].astype(f32)
