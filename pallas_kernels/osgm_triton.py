@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.triton_common import column, out_struct, prefetched_loop
+from precond_linattn.reference.osgm import clip_box
 
 AUX = 8  # columns of the per-token row: beta, retention, doc, first, last, (unused)
 BETA, RET, DOC, FIRST, LAST = range(5)
@@ -88,11 +89,6 @@ def _token_loop(T, reverse, unroll, prefetch, loads, group, carry):
     return carry if reverse else last_group(carry)
 
 
-def _clip(p, d_min, d_max):
-    """clip(p, d_min, d_max), the bounds taken on ties."""
-    return jnp.where(p >= d_max, d_max, jnp.where(p <= d_min, d_min, p))
-
-
 def _fwd_kernel(k_ref, aux_ref, init_ref, out_ref, final_ref, *, hyper, beta_aware, packed,
                 emit_d, prefetch, unroll, scalar_aux):
     """k̃_t = d_t ⊙ k_t (or d_t itself if ``emit_d``), d_{t+1} = clip(r d_t + u s, d_min, d_max)
@@ -111,7 +107,7 @@ def _fwd_kernel(k_ref, aux_ref, init_ref, out_ref, final_ref, *, hyper, beta_awa
                 doc = sc[DOC].astype(jnp.int32)
                 d = lax.cond(sc[FIRST] != 0, lambda: init_ref[doc], lambda: d)
             out_ref[t0 + u] = d if emit_d else (d * k).astype(out_ref.dtype)
-            d = _clip(r * d + w * (1.0 - g * jnp.sum(d * s)) * s, d_min, d_max)
+            d = clip_box(r * d + w * (1.0 - g * jnp.sum(d * s)) * s, d_min, d_max)
             if packed:
                 @pl.when(sc[LAST] != 0)
                 def _():
