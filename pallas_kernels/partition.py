@@ -17,7 +17,8 @@ directly, on the local shards: there is no mesh left to partition over. On a mes
 ``Explicit`` axes (shardings in the operands' types; Pallas refuses integer indexing of sharded
 refs) the call runs under a ``shard_map`` over the axes kept on ``b`` and ``h``.
 It has no batching rule, so the wrapper is also a ``custom_vmap`` whose rule vmaps the plain call
-(Pallas batches it over a new grid axis); under ``vmap`` the call is therefore not partitioned.
+(Pallas batches it over a new grid axis) and partitions that in turn, the mapped axis one more
+factor that may stay sharded (the train step vmaps its packed rows: they stay on their devices).
 It has no differentiation rule either: the kernels sit inside ``custom_vjp``'s forward and
 backward, which are never differentiated.
 
@@ -98,10 +99,17 @@ def sharded_call(fn, args, in_axes, out_axes, *, shard_batch=True):
         it = iter(xs)
         return call_with_nones(*(next(it) if p else None for p in given))
 
+    return _partitioned(fn, args, in_axes, out_axes, {"h"} | ({"b"} if shard_batch else set()))
+
+
+def _partitioned(fn, args, in_axes, out_axes, free):
+    """``fn(*args)`` partitioned as ``sharded_call`` says, the factors in ``free`` kept sharded.
+    Under ``vmap`` the mapped axis becomes one more free factor (the rows of a vmapped batch,
+    e.g. the train step's packed rows, stay on their devices) and the vmapped ``fn`` is
+    partitioned the same way."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.manual_axes:
         return fn(*args)
-    free = {"h"} | ({"b"} if shard_batch else set())
     if mesh.explicit_axes:
         return _explicit_call(mesh, fn, args, in_axes, out_axes, free)
     names = dict.fromkeys(n for a in (*in_axes, *out_axes) for n in a.split())  # Shardy's order
@@ -124,8 +132,10 @@ def sharded_call(fn, args, in_axes, out_axes, *, shard_batch=True):
     @call.def_vmap
     def _vmapped(axis_size, in_batched, *xs):
         del axis_size
-        outs = jax.vmap(fn, in_axes=tuple(0 if b else None for b in in_batched))(*xs)
+        mapped = f"v{sum(n.startswith('v') for n in free)}"  # a fresh factor per vmap level
+        vfn = jax.vmap(fn, in_axes=tuple(0 if b else None for b in in_batched))
+        outs = _partitioned(vfn, xs, [f"{mapped} {a}" if b else a for a, b in zip(in_axes, in_batched)],
+                            [f"{mapped} {a}" for a in out_axes], free | {mapped})
         return outs, jax.tree.map(lambda _: True, outs)
 
     return call(*args)
-

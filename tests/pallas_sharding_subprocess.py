@@ -2,11 +2,13 @@
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/pallas_sharding_subprocess.py CASE
 
-CASE: dense_scalar, dense_vector, packed, osdn_dense, atk_head, atk_channel, smap_delta, smap_osgm,
-smap_atk, explicit_delta, explicit_osgm, explicit_atk.
+CASE: dense_scalar, dense_vector, packed, osdn_dense, vmap_packed, atk_head, atk_channel,
+smap_delta, smap_osgm, smap_atk, explicit_delta, explicit_osgm, explicit_atk.
 
 Mesh (data=4, tensor=2); batch over data, heads over tensor (packed documents: one batch row,
-heads over tensor; osdn_dense: OSDN-APF, the Pallas OSGM phase 1 then the Pallas core). Checks
+heads over tensor; osdn_dense: OSDN-APF, the Pallas OSGM phase 1 then the Pallas core;
+vmap_packed: OSDN-APF on rows of packed documents vmapped over the batch, as train.step runs
+them, rows over data). Checks
 that outputs, final states and all gradients equal the one-device run
 and that the compiled program has no all-gather (the kernels run on each device's shard).
 The smap_* cases call the operations inside ``jax.shard_map`` (check_vma=True) instead.
@@ -69,6 +71,35 @@ def main(case):
     # dβ, dg, dr, dk, dd0 sum over K or V: XLA fuses those sums per program shape
     check_sharded(mesh, fixed_loss_step(delta_fn(cu, osdn)), x, spec, ("v", "initial_state"),
                   ("beta", "log_decay", "retention", "k", "d0"))
+
+
+def vmap_main():
+    """OSDN-APF (Pallas OSGM phase 1, then the Pallas core) on B rows of three packed documents
+    each, ``jax.vmap`` over the rows as ``train.step`` runs packed rows, rows over data and heads
+    over tensor: ``check_sharded`` (the vmapped kernel calls stay partitioned)."""
+    mesh = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2)
+    cu = jnp.asarray([0, 5, 22, 37], jnp.int32)
+    x = make_inputs(1, "none", b=B, n_init=3 * B)
+    del x["write_key"]
+    rng = np.random.default_rng(3)
+    H, K = x["k"].shape[2:]
+    x["initial_state"] = x["initial_state"].reshape(B, 3, *x["initial_state"].shape[1:])
+    x["retention"] = jnp.asarray(rng.uniform(0.9, 1.0, x["beta"].shape), jnp.float32)
+    x["d0"] = jnp.asarray(rng.uniform(0.5, 2.0, (B, 3, H, K)), jnp.float32)
+    one_row = delta_fn(cu, osdn=True)
+
+    def row(r):
+        r = {n: a if n in ("initial_state", "d0") else a[None] for n, a in r.items()}
+        o, final, d_term = one_row(r)
+        return o[0], final, d_term
+
+    def fn(x):
+        o, final, d_term = jax.vmap(row)(x)
+        return o, final, jnp.sum(d_term)
+
+    spec = {name: P("data", None, "tensor", *(None,) * (a.ndim - 3)) for name, a in x.items()}
+    check_sharded(mesh, fixed_loss_step(fn), x, spec, ("v", "initial_state"),
+                  ("beta", "retention", "k", "d0"))
 
 
 def assert_matches(got, want, summed):
@@ -208,6 +239,8 @@ if __name__ == "__main__":
         smap_main(sys.argv[1][5:])
     elif sys.argv[1].startswith("explicit_"):
         explicit_main(sys.argv[1][9:])
+    elif sys.argv[1] == "vmap_packed":
+        vmap_main()
     elif sys.argv[1].startswith("atk_"):
         atk_main(sys.argv[1][4:])
     else:
