@@ -3,8 +3,8 @@
     PYTHONPATH=. python3 benchmarks/bench_delta.py [--shape B T H D] [--budget-s 420]
         [--sections checks,packed,time,jla,chunked,breakdown] [--check-dtypes bf16,fp32]
         [--variants auto/64/4,auto/64/4/fused]
-        # a variant: precision/block_v/num_warps[/num_stages][/fused][/recompute][/vkernel]
-        #            [/pP][/kN][/sN][/hbf16][/oserial][/dserial]   (see ``variant``)
+        # a variant: precision/block_v/num_warps[/num_stages][/fused][/recompute][/vxla]
+        #            [/pP][/kN][/sN][/hbf16|/h32][/oserial][/dserial]   (see ``variant``)
 
 Checks (fresh random inputs per check; the device allocator is filled with NaN before each run so
 an unwritten output element shows): pallas vs the chunked pure-JAX form, outputs, final states
@@ -169,9 +169,9 @@ def breakdown(core, x, reps, options):
     from pallas_kernels.triton_common import Dots, interpret_default
     B, T, H, D = x["q"].shape
     nc, decay = T // 64, {None: "none", 3: "scalar", 4: "vector"}[DECAYS[core]]
-    precision = options.precision or "tf32"  # "auto" with bf16 inputs
-    cfg = dr._Config(64, decay, D ** -0.5, None, options, Dots(precision, interpret_default()),
-                     Dots(options.parallel_precision or precision, interpret_default()))
+    options = dr.resolve(options, sixteen_bit=x["q"].dtype.itemsize == 2)  # as the op does
+    cfg = dr._Config(64, decay, D ** -0.5, None, options, Dots(options.precision, interpret_default()),
+                     Dots(options.parallel_precision, interpret_default()))
     g = x.get("g")
     gamma = None
     if g is not None:  # cumulative log decay from each chunk's start
@@ -214,11 +214,12 @@ def breakdown(core, x, reps, options):
 
 
 def variant(v):
-    """Options from precision/block_v/num_warps[/num_stages][/fused][/recompute][/vkernel][/pP]
-    [/kN][/sN][/hbf16][/oserial][/dserial] (pP: ``Options.parallel_precision`` = P, e.g. ptf32,
-    pbf16; kN: ``Options.block_k`` = N; sN: ``Options.serial_block_v`` = N; hbf16:
-    ``Options.state_dtype`` = "bfloat16"; oserial / dserial: ``Options.output_in_serial`` /
-    ``dout_in_serial``, which ``breakdown`` ignores: it times the separate kernels)."""
+    """Options from precision/block_v/num_warps[/num_stages][/fused][/recompute][/vxla][/pP]
+    [/kN][/sN][/hbf16|/h32][/oserial][/dserial] (vxla: ``Options.vector_wy`` = "xla"; pP:
+    ``Options.parallel_precision`` = P, e.g. ptf32, pbf16; kN: ``Options.block_k`` = N; sN:
+    ``Options.serial_block_v`` = N; hbf16 / h32: ``Options.state_dtype`` = "bfloat16" /
+    "float32"; oserial / dserial: ``Options.output_in_serial`` / ``dout_in_serial``, which
+    ``breakdown`` ignores: it times the separate kernels). Unnamed options keep their defaults."""
     f = v.split("/")
     flags = [t for t in f[3:] if not t.isdigit()]
     block_k = [int(t[1:]) for t in flags if t[0] == "k" and t[1:].isdigit()]
@@ -228,11 +229,12 @@ def variant(v):
     return Options(precision=None if f[0] == "auto" else f[0], block_v=int(f[1]),
                    num_warps=int(f[2]), num_stages=stages, split="fused" not in flags,
                    save_wy="recompute" not in flags,
-                   vector_wy="kernel" if "vkernel" in flags else "xla",
+                   vector_wy="xla" if "vxla" in flags else "kernel",
                    parallel_precision=parallel[0] if parallel else None,
                    block_k=block_k[0] if block_k else Options().block_k,
                    serial_block_v=serial[0] if serial else None,
-                   state_dtype="bfloat16" if "hbf16" in flags else "float32",
+                   state_dtype="bfloat16" if "hbf16" in flags else "float32" if "h32" in flags
+                   else None,
                    output_in_serial="oserial" in flags, dout_in_serial="dserial" in flags)
 
 
@@ -240,11 +242,11 @@ def variant_tag(opt):
     """The variant string of Options ``opt`` (``variant``'s inverse, num_stages always shown)."""
     return (f"{opt.precision or 'auto'}/{opt.block_v}/{opt.num_warps}/{opt.num_stages}"
             + ("" if opt.split else "/fused") + ("" if opt.save_wy else "/recompute")
-            + ("/vkernel" if opt.vector_wy == "kernel" else "")
+            + ("/vxla" if opt.vector_wy == "xla" else "")
             + (f"/p{opt.parallel_precision}" if opt.parallel_precision else "")
             + (f"/k{opt.block_k}" if opt.block_k != Options().block_k else "")
             + (f"/s{opt.serial_block_v}" if opt.serial_block_v else "")
-            + ("/hbf16" if opt.state_dtype == "bfloat16" else "")
+            + {"bfloat16": "/hbf16", "float32": "/h32", None: ""}[opt.state_dtype]
             + ("/oserial" if opt.output_in_serial else "") + ("/dserial" if opt.dout_in_serial else ""))
 
 
@@ -269,7 +271,7 @@ def main():
     p.add_argument("--check-dtypes", default="bf16,fp32")
     p.add_argument("--variants", default="auto/64/4,auto/64/4/fused",
                    help="kernel options precision/block_v/num_warps[/num_stages]"
-                        "[/fused][/recompute][/vkernel]; the first is checked in every "
+                        "[/fused][/recompute][/vxla]...; the first is checked in every "
                         "--check-dtypes")
     p.add_argument("--check-all-variants", action="store_true",
                    help="also check the other variants (bf16); by default only the first")

@@ -64,35 +64,39 @@ class Options:
     16-bit and "tf32x3" (about fp32) otherwise: see benchmarks/NOTES.md for the errors measured with each.
     ``vector_wy``: with a per-channel decay, the split pipeline's WY tensors and their pullback
     come from ``prepare`` and its ``jax.vjp`` in plain JAX ("xla") or from the chunk-parallel
-    kernels of ``wy_vector_triton`` ("kernel"; then ``save_wy`` applies too).
+    kernels of ``wy_vector_triton`` ("kernel", the default: KDA fwd+bwd 11.9 -> 7.4 ms and 3.2 ->
+    0.7 GiB, RESULTS run 19; then ``save_wy`` applies too).
     ``parallel_precision``: that of the dots in the split pipeline's chunk-parallel kernels whose
     results do not feed the state recurrence (outputs, dO products, per-chunk cotangents, the WY
     pullback); None picks "bf16" when ``precision`` is None and q, k, k̃, v are all 16-bit
     (as FLA's kernels do; errors within FLA's bars, benchmarks/NOTES.md v6), else ``precision``.
     "bf16" halves those kernels' operand registers and doubles the tensor-core rate; the serial
     passes and the WY forward, whose rounding would compound along the sequence, keep
-    ``precision``. ``serial_block_v``, ``state_dtype``, ``output_in_serial`` and
-    ``dout_in_serial`` (session 3) are exact but not yet measured on a GPU: defaults off."""
+    ``precision``. ``state_dtype``: that of the per-chunk states, R, dR and dO products kept in
+    HBM between kernels (the serial carries stay float32); None picks "bfloat16" under the same
+    rule as ``parallel_precision`` (as FLA stores its states; DeltaNet fwd+bwd -20 %, errors
+    unchanged, RESULTS run 19), else "float32". ``serial_block_v``, ``output_in_serial`` and
+    ``dout_in_serial`` are exact but measured no faster (run 19: within the run's noise): off."""
 
     precision: str | None = None
     parallel_precision: str | None = None
     block_v: int = 64
     block_k: int = 64  # key columns per tile of the chunk-parallel WY kernels and chunk_grads
     serial_block_v: int | None = None  # the serial state passes' V tile (None: block_v)
-    state_dtype: str = "float32"  # split: per-chunk states, R, dR, dO products kept in HBM
+    state_dtype: str | None = None  # split: per-chunk states, R, dR, dO products kept in HBM
     output_in_serial: bool = False  # split: outputs formed in the forward state pass
     dout_in_serial: bool = False  # split: dO products formed in the backward state pass
     num_warps: int = 4
     num_stages: int = 2  # software pipelining of the serial loops' loads (RESULTS run 13)
     split: bool = True  # the split kernels (state_*_triton) instead of the fused delta_fwd/bwd
     save_wy: bool = True  # split: keep the WY tensors for the backward (not with vector_wy="xla")
-    vector_wy: str = "xla"  # "xla" | "kernel": the per-channel-decay WY step
+    vector_wy: str = "kernel"  # "kernel" | "xla": the per-channel-decay WY step
 
     def __post_init__(self):
         if self.vector_wy not in ("xla", "kernel"):
             raise ValueError(f"Options.vector_wy must be 'xla' or 'kernel', got {self.vector_wy!r}")
-        if self.state_dtype not in ("float32", "bfloat16"):
-            raise ValueError("Options.state_dtype must be 'float32' or 'bfloat16', got "
+        if self.state_dtype not in (None, "float32", "bfloat16"):
+            raise ValueError("Options.state_dtype must be None, 'float32' or 'bfloat16', got "
                              f"{self.state_dtype!r}")
 
 
@@ -289,6 +293,19 @@ def _core_bwd(cfg, res, cts):
 _core.defvjp(_core_fwd, _core_bwd)
 
 
+def resolve(options: Options, *, sixteen_bit: bool) -> Options:
+    """``options`` with the input-dependent defaults filled in (``Options``' docstring):
+    precision "tf32" for 16-bit inputs, else "tf32x3"; parallel_precision "bf16" and
+    state_dtype "bfloat16" for 16-bit inputs when ``precision`` was left None, else
+    ``precision`` and "float32"."""
+    fast16 = sixteen_bit and options.precision is None
+    precision = options.precision or ("tf32" if sixteen_bit else "tf32x3")
+    return dataclasses.replace(
+        options, precision=precision,
+        parallel_precision=options.parallel_precision or ("bf16" if fast16 else precision),
+        state_dtype=options.state_dtype or ("bfloat16" if fast16 else "float32"))
+
+
 def delta_rule_pallas(q, k, kw, v, beta, log_decay, scale, initial_state, cu_seqlens, chunk_size,
                       options: Options = Options(), interpret: bool | None = None):
     """The delta core (SPEC 2) on the Pallas kernels: o [B, T, H, V] and finals [N, H, K, V].
@@ -323,13 +340,11 @@ def delta_rule_pallas(q, k, kw, v, beta, log_decay, scale, initial_state, cu_seq
     last = jnp.zeros(layout.doc.shape, jnp.int32).at[layout.final_row, layout.final_chunk].set(1)
     decay = {None: "none", 3: "scalar", 4: "vector"}[None if log_decay is None else log_decay.ndim]
     interpret = interpret_default() if interpret is None else interpret
-    sixteen_bit = all(jnp.dtype(x.dtype).itemsize == 2 for x in (q, k, kw, v))
-    precision = options.precision or ("tf32" if sixteen_bit else "tf32x3")
-    parallel = options.parallel_precision or (
-        "bf16" if sixteen_bit and options.precision is None else precision)
+    options = resolve(options, sixteen_bit=all(jnp.dtype(x.dtype).itemsize == 2
+                                               for x in (q, k, kw, v)))
     cfg = _Config(chunk_size, decay, float(scale),
-                  None if cu_seqlens is None else layout.num_docs, options, Dots(precision, interpret),
-                  Dots(parallel, interpret))
+                  None if cu_seqlens is None else layout.num_docs, options,
+                  Dots(options.precision, interpret), Dots(options.parallel_precision, interpret))
     o, final = _core(cfg, *vary_alike(*qk, kernel_layout(v, Vp), kernel_layout(beta), gamma, init,
                                       layout.doc.astype(jnp.int32), layout.first.astype(jnp.int32),
                                       last))
