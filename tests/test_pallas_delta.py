@@ -146,13 +146,15 @@ def test_kernel_options_match_reference(decay, opts):
     assert_runs_match(got, run("reference", x), 2e-5)
 
 
-@pytest.mark.parametrize("save_wy", [True, False], ids=["saved_wy", "recompute_wy"])
-def test_vector_wy_kernel_matches_reference(save_wy):
-    """Options(vector_wy="kernel"): the per-channel-decay WY step and its pullback as kernels,
-    packed documents with initial states, padded head dims (K = 24, V = 20)."""
+@pytest.mark.parametrize("vector_wy, save_wy", [("kernel", True), ("kernel", False), ("xla", True)],
+                         ids=["kernel_saved_wy", "kernel_recompute_wy", "xla"])
+def test_vector_wy_matches_reference(vector_wy, save_wy):
+    """The per-channel-decay WY step and its pullback as kernels (``vector_wy="kernel"``, the
+    default) or in plain JAX (``"xla"``), packed documents with initial states, padded head dims
+    (K = 24, V = 20)."""
     cu = jnp.asarray([0, 5, 22, 37], jnp.int32)
     x = make_inputs(8, "vector", b=1, k_dim=24, v_dim=20, n_init=3)
-    opts = Options(vector_wy="kernel", save_wy=save_wy)
+    opts = Options(vector_wy=vector_wy, save_wy=save_wy)
     got = fixed_loss_run(lambda x: delta_rule_pallas(
         x["q"], x["k"], x["write_key"], x["v"], x["beta"], x["log_decay"], 24 ** -0.5,
         x["initial_state"], cu, C, opts), x)
