@@ -5,7 +5,8 @@
 On a (data, fsdp, tensor) = (2, 2, 2) mesh, for OSDN and PGDN: every parameter and optimiser
 moment is sharded as train.partitioning's rules say; the compiled train step all-gathers only
 parameters (rank <= 2), never activations such as the [B, T, H, D] inputs of the recurrent op;
-and three training steps give the losses of the same run on one device. Prints "ok".
+and three training steps give the losses of the same run on one device. The same all-gather
+check for OSDN on the Pallas kernels over packed rows (the step vmaps them). Prints "ok".
 """
 
 import io
@@ -27,12 +28,17 @@ from train.step import device_batch
 T = 24
 
 
-def config(preconditioner, backbone, mesh):
+def config(preconditioner, backbone, mesh, impl="chunked", packed=False):
+    """One layer of width 32; MQAR rows, or (``packed``) tiny_text rows of packed documents, which
+    the train step vmaps over."""
+    data = (DataSpec(task="tiny_text", params=dict(max_docs_per_row=4, max_doc_len=16, num_documents=50))
+            if packed else DataSpec(task="mqar", params=dict(vocab_size=64, num_kv_pairs=4)))
     return ExperimentConfig(
         name=preconditioner,
         model=ModelSpec(kwargs=dict(num_layers=1, hidden_size=32, num_heads=2, backbone=backbone,
-                                    preconditioner=preconditioner, impl="chunked", chunk_size=8)),
-        data=DataSpec(task="mqar", params=dict(vocab_size=64, num_kv_pairs=4)),
+                                    preconditioner=preconditioner, impl=impl, chunk_size=16 if packed else 8,
+                                    **(dict(vocab_size=260) if packed else {}))),  # 259 bytes: even
+        data=data,
         optim=OptimConfig(warmup_steps=1, peak_lr=1e-2),
         mesh=MeshConfig(*mesh),
         logging=LoggingConfig(progress=False),
@@ -93,6 +99,9 @@ def main():
         single = train(config(preconditioner, backbone, (1, 1, 1)), devices=devices[:1], console=quiet).losses
         assert sorted(sharded) == [1, 2, 3]
         np.testing.assert_allclose([sharded[s] for s in (1, 2, 3)], [single[s] for s in (1, 2, 3)], rtol=1e-6)
+    # the Pallas kernels (interpret mode) on vmapped packed rows: partitioned, not all-gathered
+    cfg = config("osgm", "deltanet", (2, 2, 2), impl="pallas", packed=True)
+    check_hlo(build(cfg), cfg)
     print("ok")
 
 
