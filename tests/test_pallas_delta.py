@@ -71,15 +71,15 @@ def test_padded_head_dims():
 
 
 def test_bf16_inputs():
-    """bf16 inputs with float32 dots throughout (``parallel_precision="tf32"``, exact float32 in
-    interpret mode): same answer as the reference on the same (bf16-valued) inputs up to one bf16
-    rounding of each output and gradient (gradients summed before one cast). The default for
-    16-bit inputs, bf16 dots in the chunk-parallel kernels, is held to FLA's bars in
-    test_pallas_precision.py."""
+    """bf16 inputs with float32 dots and storage throughout (``parallel_precision="tf32"``, exact
+    float32 in interpret mode, ``state_dtype="float32"``): same answer as the reference on the
+    same (bf16-valued) inputs up to one bf16 rounding of each output and gradient (gradients
+    summed before one cast). The defaults for 16-bit inputs, bf16 dots in the chunk-parallel
+    kernels and bf16 state storage, are held to FLA's bars in test_pallas_precision.py."""
     x = make_inputs(3, "scalar", dtype=jnp.bfloat16)
     got = fixed_loss_run(lambda x: delta_rule_pallas(
         x["q"], x["k"], x["write_key"], x["v"], x["beta"], x["log_decay"], K ** -0.5,
-        x["initial_state"], None, C, Options(parallel_precision="tf32")), x)
+        x["initial_state"], None, C, Options(parallel_precision="tf32", state_dtype="float32")), x)
     want = run("reference", x)
     assert got[2]["q"].dtype == jnp.bfloat16
     assert_runs_match(got, want, 4e-3)

@@ -8,7 +8,7 @@ from conftest import assert_close
 from test_pallas_delta import DECAYS, make_inputs
 
 from pallas_kernels.delta_bwd_triton import delta_bwd
-from pallas_kernels.delta_rule import Options, _Config, _forward, prepare
+from pallas_kernels.delta_rule import Options, _Config, _forward, prepare, resolve
 from pallas_kernels.state_bwd_triton import split_backward
 from pallas_kernels.state_fwd_triton import split_forward
 from pallas_kernels.triton_common import Dots
@@ -36,7 +36,7 @@ def kernel_inputs(x, decay, cu_seqlens, with_init):
         gamma = jnp.cumsum(g, axis=2).reshape(B, nc * C, *g.shape[3:])
     last = jnp.zeros(layout.doc.shape, jnp.int32).at[layout.final_row, layout.final_chunk].set(1)
     cfg = _Config(C, decay, SCALE, None if cu_seqlens is None else layout.num_docs,
-                  Options(block_v=BV), DOTS, DOTS)
+                  resolve(Options(block_v=BV), sixteen_bit=False), DOTS, DOTS)
     init = x["initial_state"] if with_init else None
     return (cfg, *(flat(x[n]) for n in ("q", "k", "write_key", "v", "beta")), gamma, init,
             layout.doc.astype(jnp.int32), layout.first.astype(jnp.int32), last)
