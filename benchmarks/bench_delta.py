@@ -4,7 +4,7 @@
         [--sections checks,packed,time,jla,chunked,breakdown] [--check-dtypes bf16,fp32]
         [--variants auto/64/4,auto/64/4/fused]
         # a variant: precision/block_v/num_warps[/num_stages][/fused][/recompute][/vxla]
-        #            [/pP][/kN][/sN][/hbf16|/h32][/oserial][/dserial]   (see ``variant``)
+        #            [/pP][/kN][/sN][/hbf16|/h32][/wbf16][/oserial][/dserial]   (see ``variant``)
 
 Checks (fresh random inputs per check; the device allocator is filled with NaN before each run so
 an unwritten output element shows): pallas vs the chunked pure-JAX form, outputs, final states
@@ -215,11 +215,12 @@ def breakdown(core, x, reps, options):
 
 def variant(v):
     """Options from precision/block_v/num_warps[/num_stages][/fused][/recompute][/vxla][/pP]
-    [/kN][/sN][/hbf16|/h32][/oserial][/dserial] (vxla: ``Options.vector_wy`` = "xla"; pP:
+    [/kN][/sN][/hbf16|/h32][/wbf16][/oserial][/dserial] (vxla: ``Options.vector_wy`` = "xla"; pP:
     ``Options.parallel_precision`` = P, e.g. ptf32, pbf16; kN: ``Options.block_k`` = N; sN:
     ``Options.serial_block_v`` = N; hbf16 / h32: ``Options.state_dtype`` = "bfloat16" /
-    "float32"; oserial / dserial: ``Options.output_in_serial`` / ``dout_in_serial``, which
-    ``breakdown`` ignores: it times the separate kernels). Unnamed options keep their defaults."""
+    "float32"; wbf16: ``Options.wy_dtype`` = "bfloat16"; oserial / dserial:
+    ``Options.output_in_serial`` / ``dout_in_serial``, which ``breakdown`` ignores: it times the
+    separate kernels). Unnamed options keep their defaults."""
     f = v.split("/")
     flags = [t for t in f[3:] if not t.isdigit()]
     block_k = [int(t[1:]) for t in flags if t[0] == "k" and t[1:].isdigit()]
@@ -234,7 +235,7 @@ def variant(v):
                    block_k=block_k[0] if block_k else Options().block_k,
                    serial_block_v=serial[0] if serial else None,
                    state_dtype="bfloat16" if "hbf16" in flags else "float32" if "h32" in flags
-                   else None,
+                   else None, wy_dtype="bfloat16" if "wbf16" in flags else "float32",
                    output_in_serial="oserial" in flags, dout_in_serial="dserial" in flags)
 
 
@@ -247,6 +248,7 @@ def variant_tag(opt):
             + (f"/k{opt.block_k}" if opt.block_k != Options().block_k else "")
             + (f"/s{opt.serial_block_v}" if opt.serial_block_v else "")
             + {"bfloat16": "/hbf16", "float32": "/h32", None: ""}[opt.state_dtype]
+            + ("/wbf16" if opt.wy_dtype == "bfloat16" else "")
             + ("/oserial" if opt.output_in_serial else "") + ("/dserial" if opt.dout_in_serial else ""))
 
 

@@ -72,7 +72,10 @@ class Options:
     (as FLA's kernels do; errors within FLA's bars, benchmarks/NOTES.md v6), else ``precision``.
     "bf16" halves those kernels' operand registers and doubles the tensor-core rate; the serial
     passes and the WY forward, whose rounding would compound along the sequence, keep
-    ``precision``. ``state_dtype``: that of the per-chunk states, R, dR and dO products kept in
+    ``precision``. ``wy_dtype``: that of W, U, K̃', Q' and P between the WY step and the
+    recurrence kernels (T, Γ_C and every cotangent stay float32); "bfloat16" (as FLA stores w
+    and u) is exact on CPU within FLA's bars but not yet measured on a GPU: "float32" by default.
+    ``state_dtype``: that of the per-chunk states, R, dR and dO products kept in
     HBM between kernels (the serial carries stay float32); None picks "bfloat16" under the same
     rule as ``parallel_precision`` (as FLA stores its states; DeltaNet fwd+bwd -20 %, errors
     unchanged, RESULTS run 19), else "float32". ``serial_block_v``, ``output_in_serial`` and
@@ -84,6 +87,7 @@ class Options:
     block_k: int = 64  # key columns per tile of the chunk-parallel WY kernels and chunk_grads
     serial_block_v: int | None = None  # the serial state passes' V tile (None: block_v)
     state_dtype: str | None = None  # split: per-chunk states, R, dR, dO products kept in HBM
+    wy_dtype: str = "float32"  # split: W, U, K̃', Q', P kept in HBM
     output_in_serial: bool = False  # split: outputs formed in the forward state pass
     dout_in_serial: bool = False  # split: dO products formed in the backward state pass
     num_warps: int = 4
@@ -98,6 +102,8 @@ class Options:
         if self.state_dtype not in (None, "float32", "bfloat16"):
             raise ValueError("Options.state_dtype must be None, 'float32' or 'bfloat16', got "
                              f"{self.state_dtype!r}")
+        if self.wy_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"Options.wy_dtype must be 'float32' or 'bfloat16', got {self.wy_dtype!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,11 +196,19 @@ def _wy_kernel(cfg, kernel, ins, cts=None):
         dots = cfg.pdots
     outs = _kernel_call(cfg, kernel, args, axes, out_axes, chunk=cfg.chunk, block_v=o.block_v,
                         block_k=o.block_k, dots=dots, num_warps=o.num_warps,
-                        num_stages=o.num_stages)
+                        num_stages=o.num_stages,
+                        **({} if cts is not None else dict(out_dtype=jnp.dtype(o.wy_dtype))))
     if cts is None:
         return outs
     outs = iter(outs)
     return tuple(None if x is None else next(outs).astype(x.dtype) for x in ins[:6])
+
+
+def _stored(cfg, wy):
+    """``prepare``'s six WY tensors as the kernels store them: W, U, K̃', Q', P in
+    ``Options.wy_dtype``, Γ_C float32."""
+    dtype = jnp.dtype(cfg.options.wy_dtype)
+    return tuple(x.astype(dtype) for x in wy[:5]) + (wy[5],)
 
 
 def _wy(cfg, ins):
@@ -202,7 +216,7 @@ def _wy(cfg, ins):
     needs besides ``ins``: (T,) from the kernels, () from ``prepare`` in plain JAX (per-channel
     decay, ``vector_wy="xla"``)."""
     if cfg.decay == "vector" and cfg.options.vector_wy == "xla":
-        return prepare(cfg, *ins), ()
+        return _stored(cfg, prepare(cfg, *ins)), ()
     wy = _wy_kernel(cfg, _wy_kernels(cfg)[0], ins)
     return wy[:6], wy[6:]
 
@@ -212,7 +226,7 @@ def _wy_pullback(cfg, ins, extra=None):
     the forward having run) the pullback kernel alone; without, the forward first."""
     if cfg.decay == "vector" and cfg.options.vector_wy == "xla":
         wy, vjp = jax.vjp(functools.partial(prepare, cfg), *ins)
-        return wy, lambda cts: vjp(tuple(c.astype(w.dtype) for c, w in zip(cts, wy)))
+        return _stored(cfg, wy), lambda cts: vjp(tuple(c.astype(w.dtype) for c, w in zip(cts, wy)))
     wy = None
     if extra is None:
         wy, extra = _wy(cfg, ins)

@@ -61,7 +61,7 @@ def tiles(n, block):
 def u_fwd(T, b, v_ref, U_ref, dots, block_v):
     """U = T Diag(β) V, by value tiles (b = β[:, None])."""
     for cols in tiles(v_ref.shape[-1], block_v):
-        U_ref[:, cols] = dots.nn(T, b * v_ref[:, cols].astype(jnp.float32))
+        U_ref[:, cols] = dots.nn(T, b * v_ref[:, cols].astype(jnp.float32)).astype(U_ref.dtype)
 
 
 def u_bwd(T, b, v_ref, dU_ref, dv_ref, dots, block_v):
@@ -91,11 +91,12 @@ def _fwd_kernel(*refs, dots, block_v, block_k, has_decay):
     T_ref[...] = T
     b, Gcol, tcol = beta[:, None], Gam[:, None], tail[:, None]
     u_fwd(T, b, v_ref, U_ref, dots, block_v)
-    P_ref[...] = sum(dots.nt(q_ref[:, cols], kw_ref[:, cols]) for cols in key_tiles) * D
+    P = sum(dots.nt(q_ref[:, cols], kw_ref[:, cols]) for cols in key_tiles) * D
+    P_ref[...] = P.astype(P_ref.dtype)
     for cols in key_tiles:
-        W_ref[:, cols] = dots.nn(T, b * Gcol * k_ref[:, cols].astype(jnp.float32))
-        kwt_ref[:, cols] = kw_ref[:, cols].astype(jnp.float32) * tcol
-        qd_ref[:, cols] = q_ref[:, cols].astype(jnp.float32) * Gcol
+        W_ref[:, cols] = dots.nn(T, b * Gcol * k_ref[:, cols].astype(jnp.float32)).astype(W_ref.dtype)
+        kwt_ref[:, cols] = (kw_ref[:, cols].astype(jnp.float32) * tcol).astype(kwt_ref.dtype)
+        qd_ref[:, cols] = (q_ref[:, cols].astype(jnp.float32) * Gcol).astype(qd_ref.dtype)
     gc_ref[...] = jnp.full((K,), gc, jnp.float32)
 
 
@@ -186,26 +187,28 @@ def call(kernel, name, grid, in_specs, out_specs, out_shape, args, dots, num_war
     )(*args)
 
 
-def wy_shapes(q, v, grid, chunk, args):
-    """``wy_fwd``'s output structs: W, U, K̃', Q' [B, H, Tp, ·], P [B, H, Tp, C], Γ_C [B, H, NC, K]
-    and T [B, H, Tp, C]."""
+def wy_shapes(q, v, grid, chunk, args, dtype=jnp.float32):
+    """``wy_fwd``'s output structs: W, U, K̃', Q' [B, H, Tp, ·], P [B, H, Tp, C] in ``dtype``,
+    Γ_C [B, H, NC, K] and T [B, H, Tp, C] in float32."""
     B, H, nc = grid
     K, V = q.shape[-1], v.shape[-1]
-    rows = [out_struct((B, H, nc * chunk, d), jnp.float32, *args) for d in (K, V, K, K, chunk)]
-    return rows + [out_struct((B, H, nc, K), jnp.float32, *args), rows[-1]]
+    rows = [out_struct((B, H, nc * chunk, d), dtype, *args) for d in (K, V, K, K, chunk)]
+    return rows + [out_struct((B, H, nc, K), jnp.float32, *args),
+                   out_struct((B, H, nc * chunk, chunk), jnp.float32, *args)]
 
 
 def wy_fwd(q, k, kw, v, beta, gamma, *, chunk, block_v, dots: Dots, num_warps, num_stages,
-           block_k=64):
-    """W, U, K̃ ⊙ Γ_C/Γ, Q ⊙ Γ [B, H, Tp, ·], P [B, H, Tp, C] and Γ_C [B, H, NC, K], float32:
-    ``delta_rule.prepare``'s outputs by the same formulas (module docstring), and T = (I + L)^-1
-    [B, H, Tp, C] for ``wy_bwd``. gamma: None or [B, Tp, H]; ``block_k``: key columns per tile."""
+           block_k=64, out_dtype=jnp.float32):
+    """W, U, K̃ ⊙ Γ_C/Γ, Q ⊙ Γ [B, H, Tp, ·], P [B, H, Tp, C] (stored in ``out_dtype``) and Γ_C
+    [B, H, NC, K] (float32): ``delta_rule.prepare``'s outputs by the same formulas (module
+    docstring), and T = (I + L)^-1 [B, H, Tp, C] (float32) for ``wy_bwd``. gamma: None or
+    [B, Tp, H]; ``block_k``: key columns per tile."""
     in_specs, wy_specs, grid = layout(q, v, gamma, chunk)
     args = [x for x in (q, k, kw, v, beta, gamma) if x is not None]
     kernel = functools.partial(_fwd_kernel, dots=dots, block_v=block_v, block_k=block_k,
                                has_decay=gamma is not None)
-    return call(kernel, "wy_fwd", grid, in_specs, wy_specs, wy_shapes(q, v, grid, chunk, args),
-                 args, dots, num_warps, num_stages)
+    return call(kernel, "wy_fwd", grid, in_specs, wy_specs,
+                wy_shapes(q, v, grid, chunk, args, out_dtype), args, dots, num_warps, num_stages)
 
 
 def wy_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *, chunk, block_v,

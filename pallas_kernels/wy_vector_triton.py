@@ -154,16 +154,16 @@ def _fwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, W_ref, U_ref, kwt_
     i, j = iota2(C)
     T = unit_lower_inverse(jnp.where(i > j, beta[:, None] * A, 0.0), dots)
     T_ref[...] = T
-    P_ref[...] = P
+    P_ref[...] = P.astype(P_ref.dtype)
     b = beta[:, None]
     u_fwd(T, b, v_ref, U_ref, dots, block_v)
     for cols in key_tiles:
         q, k, kw, g = _tile((q_ref, k_ref, kw_ref, g_ref), cols)
         g_last = g_ref[C - 1, cols].astype(f32)
         Gam = jnp.exp(g)
-        W_ref[:, cols] = dots.nn(T, b * Gam * k)
-        kwt_ref[:, cols] = kw * jnp.exp(g_last[None, :] - g)
-        qd_ref[:, cols] = q * Gam
+        W_ref[:, cols] = dots.nn(T, b * Gam * k).astype(W_ref.dtype)
+        kwt_ref[:, cols] = (kw * jnp.exp(g_last[None, :] - g)).astype(kwt_ref.dtype)
+        qd_ref[:, cols] = (q * Gam).astype(qd_ref.dtype)
         gc_ref[cols] = jnp.exp(g_last)
 
 
@@ -213,16 +213,16 @@ def _bwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, T_ref, dW_ref, dU_
 
 
 def wy_vector_fwd(q, k, kw, v, beta, gamma, *, chunk, block_v, dots: Dots, num_warps,
-                  num_stages, block_k=64):
+                  num_stages, block_k=64, out_dtype=jnp.float32):
     """``wy_triton.wy_fwd`` for a per-channel decay, gamma [B, Tp, H, K] (the in-chunk cumsum):
-    W, U, K̃', Q' [B, H, Tp, ·], P [B, H, Tp, C] and Γ_C [B, H, NC, K], float32, equal to
+    W, U, K̃', Q' [B, H, Tp, ·], P [B, H, Tp, C] (in ``out_dtype``) and Γ_C [B, H, NC, K], equal to
     ``delta_rule.prepare``'s outputs (module docstring), and T [B, H, Tp, C] for the pullback;
     ``block_k``: key columns per tile (the grams are sums over key tiles)."""
     in_specs, wy_specs, grid = layout(q, v, gamma, chunk, vector=True)
     args = [q, k, kw, v, beta, gamma]
     kernel = functools.partial(_fwd_kernel, dots=dots, block_v=block_v, block_k=block_k)
     return call(kernel, "wy_vector_fwd", grid, in_specs, wy_specs,
-                wy_shapes(q, v, grid, chunk, args), args, dots, num_warps, num_stages)
+                wy_shapes(q, v, grid, chunk, args, out_dtype), args, dots, num_warps, num_stages)
 
 
 def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *, chunk,

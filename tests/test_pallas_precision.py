@@ -87,8 +87,23 @@ def test_bf16_state_storage_within_fla_bars(rand):
     assert max(diffs) <= 4e-3 and max(diffs) > 1e-5, diffs
 
 
+@pytest.mark.parametrize("decay", ["scalar", "vector"])
+def test_bf16_wy_storage_within_fla_bars(rand, decay):
+    """``wy_dtype="bfloat16"`` (W, U, K̃', Q', P stored in bf16 by the WY kernels, or cast from
+    the plain-JAX step with ``vector_wy="xla"``): outputs, final state and every gradient
+    within FLA's bars of the float32 chunked reference, and different from float32 storage."""
+    extra = (Options(wy_dtype="bfloat16", vector_wy="xla"),) if decay == "vector" else ()
+    small, *others, full, ref = kernel_runs(rand, decay, 7, Options(wy_dtype="bfloat16"), *extra,
+                                            Options())
+    for got in (small, *others):
+        assert_within_fla_bars(got, ref)
+        assert rel_rms(got[1], full[1]) > 1e-4  # the final state moves: the option is used
+
+
 def test_unknown_precision_is_refused():
     with pytest.raises(ValueError, match="precision must be one of"):
         Dots("fp16")
     with pytest.raises(ValueError, match="Options.state_dtype"):
         Options(state_dtype="float16")
+    with pytest.raises(ValueError, match="Options.wy_dtype"):
+        Options(wy_dtype=None)
