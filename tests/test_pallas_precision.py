@@ -63,12 +63,15 @@ def test_bf16_parallel_dots_within_fla_bars(rand, decay):
     state and every gradient within FLA's bf16 bars (relative RMS 6e-3 / 8e-3) of the float32
     chunked reference, and different from float32 parallel dots (the option reaches the kernels:
     the gradients move by more than 1e-4)."""
-    fast, default, exact, ref = kernel_runs(rand, decay, 3, Options(parallel_precision="bf16"),
-                                            Options(), Options(parallel_precision="tf32"))
+    fast, default, exact, wy16, ref = kernel_runs(
+        rand, decay, 3, Options(parallel_precision="bf16"), Options(),
+        Options(parallel_precision="tf32"), Options(wy_dtype="bfloat16"))
     for a, b in zip(jax.tree.leaves(fast), jax.tree.leaves(default)):
         assert bool(jnp.all(a == b))
     assert_within_fla_bars(fast, ref)
     assert max(rel_rms(fast[2][n], exact[2][n]) for n in ref[2]) > 1e-4
+    assert_within_fla_bars(wy16, ref)
+    assert rel_rms(wy16[1], default[1]) > 1e-4
 
 
 def test_bf16_state_storage_within_fla_bars(rand):
@@ -76,28 +79,21 @@ def test_bf16_state_storage_within_fla_bars(rand):
     to asking for ``state_dtype="bfloat16"``); per-channel decay: outputs, final state and every
     gradient within FLA's bars of the float32 chunked reference and close to float32 storage
     (the parallel kernels round those tensors at their bf16 dots already; the serial backward
-    adds its dO products in bf16), yet not equal to it (the option reaches the kernels)."""
-    default, small, full, ref = kernel_runs(rand, "vector", 5, Options(),
-                                            Options(state_dtype="bfloat16"),
-                                            Options(state_dtype="float32"))
+    adds its dO products in bf16), yet not equal to it (the option reaches the kernels).
+    ``wy_dtype="bfloat16"`` from ``wy_vector_fwd`` or cast from the plain-JAX WY step
+    (``vector_wy="xla"``) within the bars too, final state moved."""
+    default, small, full, *wy16, ref = kernel_runs(
+        rand, "vector", 5, Options(), Options(state_dtype="bfloat16"),
+        Options(state_dtype="float32"), Options(wy_dtype="bfloat16"),
+        Options(wy_dtype="bfloat16", vector_wy="xla"))
     for a, b in zip(jax.tree.leaves(default), jax.tree.leaves(small)):
         assert bool(jnp.all(a == b))
     assert_within_fla_bars(small, ref)
     diffs = [rel_rms(small[2][name], full[2][name]) for name in ref[2]]
     assert max(diffs) <= 4e-3 and max(diffs) > 1e-5, diffs
-
-
-@pytest.mark.parametrize("decay", ["scalar", "vector"])
-def test_bf16_wy_storage_within_fla_bars(rand, decay):
-    """``wy_dtype="bfloat16"`` (W, U, K̃', Q', P stored in bf16 by the WY kernels, or cast from
-    the plain-JAX step with ``vector_wy="xla"``): outputs, final state and every gradient
-    within FLA's bars of the float32 chunked reference, and different from float32 storage."""
-    extra = (Options(wy_dtype="bfloat16", vector_wy="xla"),) if decay == "vector" else ()
-    small, *others, full, ref = kernel_runs(rand, decay, 7, Options(wy_dtype="bfloat16"), *extra,
-                                            Options())
-    for got in (small, *others):
+    for got in wy16:
         assert_within_fla_bars(got, ref)
-        assert rel_rms(got[1], full[1]) > 1e-4  # the final state moves: the option is used
+        assert rel_rms(got[1], default[1]) > 1e-4
 
 
 def test_unknown_precision_is_refused():
