@@ -4,7 +4,7 @@
         [--sections checks,packed,time,jla,chunked,breakdown] [--check-dtypes bf16,fp32]
         [--variants auto/64/4,auto/64/4/fused]
         # a variant: precision/block_v/num_warps[/num_stages][/fused][/recompute][/vxla]
-        #            [/pP][/kN][/sN][/hbf16|/h32][/wbf16][/oserial][/dserial]   (see ``variant``)
+        #            [/pP][/kN][/sN][/hbf16|/h32][/wbf16][/qP][/oserial][/dserial]   (see ``variant``)
 
 Checks (fresh random inputs per check; the device allocator is filled with NaN before each run so
 an unwritten output element shows): pallas vs the chunked pure-JAX form, outputs, final states
@@ -184,7 +184,7 @@ def breakdown(core, x, reps, options):
               num_stages=options.num_stages)
     store = dict(state_dtype=jnp.dtype(options.state_dtype))
     pkw = kw | dict(dots=cfg.pdots)  # the chunk-parallel kernels' dots
-    skw = kw | dict(block_v=options.serial_block_v or options.block_v)  # the serial passes' tile
+    skw = kw | dict(block_v=options.serial_block_v or options.block_v, dots=cfg.sdots)  # serial
     steps = dict(
         wy=lambda ins: dr._wy(cfg, ins),
         state_fwd=lambda W, U, k, gc: sf.state_pass(W, U, k, gc, None, *flags, num_docs=None,
@@ -215,16 +215,18 @@ def breakdown(core, x, reps, options):
 
 def variant(v):
     """Options from precision/block_v/num_warps[/num_stages][/fused][/recompute][/vxla][/pP]
-    [/kN][/sN][/hbf16|/h32][/wbf16][/oserial][/dserial] (vxla: ``Options.vector_wy`` = "xla"; pP:
+    [/kN][/sN][/hbf16|/h32][/wbf16][/qP][/oserial][/dserial] (vxla: ``Options.vector_wy`` = "xla"; pP:
     ``Options.parallel_precision`` = P, e.g. ptf32, pbf16; kN: ``Options.block_k`` = N; sN:
     ``Options.serial_block_v`` = N; hbf16 / h32: ``Options.state_dtype`` = "bfloat16" /
-    "float32"; wbf16: ``Options.wy_dtype`` = "bfloat16"; oserial / dserial:
+    "float32"; wbf16: ``Options.wy_dtype`` = "bfloat16"; qP: ``Options.serial_precision`` = P;
+    oserial / dserial:
     ``Options.output_in_serial`` / ``dout_in_serial``, which ``breakdown`` ignores: it times the
     separate kernels). Unnamed options keep their defaults."""
     f = v.split("/")
     flags = [t for t in f[3:] if not t.isdigit()]
     block_k = [int(t[1:]) for t in flags if t[0] == "k" and t[1:].isdigit()]
     parallel = [t[1:] for t in flags if t[0] == "p"]
+    serial_dots = [t[1:] for t in flags if t[0] == "q"]
     serial = [int(t[1:]) for t in flags if t[0] == "s" and t[1:].isdigit()]
     stages = int(f[3]) if len(f) > 3 and f[3].isdigit() else Options().num_stages
     return Options(precision=None if f[0] == "auto" else f[0], block_v=int(f[1]),
@@ -236,6 +238,7 @@ def variant(v):
                    serial_block_v=serial[0] if serial else None,
                    state_dtype="bfloat16" if "hbf16" in flags else "float32" if "h32" in flags
                    else None, wy_dtype="bfloat16" if "wbf16" in flags else "float32",
+                   serial_precision=serial_dots[0] if serial_dots else None,
                    output_in_serial="oserial" in flags, dout_in_serial="dserial" in flags)
 
 
@@ -249,6 +252,7 @@ def variant_tag(opt):
             + (f"/s{opt.serial_block_v}" if opt.serial_block_v else "")
             + {"bfloat16": "/hbf16", "float32": "/h32", None: ""}[opt.state_dtype]
             + ("/wbf16" if opt.wy_dtype == "bfloat16" else "")
+            + (f"/q{opt.serial_precision}" if opt.serial_precision else "")
             + ("/oserial" if opt.output_in_serial else "") + ("/dserial" if opt.dout_in_serial else ""))
 
 

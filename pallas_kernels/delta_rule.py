@@ -75,6 +75,9 @@ class Options:
     ``precision``. ``wy_dtype``: that of W, U, K̃', Q' and P between the WY step and the
     recurrence kernels (T, Γ_C and every cotangent stay float32); "bfloat16" (as FLA stores w
     and u) is exact on CPU within FLA's bars but not yet measured on a GPU: "float32" by default.
+    ``serial_precision``: that of the split pipeline's two serial state passes (None: as
+    ``precision``); "bf16" rounds the state and R to bf16 at their dots, as FLA and
+    jax-linear-attention do; within FLA's bars on CPU, not yet measured on a GPU.
     ``state_dtype``: that of the per-chunk states, R, dR and dO products kept in
     HBM between kernels (the serial carries stay float32); None picks "bfloat16" under the same
     rule as ``parallel_precision`` (as FLA stores its states; DeltaNet fwd+bwd -20 %, errors
@@ -88,6 +91,7 @@ class Options:
     serial_block_v: int | None = None  # the serial state passes' V tile (None: block_v)
     state_dtype: str | None = None  # split: per-chunk states, R, dR, dO products kept in HBM
     wy_dtype: str = "float32"  # split: W, U, K̃', Q', P kept in HBM
+    serial_precision: str | None = None  # split: the serial state passes' dots (None: precision)
     output_in_serial: bool = False  # split: outputs formed in the forward state pass
     dout_in_serial: bool = False  # split: dO products formed in the backward state pass
     num_warps: int = 4
@@ -102,6 +106,8 @@ class Options:
         if self.state_dtype not in (None, "float32", "bfloat16"):
             raise ValueError("Options.state_dtype must be None, 'float32' or 'bfloat16', got "
                              f"{self.state_dtype!r}")
+        if self.serial_precision is not None:
+            Dots(self.serial_precision)  # ValueError naming the valid ones
         if self.wy_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"Options.wy_dtype must be 'float32' or 'bfloat16', got {self.wy_dtype!r}")
 
@@ -115,6 +121,12 @@ class _Config:
     options: Options
     dots: Dots
     pdots: Dots  # the chunk-parallel kernels' dots (Options.parallel_precision)
+
+    @property
+    def sdots(self) -> Dots:
+        """The split pipeline's serial passes' dots (``Options.serial_precision``)."""
+        p = self.options.serial_precision
+        return self.dots if p is None else Dots(p, self.dots.interpret)
 
 
 def supports(*, K: int, V: int, dtype, decay) -> bool:
@@ -261,7 +273,8 @@ def _forward(cfg, q, k, kw, v, beta, gamma, init, doc, first, last, store_states
     saved = ("b h c k v",) + (("b h t v",) if o.split else ())  # states (and R) for the backward
     out_axes = ("b t h v", "n h k v") + (saved if store_states else ())
     return _kernel_call(cfg, kernel, args, axes, out_axes, chunk=cfg.chunk, scale=cfg.scale,
-                        num_docs=cfg.num_docs, block_v=o.block_v, dots=cfg.dots,
+                        num_docs=cfg.num_docs, block_v=o.block_v,
+                        dots=cfg.sdots if o.split else cfg.dots,
                         num_warps=o.num_warps, num_stages=o.num_stages, store_states=store_states,
                         **static)
 
@@ -294,7 +307,8 @@ def _core_bwd(cfg, res, cts):
                 "n h k v")
     dW, dU, dkw, dq, dP, dgc, dinit = _kernel_call(
         cfg, split_backward if o.split else delta_bwd, args, axes, out_axes, chunk=cfg.chunk,
-        scale=cfg.scale, block_v=o.block_v, dots=cfg.dots, num_warps=o.num_warps,
+        scale=cfg.scale, block_v=o.block_v, dots=cfg.sdots if o.split else cfg.dots,
+        num_warps=o.num_warps,
         num_stages=o.num_stages, **(dict(pdots=cfg.pdots, block_k=o.block_k,
                                          serial_block_v=o.serial_block_v,
                                          state_dtype=jnp.dtype(o.state_dtype),

@@ -62,16 +62,20 @@ def test_bf16_parallel_dots_within_fla_bars(rand, decay):
     """bf16 inputs: the default is bf16 parallel dots (equal to asking for them); outputs, final
     state and every gradient within FLA's bf16 bars (relative RMS 6e-3 / 8e-3) of the float32
     chunked reference, and different from float32 parallel dots (the option reaches the kernels:
-    the gradients move by more than 1e-4)."""
-    fast, default, exact, wy16, ref = kernel_runs(
+    the gradients move by more than 1e-4). ``wy_dtype="bfloat16"`` (W, U, K̃', Q', P stored in
+    bf16 by ``wy_fwd``) and ``serial_precision="bf16"`` (the state and R rounded to bf16 at the
+    serial passes' dots) within the bars too, their final states moved (the options are used)."""
+    fast, default, exact, *bf16_storage, ref = kernel_runs(
         rand, decay, 3, Options(parallel_precision="bf16"), Options(),
-        Options(parallel_precision="tf32"), Options(wy_dtype="bfloat16"))
+        Options(parallel_precision="tf32"), Options(wy_dtype="bfloat16"),
+        Options(serial_precision="bf16"))
     for a, b in zip(jax.tree.leaves(fast), jax.tree.leaves(default)):
         assert bool(jnp.all(a == b))
     assert_within_fla_bars(fast, ref)
     assert max(rel_rms(fast[2][n], exact[2][n]) for n in ref[2]) > 1e-4
-    assert_within_fla_bars(wy16, ref)
-    assert rel_rms(wy16[1], default[1]) > 1e-4
+    for got in bf16_storage:
+        assert_within_fla_bars(got, ref)
+        assert rel_rms(got[1], default[1]) > 1e-4
 
 
 def test_bf16_state_storage_within_fla_bars(rand):
@@ -103,3 +107,5 @@ def test_unknown_precision_is_refused():
         Options(state_dtype="float16")
     with pytest.raises(ValueError, match="Options.wy_dtype"):
         Options(wy_dtype=None)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        Options(serial_precision="fp16")
