@@ -3,7 +3,7 @@
 tokens per data-parallel device by default; 2 warm-up steps, then the median step time of
 ``--steps``; the step's peak device memory. Progress goes to stderr every ~10 % of a run's steps.
 
-    python benchmarks/bench_train.py [--preconditioners none osgm] [--remat] [--tied]
+    python benchmarks/bench_train.py [--preconditioners none osgm] [--remat] [--scan-layers] [--tied]
         [--mesh DATA FSDP TENSOR [--mesh ...]]  # --batch rows per data-parallel device
         [--losses N] [--compare-mesh DATA FSDP TENSOR [--no-parity]]
 
@@ -90,7 +90,7 @@ class RunSpec:
         return f"{self.kind} {','.join(map(str, self.mesh))}{batch}"
 
 
-def train_run(name, config, run: RunSpec, seq_len, *, remat, lr_warmup, seed):
+def train_run(name, config, run: RunSpec, seq_len, *, remat, scan_layers, lr_warmup, seed):
     """Trains a fresh ``config`` model (the same initial weights on any mesh) for ``run.steps``
     steps of ``random_rows`` batches, one document per row. Returns the median step time of the
     steps after ``WARMUP``, tokens/s in all and per device, TFLOP/s, the peak memories (module
@@ -118,7 +118,8 @@ def train_run(name, config, run: RunSpec, seq_len, *, remat, lr_warmup, seed):
 
     b = batch(0)
     t0 = time.perf_counter()
-    step = make_train_step(graphdef, tx, shardings, remat=remat).lower(params, opt_state, b).compile()
+    step = make_train_step(graphdef, tx, shardings, remat=remat,
+                           scan_layers=scan_layers).lower(params, opt_state, b).compile()
     compile_s = time.perf_counter() - t0
     progress(f"{name} {run.label}: compiled in {compile_s:.1f} s")
     tokens = run.rows * seq_len
@@ -220,6 +221,8 @@ def parse_args(argv=None):
     ap.add_argument("--compute-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="the layers' compute dtype (weights are float32 either way)")
     ap.add_argument("--remat", action="store_true")
+    ap.add_argument("--scan-layers", action="store_true",
+                    help="the blocks as a lax.scan over stacked parameters (one block to compile)")
     ap.add_argument("--tied", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="a small model, a quick check on a CPU")
     a = ap.parse_args(argv)
@@ -253,15 +256,16 @@ def main():
     configs = {p: model_config(a.preset, p, a.compute_dtype, a.tied, a.tiny) for p in a.preconditioners}
     runs = plan(a)
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {a.compute_dtype} compute, "
-          f"remat={a.remat}, {a.seq_len} tokens a row, lr warm-up {a.lr_warmup} steps; meshes (data, fsdp, "
-          f"tensor); rows/dev: rows per data-parallel device x micro-batches")
+          f"remat={a.remat}, scan_layers={a.scan_layers}, {a.seq_len} tokens a row, lr warm-up "
+          f"{a.lr_warmup} steps; meshes (data, fsdp, tensor); rows/dev: rows per data-parallel "
+          "device x micro-batches")
     print(f"{'model':20s} {'run':18s} {'rows/dev':>8s} {'step ms':>8s} {'tok/s':>9s} {'tok/s/dev':>9s} "
           f"{'TFLOP/s':>7s} {'XLA GiB':>7s} {'alloc GiB':>9s} {'compile s':>9s} {'loss':>7s} {'weak':>6s} "
           f"{'max|dloss|':>10s}", flush=True)
     for p, config in configs.items():
         name = f"{a.preset}/{p}"
-        results = [train_run(name, config, r, a.seq_len, remat=a.remat, lr_warmup=a.lr_warmup, seed=a.seed)
-                   for r in runs]
+        results = [train_run(name, config, r, a.seq_len, remat=a.remat, scan_layers=a.scan_layers,
+                             lr_warmup=a.lr_warmup, seed=a.seed) for r in runs]
         print_model(name, runs, results, a.losses)
 
 

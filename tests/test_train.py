@@ -60,11 +60,16 @@ def test_resume_is_exact(tmp_path):
     assert len(set(whole.losses.values())) == 6
 
 
-def test_remat_and_accumulation_give_the_same_steps():
-    base = loop.train(tiny(**{"run.steps": 3}), console=QUIET).losses
-    other = tiny(**{"run.steps": 3, "run.remat": True, "optim.grad_accum": 2})
-    other = loop.train(other, console=QUIET).losses
-    np.testing.assert_allclose([other[s] for s in (1, 2, 3)], [base[s] for s in (1, 2, 3)], rtol=1e-6)
+def test_remat_accumulation_and_scan_give_the_same_steps():
+    """Two blocks: the per-block loop == remat with two accumulated micro-batches == the scan over
+    the layers (with and without remat): the same three losses."""
+    two = {"run.steps": 3, "model.kwargs.num_layers": 2}
+    base = loop.train(tiny(**two), console=QUIET).losses
+    for changes in ({"run.remat": True, "optim.grad_accum": 2}, {"run.scan_layers": True},
+                    {"run.scan_layers": True, "run.remat": True}):
+        other = loop.train(tiny(**two, **changes), console=QUIET).losses
+        np.testing.assert_allclose([other[s] for s in (1, 2, 3)], [base[s] for s in (1, 2, 3)],
+                                   rtol=1e-6, err_msg=str(changes))
 
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):

@@ -6,7 +6,8 @@ On a (data, fsdp, tensor) = (2, 2, 2) mesh, for OSDN and PGDN: every parameter a
 moment is sharded as train.partitioning's rules say; the compiled train step all-gathers only
 parameters (rank <= 2), never activations such as the [B, T, H, D] inputs of the recurrent op;
 and three training steps give the losses of the same run on one device. The same all-gather
-check for OSDN on the Pallas kernels over packed rows (the step vmaps them). Prints "ok".
+check for OSDN on the Pallas kernels over packed rows (the step vmaps them), its two layers in
+a scan. Prints "ok".
 """
 
 import io
@@ -28,21 +29,21 @@ from train.step import device_batch
 T = 24
 
 
-def config(preconditioner, backbone, mesh, impl="chunked", packed=False):
-    """One layer of width 32; MQAR rows, or (``packed``) tiny_text rows of packed documents, which
-    the train step vmaps over."""
+def config(preconditioner, backbone, mesh, impl="chunked", packed=False, scan=False):
+    """One layer of width 32 (``scan``: two, run as a scan over the layers); MQAR rows, or
+    (``packed``) tiny_text rows of packed documents, which the train step vmaps over."""
     data = (DataSpec(task="tiny_text", params=dict(max_docs_per_row=4, max_doc_len=16, num_documents=50))
             if packed else DataSpec(task="mqar", params=dict(vocab_size=64, num_kv_pairs=4)))
     return ExperimentConfig(
         name=preconditioner,
-        model=ModelSpec(kwargs=dict(num_layers=1, hidden_size=32, num_heads=2, backbone=backbone,
+        model=ModelSpec(kwargs=dict(num_layers=1 + scan, hidden_size=32, num_heads=2, backbone=backbone,
                                     preconditioner=preconditioner, impl=impl, chunk_size=16 if packed else 8,
                                     **(dict(vocab_size=260) if packed else {}))),  # 259 bytes: even
         data=data,
         optim=OptimConfig(warmup_steps=1, peak_lr=1e-2),
         mesh=MeshConfig(*mesh),
         logging=LoggingConfig(progress=False),
-        run=RunConfig(steps=3, batch_size=8, seq_len=T, compute_dtype="float32"))
+        run=RunConfig(steps=3, batch_size=8, seq_len=T, compute_dtype="float32", scan_layers=scan))
 
 
 def check_shardings(setup):
@@ -74,11 +75,12 @@ def check_shardings(setup):
 def check_hlo(setup, cfg):
     """All-gathers of the compiled step: parameters (rank <= 2) and the per-shard partial results
     of the argmax over the vocabulary-sharded logits ([b, T, tensor]); never activations such as
-    the recurrent op's [B, T, H, D] inputs or their chunked [B, N, C, H, D] forms."""
+    the recurrent op's [B, T, H, D] inputs or their chunked [B, N, C, H, D] forms. Unit dims are
+    dropped first (a scan over layers gathers each layer's [1, ...] slice inside the loop)."""
     batch = device_batch(next(iter(build_dataset(data_spec(cfg)))), 1, setup.shardings.batch)
     hlo = setup.train_step.lower(setup.params, setup.opt_state, batch).compile().as_text()
     results = re.findall(r"=\s*(.*?)\s*all-gather(?:-start)?\(", hlo)  # the output shape(s)
-    shapes = [[int(d) for d in dims.split(",") if d]
+    shapes = [[int(d) for d in dims.split(",") if d and int(d) != 1]  # a scanned layer's slice: [1, ...]
               for r in results for dims in re.findall(r"\[([\d,]*)\]", r)]
     assert shapes, "expected FSDP all-gathers of the parameters"
     for shape in shapes:
@@ -99,8 +101,9 @@ def main():
         single = train(config(preconditioner, backbone, (1, 1, 1)), devices=devices[:1], console=quiet).losses
         assert sorted(sharded) == [1, 2, 3]
         np.testing.assert_allclose([sharded[s] for s in (1, 2, 3)], [single[s] for s in (1, 2, 3)], rtol=1e-6)
-    # the Pallas kernels (interpret mode) on vmapped packed rows: partitioned, not all-gathered
-    cfg = config("osgm", "deltanet", (2, 2, 2), impl="pallas", packed=True)
+    # the Pallas kernels (interpret mode) on vmapped packed rows, in a scan over two layers:
+    # partitioned, not all-gathered; each layer's parameters gathered inside the loop
+    cfg = config("osgm", "deltanet", (2, 2, 2), impl="pallas", packed=True, scan=True)
     check_hlo(build(cfg), cfg)
     print("ok")
 

@@ -122,13 +122,16 @@ class LoggingConfig:
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """steps: optimizer updates; batch_size: sequences per update (global, all micro-batches);
-    compute_dtype: activations' dtype (weights stay float32); remat: rematerialise each block."""
+    compute_dtype: activations' dtype (weights stay float32); remat: rematerialise each block;
+    scan_layers: run the blocks as a ``lax.scan`` over their stacked parameters (one block to
+    compile; ``train.step.forward``)."""
 
     seed: int = 42
     steps: int = 1000
     batch_size: int = 8
     seq_len: int = 2048
     remat: bool = False
+    scan_layers: bool = False
     compute_dtype: str = "bfloat16"
 
 

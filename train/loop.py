@@ -92,7 +92,8 @@ def build(cfg: ExperimentConfig, *, devices=None) -> Setup:
     shardings = StepShardings(param_shardings, opt_shardings, drop_mesh_axis(param_shardings, "fsdp"),
                               logical_sharding(mesh, (None, "batch")), NamedSharding(mesh, PartitionSpec()))
     return Setup(mesh, spec, task, model_cfg, graphdef, params, opt_state, shardings,
-                 make_train_step(graphdef, tx, shardings, remat=cfg.run.remat))
+                 make_train_step(graphdef, tx, shardings, remat=cfg.run.remat,
+                                 scan_layers=cfg.run.scan_layers))
 
 
 def train(cfg: ExperimentConfig, *, stop_at: int | None = None, devices=None,
@@ -176,7 +177,7 @@ class Evaluator:
     def __init__(self, cfg: ExperimentConfig, graphdef, shardings: StepShardings, task):
         data = iter(build_dataset(data_spec(cfg, evaluation=True), task=task))
         self.batches = [device_batch(next(data), 1, shardings.batch) for _ in range(cfg.logging.eval_batches)]
-        self.step = make_eval_step(graphdef, shardings)
+        self.step = make_eval_step(graphdef, shardings, scan_layers=cfg.run.scan_layers)
 
     def __call__(self, params) -> dict[str, float]:
         totals = None

@@ -24,9 +24,13 @@ each block's parameters right before the block, so the partitioner never has to 
 gathering weights and gathering activations (activations stay sharded by batch and heads; the
 gradients are reduce-scattered back). remat: each block's forward, gather included, is
 recomputed in the backward pass (``jax.checkpoint`` per block); only the residual stream between
-blocks is kept. The blocks run one by one here (the model's own ``__call__`` loop, with the
-gathers and checkpoints inserted), which keeps sharding out of ``precond_linattn``.
+blocks is kept. The blocks run one by one here (a Python loop, or with ``scan_layers`` a
+``lax.scan`` over their parameters stacked along a new leading axis: one block to compile
+instead of all of them; the gathers and checkpoints inside either), which keeps sharding out of
+``precond_linattn``.
 """
+
+import functools
 
 import dataclasses
 
@@ -87,30 +91,43 @@ def _constrain(tree, shardings, skip=lambda path: False):
     return treedef.unflatten(out)
 
 
-def forward(graphdef, params, batch: dict, *, gathered=None, remat: bool = False):
+def forward(graphdef, params, batch: dict, *, gathered=None, remat: bool = False,
+            scan_layers: bool = False):
     """Logits [b, T, V] (float32) of one micro-batch (``inputs`` [b, T], optional ``cu_seqlens``).
 
     gathered: shardings like ``params`` without the fsdp axis (``StepShardings.gathered``): each
     block's parameters are all-gathered to them just before the block runs (FSDP), the others
     before the forward; None leaves the parameters as they are. remat: each block's forward
-    (gather included) is recomputed in the backward pass."""
+    (gather included) is recomputed in the backward pass. scan_layers: the blocks (all of one
+    structure) run as a ``lax.scan`` over their stacked parameters, the same arithmetic."""
     if gathered is not None:
         params = _constrain(params, gathered, skip=lambda p: jax.tree_util.keystr(p).startswith("['layers']"))
     model = nnx.merge(graphdef, params)
 
-    def apply_block(i, block, h, cu_seqlens):
-        block_graphdef, state = nnx.split(block)
-        shardings = None if gathered is None else gathered["layers"][i]
+    def run_blocks(layers, h, cu_seqlens):
+        block_graphdef = nnx.split(layers[0])[0]
+        states = [nnx.split(block)[1] for block in layers]
+        shardings = [None if gathered is None else gathered["layers"][i] for i in range(len(states))]
 
-        def run(state, h):
+        def run(shardings, state, h):
             if shardings is not None:
                 state = _constrain(state, shardings)
             return nnx.merge(block_graphdef, state)(h, cu_seqlens=cu_seqlens)
 
-        return (jax.checkpoint(run) if remat else run)(state, h)
+        def block(shardings):
+            f = functools.partial(run, shardings)
+            return jax.checkpoint(f) if remat else f
+
+        if scan_layers:
+            body = block(shardings[0])  # every block's parameters are sharded alike
+            stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+            return jax.lax.scan(lambda h, state: (body(state, h), None), h, stacked)[0]
+        for state, s in zip(states, shardings):
+            h = block(s)(state, h)
+        return h
 
     def apply(tokens, cu_seqlens):
-        return model(tokens, cu_seqlens=cu_seqlens, apply_block=apply_block)
+        return model(tokens, cu_seqlens=cu_seqlens, run_blocks=run_blocks)
 
     if "cu_seqlens" not in batch:
         return apply(batch["inputs"], None)
@@ -118,13 +135,15 @@ def forward(graphdef, params, batch: dict, *, gathered=None, remat: bool = False
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, shardings: StepShardings, *,
-                    remat: bool = False):
+                    remat: bool = False, scan_layers: bool = False):
     """``step(params, opt_state, batch) -> (params, opt_state, metrics)``, jitted with the given
     shardings and the states donated. metrics: loss, accuracy (on supervised tokens), tokens
-    (supervised), grad_norm (of the batch gradient, before clipping)."""
+    (supervised), grad_norm (of the batch gradient, before clipping). remat, scan_layers: as
+    ``forward``'s."""
 
     def micro_loss(params, batch, total):
-        logits = forward(graphdef, params, batch, gathered=shardings.gathered, remat=remat)
+        logits = forward(graphdef, params, batch, gathered=shardings.gathered, remat=remat,
+                         scan_layers=scan_layers)
         sums = token_loss(logits, batch["targets"])
         return sums["nll"] / total, sums
 
@@ -148,12 +167,13 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, shardings: StepS
                    out_shardings=(s.params, s.opt, s.replicated), donate_argnums=(0, 1))
 
 
-def make_eval_step(graphdef, shardings: StepShardings):
+def make_eval_step(graphdef, shardings: StepShardings, *, scan_layers: bool = False):
     """``eval_step(params, batch) -> token_loss sums`` for a batch of one micro-batch [1, b, ...]."""
 
     def step(params, batch):
         micro = jax.tree.map(lambda x: x[0], batch)
-        return token_loss(forward(graphdef, params, micro, gathered=shardings.gathered), micro["targets"])
+        logits = forward(graphdef, params, micro, gathered=shardings.gathered, scan_layers=scan_layers)
+        return token_loss(logits, micro["targets"])
 
     s = shardings
     return jax.jit(step, in_shardings=(s.params, s.batch), out_shardings=s.replicated)

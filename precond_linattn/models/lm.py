@@ -84,15 +84,16 @@ class LanguageModel(nnx.Module):
         return jnp.matmul(h, w.astype(h.dtype), preferred_element_type=jnp.float32)
 
     def __call__(self, tokens: Int[Array, "b t"], *, cu_seqlens=None,
-                 apply_block=None) -> Float[Array, "b t v"]:
+                 run_blocks=None) -> Float[Array, "b t v"]:
         """Logits [B, T, vocab] (float32); ``cu_seqlens`` (B = 1): packed documents.
 
-        apply_block(i, block, h, cu_seqlens) -> h replaces ``block(h, cu_seqlens=...)`` for every
-        block i (a hook for training: parameter gathers, rematerialisation)."""
+        run_blocks(layers, h, cu_seqlens) -> h replaces the loop ``h = block(h, cu_seqlens=...)``
+        over the blocks (a hook for training: parameter gathers, rematerialisation, a scan)."""
         h = self.embeddings(tokens)
-        for i, block in enumerate(self.layers):
-            h = (apply_block(i, block, h, cu_seqlens) if apply_block
-                 else block(h, cu_seqlens=cu_seqlens))
+        if run_blocks is not None:
+            return self.logits(run_blocks(self.layers, h, cu_seqlens))
+        for block in self.layers:
+            h = block(h, cu_seqlens=cu_seqlens)
         return self.logits(h)
 
     def prefill(self, tokens: Int[Array, "b t"], *, cu_seqlens=None):
