@@ -219,9 +219,8 @@ def variant(v):
     ``Options.parallel_precision`` = P, e.g. ptf32, pbf16; kN: ``Options.block_k`` = N; sN:
     ``Options.serial_block_v`` = N; hbf16 / h32: ``Options.state_dtype`` = "bfloat16" /
     "float32"; wbf16: ``Options.wy_dtype`` = "bfloat16"; qP: ``Options.serial_precision`` = P;
-    oserial / dserial:
-    ``Options.output_in_serial`` / ``dout_in_serial``, which ``breakdown`` ignores: it times the
-    separate kernels). Unnamed options keep their defaults."""
+    oserial / dserial: ``Options.output_in_serial`` / ``dout_in_serial``, which ``breakdown``
+    ignores: it times the separate kernels). Unnamed options keep their defaults."""
     f = v.split("/")
     flags = [t for t in f[3:] if not t.isdigit()]
     block_k = [int(t[1:]) for t in flags if t[0] == "k" and t[1:].isdigit()]

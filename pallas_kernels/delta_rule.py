@@ -124,9 +124,10 @@ class _Config:
 
     @property
     def sdots(self) -> Dots:
-        """The split pipeline's serial passes' dots (``Options.serial_precision``)."""
+        """The recurrence kernels' dots: the split pipeline's serial passes take
+        ``Options.serial_precision`` when set; otherwise (and the fused kernels) ``dots``."""
         p = self.options.serial_precision
-        return self.dots if p is None else Dots(p, self.dots.interpret)
+        return self.dots if p is None or not self.options.split else Dots(p, self.dots.interpret)
 
 
 def supports(*, K: int, V: int, dtype, decay) -> bool:
@@ -273,8 +274,7 @@ def _forward(cfg, q, k, kw, v, beta, gamma, init, doc, first, last, store_states
     saved = ("b h c k v",) + (("b h t v",) if o.split else ())  # states (and R) for the backward
     out_axes = ("b t h v", "n h k v") + (saved if store_states else ())
     return _kernel_call(cfg, kernel, args, axes, out_axes, chunk=cfg.chunk, scale=cfg.scale,
-                        num_docs=cfg.num_docs, block_v=o.block_v,
-                        dots=cfg.sdots if o.split else cfg.dots,
+                        num_docs=cfg.num_docs, block_v=o.block_v, dots=cfg.sdots,
                         num_warps=o.num_warps, num_stages=o.num_stages, store_states=store_states,
                         **static)
 
@@ -307,8 +307,7 @@ def _core_bwd(cfg, res, cts):
                 "n h k v")
     dW, dU, dkw, dq, dP, dgc, dinit = _kernel_call(
         cfg, split_backward if o.split else delta_bwd, args, axes, out_axes, chunk=cfg.chunk,
-        scale=cfg.scale, block_v=o.block_v, dots=cfg.sdots if o.split else cfg.dots,
-        num_warps=o.num_warps,
+        scale=cfg.scale, block_v=o.block_v, dots=cfg.sdots, num_warps=o.num_warps,
         num_stages=o.num_stages, **(dict(pdots=cfg.pdots, block_k=o.block_k,
                                          serial_block_v=o.serial_block_v,
                                          state_dtype=jnp.dtype(o.state_dtype),

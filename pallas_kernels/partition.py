@@ -132,7 +132,7 @@ def _partitioned(fn, args, in_axes, out_axes, free):
     @call.def_vmap
     def _vmapped(axis_size, in_batched, *xs):
         del axis_size
-        mapped = f"v{sum(n.startswith('v') for n in free)}"  # a fresh factor per vmap level
+        mapped = f"v{len(free)}"  # fresh: each vmap level adds one factor to ``free``
         vfn = jax.vmap(fn, in_axes=tuple(0 if b else None for b in in_batched))
         outs = _partitioned(vfn, xs, [f"{mapped} {a}" if b else a for a, b in zip(in_axes, in_batched)],
                             [f"{mapped} {a}" for a in out_axes], free | {mapped})

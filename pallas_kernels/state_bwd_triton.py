@@ -28,11 +28,16 @@ from pallas_kernels.state_fwd_triton import check_inputs, chunk_specs, serial_sp
 from pallas_kernels.triton_common import Dots, out_struct
 
 
+def dout_pair(P, q, do, scale, dots):
+    """(A, G) = (scale Pᵀ dO, scale Q'ᵀ dO) of one chunk (float32)."""
+    dO = do.astype(jnp.float32)
+    return scale * dots.tn(P, dO), scale * dots.tn(q, dO)
+
+
 def _dout_kernel(P_ref, q_ref, do_ref, A_ref, G_ref, *, scale, dots):
     """A = scale Pᵀ dO and G = scale Q'ᵀ dO for one chunk and V tile."""
-    dO = do_ref[...].astype(jnp.float32)
-    A_ref[...] = (scale * dots.tn(P_ref[...], dO)).astype(A_ref.dtype)
-    G_ref[...] = (scale * dots.tn(q_ref[...], dO)).astype(G_ref.dtype)
+    A, G = dout_pair(P_ref[...], q_ref[...], do_ref[...], scale, dots)
+    A_ref[...], G_ref[...] = A.astype(A_ref.dtype), G.astype(G_ref.dtype)
 
 
 def _serial_kernel(doc_ref, first_ref, last_ref, W_ref, kw_ref, gc_ref, *refs, chunk, dots,
@@ -50,8 +55,7 @@ def _serial_kernel(doc_ref, first_ref, last_ref, W_ref, kw_ref, gc_ref, *refs, c
             A_ref, G_ref = ins
             return A_ref[rows, :].astype(jnp.float32), G_ref[c].astype(jnp.float32)
         (scale, pdots), (P_ref, q_ref, do_ref) = products, ins
-        dO = do_ref[rows, :].astype(jnp.float32)
-        return scale * pdots.tn(P_ref[rows, :], dO), scale * pdots.tn(q_ref[rows, :], dO)
+        return dout_pair(P_ref[rows, :], q_ref[rows, :], do_ref[rows, :], scale, pdots)
 
     def body(it, dS):
         c = num_chunks - 1 - it

@@ -70,6 +70,11 @@ def serial_specs(nc, Tp, K, BV, N):
         btv=pl.BlockSpec((None, Tp, None, BV), lambda b, h, j: (b, 0, h, j)))
 
 
+def outputs(q, P, S, R, scale, dots):
+    """O = scale (Q' S + P R) of one chunk (float32)."""
+    return scale * (dots.nn(q, S) + dots.nn(P, R))
+
+
 def _serial_kernel(*refs, chunk, dots, has_init, num_chunks, store, output):
     """The chunk recurrence S → Γ_C ⊙ S + K̃'ᵀ (U − W S), storing (``store``) S and R = U − W S
     per chunk; with ``output`` = (scale, output dots) also O = scale (Q' S + P R) per chunk, off
@@ -94,8 +99,8 @@ def _serial_kernel(*refs, chunk, dots, has_init, num_chunks, store, output):
             R_ref[rows, :] = R.astype(R_ref.dtype)
         if output:
             scale, odots = output
-            o = scale * (odots.nn(q_ref[rows, :], S) + odots.nn(P_ref[rows, :], R))
-            o_ref[rows, :] = o.astype(o_ref.dtype)
+            o_ref[rows, :] = outputs(q_ref[rows, :], P_ref[rows, :], S, R, scale,
+                                     odots).astype(o_ref.dtype)
         S = gc_ref[c, :][:, None] * S + dots.tn(kw_ref[rows, :], R)
 
         @pl.when(last != 0)
@@ -109,8 +114,8 @@ def _serial_kernel(*refs, chunk, dots, has_init, num_chunks, store, output):
 
 def _output_kernel(q_ref, P_ref, S_ref, R_ref, o_ref, *, scale, dots):
     """O = scale (Q' S + P R) for one chunk and V tile."""
-    o = scale * (dots.nn(q_ref[...], S_ref[...]) + dots.nn(P_ref[...], R_ref[...]))
-    o_ref[...] = o.astype(o_ref.dtype)
+    o_ref[...] = outputs(q_ref[...], P_ref[...], S_ref[...], R_ref[...], scale,
+                         dots).astype(o_ref.dtype)
 
 
 def state_pass(W, U, kw, gc, initial_state, doc, first, last, *, chunk, num_docs, block_v,

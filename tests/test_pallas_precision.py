@@ -65,7 +65,7 @@ def test_bf16_parallel_dots_within_fla_bars(rand, decay):
     the gradients move by more than 1e-4). ``wy_dtype="bfloat16"`` (W, U, K̃', Q', P stored in
     bf16 by ``wy_fwd``) and ``serial_precision="bf16"`` (the state and R rounded to bf16 at the
     serial passes' dots) within the bars too, their final states moved (the options are used)."""
-    fast, default, exact, *bf16_storage, ref = kernel_runs(
+    fast, default, exact, *bf16_options, ref = kernel_runs(
         rand, decay, 3, Options(parallel_precision="bf16"), Options(),
         Options(parallel_precision="tf32"), Options(wy_dtype="bfloat16"),
         Options(serial_precision="bf16"))
@@ -73,7 +73,7 @@ def test_bf16_parallel_dots_within_fla_bars(rand, decay):
         assert bool(jnp.all(a == b))
     assert_within_fla_bars(fast, ref)
     assert max(rel_rms(fast[2][n], exact[2][n]) for n in ref[2]) > 1e-4
-    for got in bf16_storage:
+    for got in bf16_options:
         assert_within_fla_bars(got, ref)
         assert rel_rms(got[1], default[1]) > 1e-4
 

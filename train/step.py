@@ -30,9 +30,8 @@ instead of all of them; the gathers and checkpoints inside either), which keeps 
 ``precond_linattn``.
 """
 
-import functools
-
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
