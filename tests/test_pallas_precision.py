@@ -1,7 +1,7 @@
-"""``Options.parallel_precision``: bf16 dots in the split pipeline's chunk-parallel kernels
-(outputs, dO products, per-chunk cotangents, WY pullback), the default for 16-bit inputs, checked
-against the chunked reference in interpret mode on CPU, where the rounding of the operands to
-bf16 is reproduced (and "tf32" dots are exact float32)."""
+"""The kernels' 16-bit fast paths (``Options.parallel_precision`` bf16 dots, ``state_dtype``,
+``wy_dtype`` and ``serial_precision``), checked against the float32 token-by-token reference
+with FLA's bars in interpret mode on CPU, where the rounding of the operands and the stored
+tensors to bf16 is reproduced (and "tf32" dots are exact float32)."""
 
 import functools
 
@@ -31,7 +31,7 @@ def outputs_and_grads(f, x, key):
 
 def kernel_runs(rand, decay, seed, *options):
     """(o, final, gradients) for random cotangents of the kernel under each of ``options`` and
-    of the float32 chunked reference (last), on bf16 inputs with an initial state."""
+    of the float32 token-by-token reference (last), on bf16 inputs with an initial state."""
     x = rand.delta_inputs(B, T, H, K, V, decay=decay, dtype=jnp.bfloat16)
     x = {n: a for n, a in x.items() if a is not None}
     x["s0"] = rand.normal(B, H, K, V)
@@ -43,7 +43,7 @@ def kernel_runs(rand, decay, seed, *options):
     def reference(x):
         return pla.delta_rule(x["q"], x["k"], x["v"], x["beta"], write_key=x["write_key"],
                               log_decay=x.get("log_decay"), initial_state=x["s0"],
-                              output_final_state=True, impl="chunked")
+                              output_final_state=True, impl="reference")
 
     key = jax.random.key(seed)
     fs = [functools.partial(kernel, o) for o in options] + [reference]
@@ -61,8 +61,8 @@ def assert_within_fla_bars(got, ref):
 def test_bf16_parallel_dots_within_fla_bars(rand, decay):
     """bf16 inputs: the default is bf16 parallel dots (equal to asking for them); outputs, final
     state and every gradient within FLA's bf16 bars (relative RMS 6e-3 / 8e-3) of the float32
-    chunked reference, and different from float32 parallel dots (the option reaches the kernels:
-    the gradients move by more than 1e-4). ``wy_dtype="bfloat16"`` (W, U, K̃', Q', P stored in
+    token-by-token reference, and different from float32 parallel dots (the option reaches the
+    kernels: the gradients move by more than 1e-4). ``wy_dtype="bfloat16"`` (W, U, K̃', Q', P stored in
     bf16 by ``wy_fwd``) and ``serial_precision="bf16"`` (the state and R rounded to bf16 at the
     serial passes' dots) within the bars too, their final states moved (the options are used)."""
     fast, default, exact, *bf16_options, ref = kernel_runs(
@@ -81,8 +81,8 @@ def test_bf16_parallel_dots_within_fla_bars(rand, decay):
 def test_bf16_state_storage_within_fla_bars(rand):
     """bf16 inputs: the default stores the per-chunk states, R, dR and dO products in bf16 (equal
     to asking for ``state_dtype="bfloat16"``); per-channel decay: outputs, final state and every
-    gradient within FLA's bars of the float32 chunked reference and close to float32 storage
-    (the parallel kernels round those tensors at their bf16 dots already; the serial backward
+    gradient within FLA's bars of the float32 token-by-token reference and close to float32
+    storage (the parallel kernels round those tensors at their bf16 dots already; the serial backward
     adds its dO products in bf16), yet not equal to it (the option reaches the kernels).
     ``wy_dtype="bfloat16"`` from ``wy_vector_fwd`` or cast from the plain-JAX WY step
     (``vector_wy="xla"``) within the bars too, final state moved."""
