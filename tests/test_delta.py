@@ -126,3 +126,23 @@ def test_long_vector_decay_does_not_overflow(rand):
     o, _ = pla.delta_rule(inp["q"], inp["k"], inp["v"], inp["beta"], write_key=inp["write_key"],
                           log_decay=inp["log_decay"], impl="chunked", chunk_size=64)
     assert np.isfinite(np.asarray(o)).all() and rel_err(o, o_ref) <= 1e-5
+
+
+def test_chunk_layout_maps_are_gathers_with_exact_transposes(rand):
+    """to_chunks / from_chunks of packed documents (one token after the last document): round
+    trip, each map's VJP is the other map (fill 0), and no pass holds a scatter (on a GPU, XLA's
+    transpose of a gather, a scatter-add, costs atomics)."""
+    from precond_linattn.varlen import chunk_layout, from_chunks, to_chunks
+    cu = jnp.asarray([0, 5, 22, 36], jnp.int32)  # T = 37: token 36 belongs to no document
+    layout = chunk_layout(1, 37, 8, cu)
+    x = rand.normal(1, 37, 2, 3)
+    y, to_vjp = jax.vjp(lambda x: to_chunks(x, layout, fill=7.0), x)
+    assert jnp.all(jnp.where(layout.index[..., None, None] == 37, y == 7.0, True))
+    x_back = from_chunks(y, layout)
+    assert jnp.array_equal(x_back[:, :36], x[:, :36]) and jnp.all(x_back[:, 36] == 0)
+    dy = rand.normal(*y.shape)
+    np.testing.assert_array_equal(to_vjp(dy)[0], from_chunks(dy, layout))
+    _, from_vjp = jax.vjp(lambda y: from_chunks(y, layout), y)
+    np.testing.assert_array_equal(from_vjp(x)[0], to_chunks(x, layout))
+    for f, arg in ((to_vjp, dy), (from_vjp, x)):
+        assert "scatter" not in jax.jit(f).lower(arg).as_text()
