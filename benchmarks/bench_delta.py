@@ -1,7 +1,7 @@
 """Device benchmark of delta_rule(impl="pallas"): exactness checks, then timings, in one run.
 
     PYTHONPATH=. python3 benchmarks/bench_delta.py [--shape B T H D] [--budget-s 420]
-        [--sections checks,packed,time,jla,chunked,breakdown] [--check-dtypes bf16,fp32]
+        [--sections checks,packed,time,rows,jla,chunked,breakdown] [--check-dtypes bf16,fp32]
         [--variants auto/64/4,auto/64/4/fused]
         # a variant: precision/block_v/num_warps[/num_stages][/fused][/recompute][/vxla]
         #            [/pP][/kN][/sN][/hbf16|/h32][/wbf16][/qP][/oserial][/dserial]   (see ``variant``)
@@ -12,7 +12,9 @@ and the gradients of every input, relative RMS error ‖a − b‖ / ‖b‖; ba
 final state) and 8e-3 (gradients), fp32 1e-4. Timings: median wall time of ``--reps`` calls after
 warm-up (``jax.block_until_ready``), forward and forward+backward (gradients of every input), for
 the DeltaNet, GDN and KDA cores with a separate write key; jax-linear-attention's symmetric-key
-Mosaic GPU kernels at the same shape when the ``jla`` package imports (carry its wheel, see
+Mosaic GPU kernels at the same shape when the ``jla`` package imports; ``rows``: the first
+variant's op as the train step runs packed rows (``jax.vmap`` over rows, each a [1, T] sequence
+with ``cu_seqlens`` [0, T]: the same arithmetic as the dense batch) (carry its wheel, see
 benchmarks/NOTES.md). ``breakdown`` times the pieces of the split pipeline per core. Prints JSON
 lines as it goes and one table at the end; records go to benchmarks/RESULTS.md.
 """
@@ -67,6 +69,15 @@ def op(impl, options=None, cu_seqlens=None):  # noqa: D103
                               log_decay=x.get("g"), initial_state=x.get("s0"),
                               output_final_state=True, cu_seqlens=cu_seqlens, impl=impl)
     return f
+
+
+def rows_op(f, T):
+    """``f`` (an ``op(..., cu_seqlens=[0, T])``) vmapped over the batch rows as [1, T] sequences,
+    as ``train.step`` runs packed rows: (o [B, T, H, V], finals [B, 1, H, K, V])."""
+    def one(row):
+        o, final = f({n: a[None] for n, a in row.items()})
+        return o[0], final
+    return lambda x: jax.vmap(one)(x)
 
 
 POISON_GIB = [4.0]
@@ -272,7 +283,7 @@ def jla_ops():
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", type=int, nargs=4, default=(8, 2048, 8, 128))
-    p.add_argument("--sections", default="checks,packed,time,jla,chunked,breakdown")
+    p.add_argument("--sections", default="checks,packed,time,rows,jla,chunked,breakdown")
     p.add_argument("--check-dtypes", default="bf16,fp32")
     p.add_argument("--variants", default="auto/64/4,auto/64/4/fused",
                    help="kernel options precision/block_v/num_warps[/num_stages]"
@@ -323,7 +334,10 @@ def main():
                              op("chunked", cu_seqlens=cu), x, kc, jnp.bfloat16)
             results.append(guarded("check packed", packed))
         jobs = [(f"pallas[{tag}] {core}", op("pallas", opt), core) for core in DECAYS]
-        if n_variant == 0:  # the others' kernels, once: jax-linear-attention, then the chunked form
+        if n_variant == 0:  # once: packed rows, jax-linear-attention, the chunked form
+            cu = jnp.asarray([0, T], jnp.int32)
+            jobs += [(f"pallas[{tag}] {core} rows", rows_op(op("pallas", opt, cu), T), core)
+                     for core in DECAYS if "rows" in sections]
             jobs += [(f"jla {core} (k̃ = k)", core, core) for core in DECAYS if "jla" in sections]
             jobs += [(f"chunked {core}", op("chunked"), core) for core in DECAYS
                      if "chunked" in sections]

@@ -1,11 +1,16 @@
 """Training throughput of the 340M presets (issues 6 and 7): the jitted, donated train step of
-``train.step`` (AdamW, fp32 weights, bf16 compute) on random tokens, one document a row, 8 x 2048
+``train.step`` (AdamW, fp32 weights, bf16 compute) on random tokens, one sequence a row, 8 x 2048
 tokens per data-parallel device by default; 2 warm-up steps, then the median step time of
 ``--steps``; the step's peak device memory. Progress goes to stderr every ~10 % of a run's steps.
 
     python benchmarks/bench_train.py [--preconditioners none osgm] [--remat] [--scan-layers] [--tied]
+        [--packed]  # rows as packed documents: cu_seqlens [0, T] each, the ops vmapped over rows
         [--mesh DATA FSDP TENSOR [--mesh ...]]  # --batch rows per data-parallel device
         [--losses N] [--compare-mesh DATA FSDP TENSOR [--no-parity]]
+
+Rows are plain [b, T] sequences as in the anchors' runs; ``--packed`` passes each row's document
+boundaries (one document a row) so the step takes the packed-documents path of a text corpus
+(``train.step``: each row a [1, T] sequence with ``cu_seqlens`` under ``jax.vmap``).
 
 The anchors' shape is FLA's DeltaNet-340M: untied embeddings, 374.4M parameters (the default).
 
@@ -90,12 +95,13 @@ class RunSpec:
         return f"{self.kind} {','.join(map(str, self.mesh))}{batch}"
 
 
-def train_run(name, config, run: RunSpec, seq_len, *, remat, scan_layers, lr_warmup, seed):
+def train_run(name, config, run: RunSpec, seq_len, *, remat, scan_layers, packed, lr_warmup, seed):
     """Trains a fresh ``config`` model (the same initial weights on any mesh) for ``run.steps``
-    steps of ``random_rows`` batches, one document per row. Returns the median step time of the
-    steps after ``WARMUP``, tokens/s in all and per device, TFLOP/s, the peak memories (module
-    docstring), the compile time and the loss of every step (before its update). Prints ``name``,
-    the step, its loss and the tokens/s since the last such line to stderr every ~10 % of steps."""
+    steps of ``random_rows`` batches (with ``packed``, each row one document of a packed batch).
+    Returns the median step time of the steps after ``WARMUP``, tokens/s in all and per device,
+    TFLOP/s, the peak memories (module docstring), the compile time and the loss of every step
+    (before its update). Prints ``name``, the step, its loss and the tokens/s since the last such
+    line to stderr every ~10 % of steps."""
     n_dev = math.prod(run.mesh)
     mesh = make_mesh(*run.mesh, devices=jax.devices()[:n_dev])
     tx = make_optimizer(osdn_recipe(SCHEDULE_STEPS, warmup_steps=lr_warmup))
@@ -112,8 +118,9 @@ def train_run(name, config, run: RunSpec, seq_len, *, remat, scan_layers, lr_war
 
     def batch(step):
         tokens = random_rows(seed, step, first_row, local_rows, config.vocab_size, seq_len)
-        rows = dict(inputs=tokens[:, :-1], targets=tokens[:, 1:],
-                    cu_seqlens=np.tile(np.int32([0, seq_len]), (local_rows, 1)))
+        rows = dict(inputs=tokens[:, :-1], targets=tokens[:, 1:])
+        if packed:
+            rows["cu_seqlens"] = np.tile(np.int32([0, seq_len]), (local_rows, 1))
         return device_batch(rows, run.micro_batches, shardings.batch)
 
     b = batch(0)
@@ -224,6 +231,8 @@ def parse_args(argv=None):
     ap.add_argument("--scan-layers", action="store_true",
                     help="the blocks as a lax.scan over stacked parameters (one block to compile)")
     ap.add_argument("--tied", action="store_true")
+    ap.add_argument("--packed", action="store_true",
+                    help="rows as packed documents (cu_seqlens, the ops vmapped over rows)")
     ap.add_argument("--tiny", action="store_true", help="a small model, a quick check on a CPU")
     a = ap.parse_args(argv)
     a.mesh = [tuple(m) for m in a.mesh or [(1, 1, 1)]]
@@ -256,7 +265,8 @@ def main():
     configs = {p: model_config(a.preset, p, a.compute_dtype, a.tied, a.tiny) for p in a.preconditioners}
     runs = plan(a)
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {a.compute_dtype} compute, "
-          f"remat={a.remat}, scan_layers={a.scan_layers}, {a.seq_len} tokens a row, lr warm-up "
+          f"remat={a.remat}, scan_layers={a.scan_layers}, packed={a.packed}, {a.seq_len} tokens a "
+          f"row, lr warm-up "
           f"{a.lr_warmup} steps; meshes (data, fsdp, tensor); rows/dev: rows per data-parallel "
           "device x micro-batches")
     print(f"{'model':20s} {'run':18s} {'rows/dev':>8s} {'step ms':>8s} {'tok/s':>9s} {'tok/s/dev':>9s} "
@@ -265,7 +275,7 @@ def main():
     for p, config in configs.items():
         name = f"{a.preset}/{p}"
         results = [train_run(name, config, r, a.seq_len, remat=a.remat, scan_layers=a.scan_layers,
-                             lr_warmup=a.lr_warmup, seed=a.seed) for r in runs]
+                             packed=a.packed, lr_warmup=a.lr_warmup, seed=a.seed) for r in runs]
         print_model(name, runs, results, a.losses)
 
 
