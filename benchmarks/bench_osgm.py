@@ -1,10 +1,9 @@
 """Device benchmark of osgm_precondition(impl="pallas") (OSDN phase 1): checks, then timings.
 
     PYTHONPATH=. python3 benchmarks/bench_osgm.py [--shape B T H K] [--budget-s 100]
-        [--sections checks,time,osdn] [--variants 4/1,2/1/4,2/1/4/scalar,2/1/8/blocked]
-        # kernel options prefetch/num_warps[/unroll][/scalar][/blocked]: prefetch in loop
-        # iterations (groups of ``unroll`` tokens), ``scalar``: Options.scalar_aux, ``blocked``:
-        # Options.blocked (one group solve per ``unroll`` tokens; flags in any order)
+        [--sections checks,time,osdn] [--variants 4/1,2/1/4,2/1/4/scalar]
+        # kernel options prefetch/num_warps[/unroll][/scalar]: prefetch in loop iterations (groups
+        # of ``unroll`` tokens), ``scalar``: Options.scalar_aux
 
 Checks (fresh random inputs; device memory filled with NaN before each run): pallas vs the
 token-by-token reference, k̃, final d and the gradients of k, β, r and d_1 for a random
@@ -53,20 +52,15 @@ def phase1(impl, eta=0.003, beta_aware=True, apf=True, options=None):
     return f
 
 
-FLAGS = ("scalar", "blocked")  # variant flags: Options.scalar_aux, Options.blocked
-
-
 def variant(text):
-    """``Options`` from "prefetch/num_warps[/unroll][/scalar][/blocked]" (e.g. "4/1",
-    "2/1/4/scalar", "2/1/8/blocked")."""
+    """``Options`` from "prefetch/num_warps[/unroll][/scalar]" (e.g. "4/1", "2/1/4/scalar")."""
     parts = text.split("/")
-    numbers = [p for p in parts if p not in FLAGS]
-    flags = parts[len(numbers):]
-    if (not 2 <= len(numbers) <= 3 or not all(n.isdigit() for n in numbers)
-            or parts[:len(numbers)] != numbers or len(set(flags)) != len(flags)):
-        raise ValueError("--variants entries are prefetch/num_warps[/unroll][/scalar][/blocked], "
-                         f"got {text!r}")
-    return Options(*map(int, numbers), scalar_aux="scalar" in flags, blocked="blocked" in flags)
+    scalar = parts[-1] == "scalar"
+    numbers = parts[:-1] if scalar else parts
+    if not 2 <= len(numbers) <= 3 or not all(n.isdigit() for n in numbers):
+        raise ValueError("--variants entries are prefetch/num_warps[/unroll][/scalar], got "
+                         f"{text!r}")
+    return Options(*map(int, numbers), scalar_aux=scalar)
 
 
 def check(name, f_kernel, f_ref, x, key, dtype):
@@ -108,7 +102,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", type=int, nargs=4, default=(8, 2048, 8, 128))
     p.add_argument("--sections", default="checks,time,osdn")
-    p.add_argument("--variants", default="2/1/8,2/1/8/blocked,2/1/8/scalar,4/1,2/1/4,1/1/8")
+    p.add_argument("--variants", default="2/1/8,2/1/8/scalar,4/1,2/1/4,1/1/8")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--budget-s", type=float, default=100)
     a = p.parse_args()

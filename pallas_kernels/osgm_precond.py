@@ -5,9 +5,7 @@ exact clip, no host synchronisation). Backward (exact): under differentiation th
 writes every d_t (float32, kept as the residual; k̃ = d ⊙ k is formed from it), then the reverse
 kernel propagates λ = ∂L/∂d through the clipped recurrence and emits the cotangents of k, β, r
 and the initial state. The clip's derivative is that of ``reference.osgm.clip_box`` (0 on and
-beyond a bound). ``Options.blocked`` takes each group of ``unroll`` tokens with about one warp
-reduction on its serial chain (the forward by a verified guess with the token loop as in-kernel
-fallback, the backward exactly; only the rounding order differs).
+beyond a bound).
 
 Packed documents (``cu_seqlens``) need no chunk layout: the kernels restart d at each
 document's first token. Head dims are padded to a power of two >= 16 (keys with zeros, the
@@ -36,35 +34,25 @@ from precond_linattn.varlen import segments
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """Kernel tuning (static): how many loop iterations ahead rows are loaded, warps per program,
-    tokens per loop iteration (``unroll``: their d-independent work issued before their serial
-    steps), ``scalar_aux``: the per-token scalars (β, r, document flags) by scalar loads instead
-    of an aux row and masked sums, and ``blocked``: each group of ``unroll`` tokens with about one
-    warp reduction on its serial chain instead of one per token (``osgm_triton``'s docstring: the
-    forward guesses that no coordinate changes side of the clip within the group, solves the
-    group's u's as scalars, verifies, and redoes the group by the exact token loop where the
-    guess failed; the backward is exact without a guess; ~unroll² / 2 more reductions per group,
-    off the chain or issued together). Without ``blocked`` the arithmetic of each token is the
-    same for every setting; with it only the rounding order differs. Defaults from RESULTS run 16
-    (APF phase 1 at 8x2048x8x128: 2 groups ahead, 8 tokens per group: fwd / fwd+bwd 0.65 / 1.49
-    ms vs 1.15 / 3.02 for one token per iteration); ``blocked`` stays off until it is measured on
-    the device."""
+    """Kernel tuning (static; the arithmetic of each token is the same for every setting): how
+    many loop iterations ahead rows are loaded, warps per program, tokens per loop iteration
+    (``unroll``: their d-independent work issued before their serial steps), and ``scalar_aux``:
+    the per-token scalars (β, r, document flags) by scalar loads instead of an aux row and masked
+    sums. Defaults from RESULTS run 16 (APF phase 1 at 8x2048x8x128: 2 groups ahead, 8 tokens per
+    group: fwd / fwd+bwd 0.65 / 1.49 ms vs 1.15 / 3.02 for one token per iteration)."""
 
     prefetch: int = 2
     num_warps: int = 1
     unroll: int = 8
     scalar_aux: bool = False
-    blocked: bool = False
 
     def __post_init__(self):
         for name in ("prefetch", "num_warps", "unroll"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Options.{name} must be a positive int, got {value!r}")
-        for name in ("scalar_aux", "blocked"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise ValueError(f"Options.{name} must be a bool, got {value!r}")
+        if not isinstance(self.scalar_aux, bool):
+            raise ValueError(f"Options.scalar_aux must be a bool, got {self.scalar_aux!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,8 +75,7 @@ def _call(cfg, kernel, args, in_axes, out_axes, **static):
     o = cfg.options
     fn = functools.partial(kernel, hyper=cfg.hyper, beta_aware=cfg.beta_aware, packed=cfg.packed,
                            prefetch=o.prefetch, num_warps=o.num_warps, unroll=o.unroll,
-                           scalar_aux=o.scalar_aux, blocked=o.blocked, interpret=cfg.interpret,
-                           **static)
+                           scalar_aux=o.scalar_aux, interpret=cfg.interpret, **static)
     return sharded_call(lambda *xs: tuple(fn(*xs)), args, in_axes, out_axes,
                         shard_batch=not cfg.packed)
 
@@ -139,18 +126,6 @@ def osgm_pallas(k, beta, retention, eta, d_min, d_max, beta_aware, eps, initial_
     if any(isinstance(x, jax.core.Tracer) for x in hyper):
         raise ValueError("impl='pallas' compiles eta, d_min, d_max and eps into the kernels: pass "
                          "numbers, not traced values (or use impl='chunked')")
-    cfg = _Config(tuple(float(x) for x in hyper), beta_aware, cu_seqlens is not None, options,
-                  interpret_default() if interpret is None else interpret)
-    k_write, final = _scan(cfg, *vary_alike(*kernel_operands(k, beta, retention, initial_state,
-                                                             cu_seqlens)))
-    return k_write[..., :K], final[..., :K]
-
-
-def kernel_operands(k, beta, retention, initial_state, cu_seqlens):
-    """``osgm_fwd``'s (k, aux, initial_state) from ``osgm_pallas``'s arguments: k zero-padded to
-    the kernels' head dim, the aux rows (β, r, document columns), the initial state (ones if None)
-    padded with ones."""
-    B, T, H, K = k.shape
     seg = segments(B, T, cu_seqlens)
     beta = f32(beta)
     columns = {BETA: beta, RET: 1.0 if retention is None else f32(retention)}
@@ -158,4 +133,7 @@ def kernel_operands(k, beta, retention, initial_state, cu_seqlens):
     Kp = pow2_dim(K)
     init = (jnp.ones((seg.num_docs, H, Kp), jnp.float32) if initial_state is None else
             jnp.pad(f32(initial_state), [(0, 0), (0, 0), (0, Kp - K)], constant_values=1.0))
-    return pad_last(k, Kp), aux, init
+    cfg = _Config(tuple(float(x) for x in hyper), beta_aware, cu_seqlens is not None, options,
+                  interpret_default() if interpret is None else interpret)
+    k_write, final = _scan(cfg, *vary_alike(pad_last(k, Kp), aux, init))
+    return k_write[..., :K], final[..., :K]

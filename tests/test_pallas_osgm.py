@@ -8,10 +8,9 @@ from jax.sharding import AbstractDevice, AbstractMesh
 
 import precond_linattn as pla
 from pallas_kernels import REGISTRY
-from pallas_kernels.osgm_precond import Options, kernel_operands, osgm_pallas
-from pallas_kernels.osgm_triton import osgm_fwd
+from pallas_kernels.osgm_precond import Options, osgm_pallas
 from conftest import (assert_close, assert_repeats_bitwise, assert_runs_match,
-                      assert_vmap_matches_loop, fixed_loss_run, rel_err)
+                      assert_vmap_matches_loop, fixed_loss_run)
 
 B, T, H, K = 2, 37, 2, 24
 D_MIN, D_MAX = 0.5, 2.0
@@ -87,17 +86,12 @@ def test_matches_reference(beta_aware, retention, clip):
                       2e-5, grads)
 
 
-BLOCKED = Options(blocked=True)  # 8 tokens per group
-
-
-@pytest.mark.parametrize("impl", ["pallas", BLOCKED])
 @pytest.mark.parametrize("init", ["bounds", "outside"])
-def test_initial_state_on_and_outside_the_box(init, impl):
+def test_initial_state_on_and_outside_the_box(init):
     """Coordinates starting exactly on d_min / d_max (pinned: zero-key coordinates tie with the
-    bound) or outside the box (used unclipped for the first token; blocked: pinned to the bound
-    after it)."""
+    bound) or outside the box (used unclipped for the first token)."""
     x = make_inputs(1, skewed=True, init=init)
-    assert_runs_match(run(impl, x, eta=1.0), run("reference", x, eta=1.0), 2e-5)
+    assert_runs_match(run("pallas", x, eta=1.0), run("reference", x, eta=1.0), 2e-5)
 
 
 def test_default_initial_state():
@@ -207,100 +201,15 @@ def test_unrolled_matches_reference(case, options):
     assert_runs_match(got, run("reference", x, **kw), 2e-5, grads)
 
 
-# Blocked groups (Options.blocked) solve a group's serial chain in another order: only the
-# rounding differs, so they are held to the reference's bar, 2e-5. The forward's guess alone
-# is the kernel's ``verify=False`` (every group keeps it, right or wrong).
-
-
-@pytest.mark.parametrize("case, options", [
-    ("dense", BLOCKED), ("beta-free", Options(unroll=4, blocked=True)), ("packed", BLOCKED),
-    ("packed", Options(unroll=4, scalar_aux=True, blocked=True))])
-def test_blocked_matches_reference(case, options):
-    """T = 37 (a last group of 5 or 1), K = 24 (padded), the clip active (the guess fails in most
-    groups, so the backward's masks change within groups: it has no fallback): k̃, the final d
-    and all gradients within 2e-5 of the reference (the forward without differentiation, k̃ from
-    the kernel: ``test_blocked_fallback_needed``). Packed: groups holding a document's first or
-    last token (the token loop) next to groups without (blocked)."""
-    x, kw = unrolled_case(case, 37)
-    assert clipped_fraction(x, 2.0, cu_seqlens=kw.get("cu_seqlens")) > 0.2
-    grads = ("k", "beta", "initial_state") + (("retention",) if kw.get("retention", True) else ())
-    assert_runs_match(run(options, x, **kw), run("reference", x, **kw), 2e-5, grads)
-
-
-def blocked_forward(x, *, eta, verify, blocked=True, beta_aware=True, retention=True,
-                    emit_d=False):
-    """``osgm_fwd`` with 8-token groups called directly (``verify`` is a kernel argument, not an
-    option): (k̃, or every d_t if ``emit_d``; final d), dense rows, K unpadded."""
-    r = x["retention"] if retention else None
-    k, aux, init = kernel_operands(x["k"], x["beta"], r, x["initial_state"], None)
-    out, final = osgm_fwd(k, aux, init, hyper=(eta, D_MIN, D_MAX, 1e-6), beta_aware=beta_aware,
-                          packed=False, emit_d=emit_d, prefetch=2, num_warps=1, unroll=8,
-                          scalar_aux=False, blocked=blocked, interpret=True, verify=verify)
-    return out[..., :K], final[..., :K]
-
-
-def assert_forward_matches(got, want):
-    """(k̃, final d) within the reference's bar (2e-5) of ``want``'s first two entries."""
-    for a, b, name in zip(got, want, ("k_write", "final state")):
-        assert_close(a, b, 2e-5, name)
-
-
-def test_blocked_exact_without_clip():
-    """Where the clip never acts (unit keys, η = 1, retention in (0.98, 1): every d_t strictly
-    inside the box, yet the couplings of a group's tokens are strong), the forward's guess alone
-    (``verify=False``) is the reference's forward, and the blocked backward (every mask 1)
-    matches: the group solves' algebra is exact, decays and couplings included."""
-    x = make_inputs(10)
-    x["k"] = x["k"] / jnp.linalg.norm(x["k"], axis=-1, keepdims=True)
-    x["retention"] = 1.0 - (1.0 - x["retention"]) / 5
-    d, _ = blocked_forward(x, eta=1.0, verify=True, blocked=False, emit_d=True)
-    assert bool(jnp.all((d > D_MIN) & (d < D_MAX)))
-    want = run("reference", x, eta=1.0)
-    assert_forward_matches(blocked_forward(x, eta=1.0, verify=False), want)
-    assert_runs_match(run(BLOCKED, x, eta=1.0), want, 2e-5)
-
-
-def test_blocked_guess_pinned_from_outside_the_box():
-    """Six coordinates start below or on d_min and stay pinned there, the others stay free (keys
-    ±1/√K: every s_i = 1/K; beta-free; the free d_1 in (1.3, 1.8), so ⟨d, s⟩ > 1 and u < 0
-    throughout): the guess alone (``verify=False``) takes d_1 for the first token and the bound
-    after it, as the reference does."""
-    rng = np.random.default_rng(11)
-    x = make_inputs(11)
-    x["k"] = jnp.asarray(rng.choice([-1.0, 1.0], x["k"].shape) / np.sqrt(K), jnp.float32)
-    x["retention"] = 1.0 - (1.0 - x["retention"]) / 20
-    pinned = np.arange(K) < 6
-    x["initial_state"] = jnp.asarray(np.where(pinned, np.resize([0.2, D_MIN, 0.35], K),
-                                              rng.uniform(1.3, 1.8, (B, H, K))), jnp.float32)
-    kw = dict(eta=0.3, beta_aware=False)
-    d, _ = blocked_forward(x, verify=True, blocked=False, emit_d=True, **kw)
-    assert bool(jnp.all(jnp.where(pinned, d[:, 1:] == D_MIN, (d[:, 1:] > D_MIN) & (d[:, 1:] < D_MAX))))
-    assert_forward_matches(blocked_forward(x, verify=False, **kw),
-                           precondition("reference", x, **kw))
-
-
-@pytest.mark.parametrize("case", ["dense", "beta-free"])
-def test_blocked_fallback_needed(case):
-    """Clip active: the guess alone (``verify=False``) is far off the reference, the verified
-    groups (the token loop where the guess fails) match it."""
-    x, kw = unrolled_case(case, 37)
-    want = precondition("reference", x, **kw)
-    hyper = dict(eta=kw["eta"], beta_aware=kw["beta_aware"], retention=kw["retention"])
-    guess = blocked_forward(x, verify=False, **hyper)
-    assert max(rel_err(a, b) for a, b in zip(guess, want)) > 1e-2
-    assert_forward_matches(blocked_forward(x, verify=True, **hyper), want)
-
-
 @pytest.mark.parametrize("field, value", [("unroll", 0), ("unroll", 2.0), ("prefetch", 0),
-                                          ("scalar_aux", 1), ("blocked", 1)])
+                                          ("scalar_aux", 1)])
 def test_bad_options_raise(field, value):
     with pytest.raises(ValueError, match=f"Options.{field}"):
         Options(**{field: value})
 
 
 @pytest.mark.parametrize("options", [ONE_TOKEN, Options(), Options(unroll=4),
-                                     Options(unroll=3, scalar_aux=True), BLOCKED,
-                                     Options(unroll=3, scalar_aux=True, blocked=True)])
+                                     Options(unroll=3, scalar_aux=True)])
 @pytest.mark.parametrize("packed", [False, True])
 def test_lowers_for_cuda(options, packed):
     """Forward and backward kernels go through the Triton lowering for CUDA (no GPU needed: an
