@@ -150,8 +150,9 @@ def train_run(name, config, run: RunSpec, seq_len, *, remat, scan_layers, packed
                tflops=flops_per_token(config, n) * tokens / t / 1e12,
                xla_gib=getattr(step.memory_analysis(), "peak_memory_in_bytes", math.nan) / 2**30,
                alloc_gib=max(s["peak_bytes_in_use"] for s in stats) / 2**30 if all(stats) else math.nan,
-               compile_s=compile_s, losses=losses)
-    progress(f"{name} {run.label}: " + ", ".join(f"{k} {v:.4g}" for k, v in out.items() if k != "losses"))
+               compile_s=compile_s, losses=losses, packed="cu_seqlens" in b)
+    progress(f"{name} {run.label}: " + ", ".join(f"{k} {v:.4g}" for k, v in out.items()
+                                                  if k not in ("losses", "packed")))
     return out
 
 
@@ -188,6 +189,7 @@ def print_model(model, runs, results, losses):
     parity = {r.rows: res for r, res in zip(runs, results) if r.kind == "parity"}
     summary = dict(model=model, params=results[0]["params"], losses_include_warmup=True,
                    losses={r.label: res["losses"][:losses] for r, res in zip(runs, results)},
+                   packed={r.label: res["packed"] for r, res in zip(runs, results)},
                    weak_scaling={}, max_abs_loss_diff={}, max_rel_loss_diff={})
     for r, res in zip(runs, results):
         eff = diff = math.nan

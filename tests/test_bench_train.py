@@ -62,3 +62,19 @@ def test_data_parallel_and_fsdp_match_one_device_at_the_same_global_batch():
     assert summary["max_rel_loss_diff"]["mesh 2,2,1"] <= 1e-6, losses
     assert summary["weak_scaling"]["mesh 2,2,1"] > 0
     assert losses["weak 1,1,1"][0] != losses["parity 1,1,1 B8"][0]  # 2 rows, not the 8-row batch
+
+
+def test_packed_rows_train_like_dense_rows():
+    """``--packed`` (each row one document: the ops vmapped over [1, T] rows with cu_seqlens)
+    gives the dense rows' losses over three float32 steps, two of them real updates."""
+    def losses(*flags):
+        out = run_python(SCRIPT, "--tiny", "--preconditioners", "osgm", "--seq-len", "64",
+                         "--batch", "2", "--losses", "3", "--steps", "1", "--lr-warmup", "1",
+                         "--compute-dtype", "float32", *flags, timeout=300).stdout
+        summary = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+        assert summary["packed"]["mesh 1,1,1"] == bool(flags)  # the step saw cu_seqlens or not
+        return summary["losses"]["mesh 1,1,1"]
+
+    dense, packed = losses(), losses("--packed")
+    assert len(set(dense)) == 3
+    np.testing.assert_allclose(packed, dense, rtol=1e-6)
