@@ -184,7 +184,7 @@ def plan(a):
 def print_model(model, runs, results, losses):
     """Table rows of one model's runs (the mesh rows with weak-scaling efficiency and max |loss
     difference| when there are compare runs) and its JSON line: the first ``losses`` losses of
-    each run and the two comparisons."""
+    each run, whether its rows were packed, and the two comparisons."""
     weak = next((res for r, res in zip(runs, results) if r.kind == "weak"), None)
     parity = {r.rows: res for r, res in zip(runs, results) if r.kind == "parity"}
     summary = dict(model=model, params=results[0]["params"], losses_include_warmup=True,
