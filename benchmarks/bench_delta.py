@@ -291,6 +291,8 @@ def main():
                         "--check-dtypes")
     p.add_argument("--check-all-variants", action="store_true",
                    help="also check the other variants (bf16); by default only the first")
+    p.add_argument("--cores", default=",".join(DECAYS),
+                   help="cores whose ops the time section times (pallas, rows, jla, chunked)")
     p.add_argument("--breakdown-cores", default=",".join(DECAYS),
                    help="cores whose kernels ``breakdown`` times, for every variant")
     p.add_argument("--reps", type=int, default=20)
@@ -301,6 +303,9 @@ def main():
     POISON_GIB[0] = a.poison_gib
     B, T, H, D = a.shape
     sections = a.sections.split(",")
+    cores = a.cores.split(",")
+    if not set(cores) <= set(DECAYS):
+        p.error(f"--cores takes {', '.join(DECAYS)}, got {a.cores}")
     dev = jax.devices()[0]
     print(json.dumps(dict(device=dev.device_kind, jax=jax.__version__, shape=a.shape,
                           date=time.strftime("%Y-%m-%d %H:%M"))), flush=True)
@@ -333,13 +338,13 @@ def main():
                 return check(f"gdn bf16 {tag} packed T=5000, 4 docs", op("pallas", opt, cu),
                              op("chunked", cu_seqlens=cu), x, kc, jnp.bfloat16)
             results.append(guarded("check packed", packed))
-        jobs = [(f"pallas[{tag}] {core}", op("pallas", opt), core) for core in DECAYS]
+        jobs = [(f"pallas[{tag}] {core}", op("pallas", opt), core) for core in cores]
         if n_variant == 0:  # once: packed rows, jax-linear-attention, the chunked form
             cu = jnp.asarray([0, T], jnp.int32)
             jobs += [(f"pallas[{tag}] {core} rows", rows_op(op("pallas", opt, cu), T), core)
-                     for core in DECAYS if "rows" in sections]
-            jobs += [(f"jla {core} (k̃ = k)", core, core) for core in DECAYS if "jla" in sections]
-            jobs += [(f"chunked {core}", op("chunked"), core) for core in DECAYS
+                     for core in cores if "rows" in sections]
+            jobs += [(f"jla {core} (k̃ = k)", core, core) for core in cores if "jla" in sections]
+            jobs += [(f"chunked {core}", op("chunked"), core) for core in cores
                      if "chunked" in sections]
         for label, f, core in jobs if "time" in sections else ():
             timings.append(guarded(f"time {label}", lambda: time_op(
