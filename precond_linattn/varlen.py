@@ -68,7 +68,7 @@ def chunk_layout(batch: int, length: int, chunk: int, cu_seqlens=None) -> ChunkL
                            length, chunk, batch)
     cu = jnp.asarray(cu_seqlens, jnp.int32)
     n = cu.shape[0] - 1
-    nc_max = length // chunk + n  # >= sum_i ceil(len_i / C)
+    nc_max = (length + n * (chunk - 1)) // chunk  # >= sum_i ceil(len_i / C), sum_i len_i <= T
     chunks_per_doc = (cu[1:] - cu[:-1] + chunk - 1) // chunk
     chunk_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(chunks_per_doc)])
     c = jnp.arange(nc_max)

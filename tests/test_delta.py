@@ -146,3 +146,15 @@ def test_chunk_layout_maps_are_gathers_with_exact_transposes(rand):
     np.testing.assert_array_equal(from_vjp(x)[0], to_chunks(x, layout))
     for f, arg in ((to_vjp, dy), (from_vjp, x)):
         assert "scatter" not in jax.jit(f).lower(arg).as_text()
+
+
+def test_chunk_layout_is_as_short_as_the_documents_allow():
+    """NC is the bound floor((T + N (C - 1)) / C) on the chunks N documents need: one document
+    of 4 full chunks takes 4 (no spare chunk), five 1-token documents and a 3-chunk one fill the
+    bound exactly, and every document's tokens are in its slots."""
+    from precond_linattn.varlen import chunk_layout
+    assert chunk_layout(1, 64, 16, jnp.asarray([0, 64], jnp.int32)).doc.shape[1] == 4
+    cu = jnp.asarray([0, 1, 2, 3, 4, 5, 53], jnp.int32)  # T = 53: 5 + ceil(48 / 16) = 8 chunks
+    layout = chunk_layout(1, 53, 16, cu)
+    assert layout.doc.shape[1] == (53 + 6 * 15) // 16 == 8
+    assert sorted(np.asarray(layout.index).ravel().tolist())[:53] == list(range(53))
