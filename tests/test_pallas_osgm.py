@@ -173,15 +173,16 @@ def unrolled_case(case, t):
 
 def test_unrolled_bitwise_when_traced_unrolled():
     """Packed documents, T = 11: forward k̃, and under differentiation k̃, the final d and all
-    gradients bitwise those of unroll=1 (unroll 2: last group of 1; the default 8: of 3; unroll
-    4 compiled in ``test_unrolled_matches_reference``)."""
+    gradients bitwise those of unroll=1 for the default 8 tokens a group (a last group of 3, a
+    document boundary inside a group) with scalar aux loads (other unrolls and the row loads
+    compiled in ``test_unrolled_matches_reference``)."""
     x, kw = unrolled_case("packed", 11)
+    options = Options(scalar_aux=True)
     with jax.disable_jit():
         want = precondition(ONE_TOKEN, x, **kw)[0], run(ONE_TOKEN, x, **kw)
-        for options in (Options(unroll=2, scalar_aux=True), Options()):
-            got = precondition(options, x, **kw)[0], run(options, x, **kw)
-            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-                np.testing.assert_array_equal(a, b, err_msg=str(options))
+        got = precondition(options, x, **kw)[0], run(options, x, **kw)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("case, options", [("dense", Options(unroll=4, scalar_aux=True)),
