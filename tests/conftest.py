@@ -19,6 +19,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def pytest_collection_modifyitems(items):
+    """Tests marked ``heavy`` first, the rest in their order: with ``-n 2`` a heavy test collected
+    last would leave one worker running it alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
+
+
 def rel_err(a, b):
     """max |a − b| / max |b| in float64 numpy."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)

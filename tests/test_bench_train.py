@@ -43,6 +43,7 @@ def test_bad_options_name_the_option(argv, message, capsys):
     assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.heavy
 def test_data_parallel_and_fsdp_match_one_device_at_the_same_global_batch():
     """float32 compute with the full learning rate from step 1 on: the losses of the first 3
     steps (two real updates) on the mesh (data 2, fsdp 2) equal one device's with the same 8-row
@@ -64,6 +65,7 @@ def test_data_parallel_and_fsdp_match_one_device_at_the_same_global_batch():
     assert losses["weak 1,1,1"][0] != losses["parity 1,1,1 B8"][0]  # 2 rows, not the 8-row batch
 
 
+@pytest.mark.heavy
 def test_packed_rows_train_like_dense_rows():
     """``--packed`` (each row one document: the ops vmapped over [1, T] rows with cu_seqlens)
     gives the dense rows' losses over three float32 steps, two of them real updates."""

@@ -2,6 +2,7 @@
 
 import nbclient
 import nbformat
+import pytest
 
 from precond_linattn.__main__ import main
 from conftest import ROOT
@@ -16,6 +17,7 @@ def test_preconditioners_notebook_executes():
     assert any(o.output_type == "display_data" and "image/png" in o.data for o in outputs)
 
 
+@pytest.mark.heavy
 def test_main_job_short_run(capsys):
     assert main(["--length", "70", "--head-dim", "8"]) == 0
     out = capsys.readouterr().out

@@ -117,6 +117,7 @@ def test_bf16_inputs(decay):
     assert_runs_match(got, want, 4e-3)
 
 
+@pytest.mark.heavy
 def test_vmap():
     inp = make_inputs(6, decay="channel")
 

@@ -85,6 +85,7 @@ def test_bf16_inputs():
     assert_runs_match(got, want, 4e-3)
 
 
+@pytest.mark.heavy
 def test_vmap_and_checkpoint():
     x = make_inputs(4, "scalar")
 

@@ -121,6 +121,7 @@ def test_bf16_inputs():
     assert_runs_match(got, want, 4e-3)
 
 
+@pytest.mark.heavy
 def test_vmap():
     x = make_inputs(5, skewed=True)
 

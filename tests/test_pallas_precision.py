@@ -57,6 +57,7 @@ def assert_within_fla_bars(got, ref):
         assert rel_rms(got[2][name], ref[2][name]) <= 8e-3, name
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("decay", [None, "scalar"])
 def test_bf16_parallel_dots_within_fla_bars(rand, decay):
     """bf16 inputs: the default resolves to bf16 parallel dots; outputs, final state and every
@@ -76,6 +77,7 @@ def test_bf16_parallel_dots_within_fla_bars(rand, decay):
         assert rel_rms(got[1], default[1]) > 1e-4
 
 
+@pytest.mark.heavy
 def test_bf16_state_storage_within_fla_bars(rand):
     """bf16 inputs: the default stores the per-chunk states, R, dR and dO products in bf16 (it
     resolves to ``state_dtype="bfloat16"``); per-channel decay: outputs, final state and every

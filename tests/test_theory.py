@@ -88,6 +88,7 @@ def test_write_key_equal_to_key_is_plain_backbone(rand, impl, decay):
     np.testing.assert_array_equal(S, S_plain)
 
 
+@pytest.mark.heavy
 @settings(max_examples=15, deadline=None, database=None)
 @given(B=st.integers(1, 2), T_=st.integers(1, 70), H=st.integers(1, 2),
        K_=st.sampled_from([4, 8, 16]), V_=st.sampled_from([3, 8]),

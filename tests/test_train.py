@@ -42,6 +42,7 @@ def tiny(task="mqar", **changes) -> ExperimentConfig:
     return apply_overrides(cfg, [f"{k}={v}" for k, v in changes.items()])
 
 
+@pytest.mark.heavy
 def test_sharded_training_on_8_fake_devices():
     """(2, 2, 2) mesh: parameters sharded by the rules, no activation all-gather in the compiled
     step, losses equal to one device (tests/train_subprocess.py)."""
@@ -60,6 +61,7 @@ def test_resume_is_exact(tmp_path):
     assert len(set(whole.losses.values())) == 6
 
 
+@pytest.mark.heavy
 def test_remat_accumulation_and_scan_give_the_same_steps():
     """Two blocks: the per-block loop == remat with two accumulated micro-batches == the scan over
     the layers (with and without remat): the same three losses."""
@@ -113,6 +115,7 @@ def test_evaluator_draws_once_and_sums_on_device(monkeypatch):
     assert loop.train(tiny(**{"run.steps": 2}), console=QUIET).num_params == count_params(setup.model_config)
 
 
+@pytest.mark.heavy
 def test_main_job_prints_the_accuracy_table(tmp_path):
     """The README's command, shortened to a few steps: the table, then the PNG of the curves."""
     result = run_python("-m", "train", "--config", "configs/mqar_smoke.py", "run.steps=3",
