@@ -11,12 +11,13 @@ an unwritten output element shows): pallas vs the chunked pure-JAX form, outputs
 and the gradients of every input, relative RMS error ‖a − b‖ / ‖b‖; bars bf16 6e-3 (outputs and
 final state) and 8e-3 (gradients), fp32 1e-4. Timings: median wall time of ``--reps`` calls after
 warm-up (``jax.block_until_ready``), forward and forward+backward (gradients of every input), for
-the DeltaNet, GDN and KDA cores with a separate write key; jax-linear-attention's symmetric-key
-Mosaic GPU kernels at the same shape when the ``jla`` package imports; ``rows``: the first
-variant's op as the train step runs packed rows (``jax.vmap`` over rows, each a [1, T] sequence
-with ``cu_seqlens`` [0, T]: the same arithmetic as the dense batch) (carry its wheel, see
-benchmarks/NOTES.md). ``breakdown`` times the pieces of the split pipeline per core. Prints JSON
-lines as it goes and one table at the end; records go to benchmarks/RESULTS.md.
+the DeltaNet, GDN and KDA cores with a separate write key (``--cores``: some of them);
+jax-linear-attention's symmetric-key Mosaic GPU kernels at the same shape when the ``jla``
+package imports (carry its wheel, see benchmarks/NOTES.md); ``rows``: the first variant's op as
+the train step runs packed rows (``jax.vmap`` over rows, each a [1, T] sequence with
+``cu_seqlens`` [0, T]: the same arithmetic as the dense batch). ``breakdown`` times the pieces of
+the split pipeline per core. Prints JSON lines as it goes and one table at the end; records go to
+benchmarks/RESULTS.md.
 """
 
 import argparse
@@ -71,7 +72,7 @@ def op(impl, options=None, cu_seqlens=None):  # noqa: D103
     return f
 
 
-def rows_op(f, T):
+def rows_op(f):
     """``f`` (an ``op(..., cu_seqlens=[0, T])``) vmapped over the batch rows as [1, T] sequences,
     as ``train.step`` runs packed rows: (o [B, T, H, V], finals [B, 1, H, K, V])."""
     def one(row):
@@ -341,7 +342,7 @@ def main():
         jobs = [(f"pallas[{tag}] {core}", op("pallas", opt), core) for core in cores]
         if n_variant == 0:  # once: packed rows, jax-linear-attention, the chunked form
             cu = jnp.asarray([0, T], jnp.int32)
-            jobs += [(f"pallas[{tag}] {core} rows", rows_op(op("pallas", opt, cu), T), core)
+            jobs += [(f"pallas[{tag}] {core} rows", rows_op(op("pallas", opt, cu)), core)
                      for core in cores if "rows" in sections]
             jobs += [(f"jla {core} (k̃ = k)", core, core) for core in cores if "jla" in sections]
             jobs += [(f"chunked {core}", op("chunked"), core) for core in cores

@@ -267,10 +267,9 @@ def main():
     configs = {p: model_config(a.preset, p, a.compute_dtype, a.tied, a.tiny) for p in a.preconditioners}
     runs = plan(a)
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {a.compute_dtype} compute, "
-          f"remat={a.remat}, scan_layers={a.scan_layers}, packed={a.packed}, {a.seq_len} tokens a "
-          f"row, lr warm-up "
-          f"{a.lr_warmup} steps; meshes (data, fsdp, tensor); rows/dev: rows per data-parallel "
-          "device x micro-batches")
+          f"remat={a.remat}, scan_layers={a.scan_layers}, packed={a.packed}, {a.seq_len} tokens "
+          f"a row, lr warm-up {a.lr_warmup} steps; meshes (data, fsdp, tensor); rows/dev: rows per "
+          "data-parallel device x micro-batches")
     print(f"{'model':20s} {'run':18s} {'rows/dev':>8s} {'step ms':>8s} {'tok/s':>9s} {'tok/s/dev':>9s} "
           f"{'TFLOP/s':>7s} {'XLA GiB':>7s} {'alloc GiB':>9s} {'compile s':>9s} {'loss':>7s} {'weak':>6s} "
           f"{'max|dloss|':>10s}", flush=True)

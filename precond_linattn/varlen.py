@@ -80,7 +80,7 @@ def chunk_layout(batch: int, length: int, chunk: int, cu_seqlens=None) -> ChunkL
     index = jnp.where(valid, token, length)
     first = used & (local == 0)
     t = jnp.arange(length)
-    tdoc = jnp.searchsorted(cu[1:], t, side="right")  # n: after the last document
+    tdoc = segments(batch, length, cu).doc[0]  # n: after the last document
     tlocal = t - cu[jnp.minimum(tdoc, n - 1)]
     slot = jnp.where(tdoc < n, (chunk_start[jnp.minimum(tdoc, n - 1)] + tlocal // chunk) * chunk
                      + tlocal % chunk, nc_max * chunk)
