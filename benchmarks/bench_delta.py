@@ -4,7 +4,8 @@
         [--sections checks,packed,time,rows,jla,chunked,breakdown] [--check-dtypes bf16,fp32]
         [--variants auto/64/4,auto/64/4/fused]
         # a variant: precision/block_v/num_warps[/num_stages][/fused][/recompute][/vxla]
-        #            [/pP][/kN][/sN][/hbf16|/h32][/wbf16][/qP][/oserial][/dserial]   (see ``variant``)
+        #            [/pP][/kN][/sN][/hbf16|/h32][/wbf16][/qP][/oserial][/dserial][/mosaic]
+        #            (see ``variant``)
 
 Checks (fresh random inputs per check; the device allocator is filled with NaN before each run so
 an unwritten output element shows): pallas vs the chunked pure-JAX form, outputs, final states
@@ -178,6 +179,7 @@ def breakdown(core, x, reps, options):
     from pallas_kernels import delta_rule as dr
     from pallas_kernels import state_bwd_triton as sb
     from pallas_kernels import state_fwd_triton as sf
+    from pallas_kernels import state_mosaic as sm
     from pallas_kernels.triton_common import Dots, interpret_default
     B, T, H, D = x["q"].shape
     nc, decay = T // 64, {None: "none", 3: "scalar", 4: "vector"}[DECAYS[core]]
@@ -197,15 +199,25 @@ def breakdown(core, x, reps, options):
     store = dict(state_dtype=jnp.dtype(options.state_dtype))
     pkw = kw | dict(dots=cfg.pdots)  # the chunk-parallel kernels' dots
     skw = kw | dict(block_v=options.serial_block_v or options.block_v, dots=cfg.sdots)  # serial
+    mosaic = options.serial_backend == "mosaic"
+    pkw |= dict(transposed=mosaic)  # Mosaic passes store states and G transposed
+    if mosaic:
+        state_fwd = lambda W, U, k, gc: sm.state_fwd(  # noqa: E731
+            W, U, k, gc, None, *flags, num_docs=None, interpret=interpret_default())
+        state_bwd = lambda W, k, gc, A, G, df: sm.state_bwd(  # noqa: E731
+            W, k, gc, A, G, df, *flags, interpret=interpret_default())
+    else:
+        state_fwd = lambda W, U, k, gc: sf.state_pass(  # noqa: E731
+            W, U, k, gc, None, *flags, num_docs=None, **skw, **store)
+        state_bwd = lambda W, k, gc, A, G, df: sb.state_pass(  # noqa: E731
+            W, k, gc, A, G, df, *flags, **skw, **store)
     steps = dict(
         wy=lambda ins: dr._wy(cfg, ins),
-        state_fwd=lambda W, U, k, gc: sf.state_pass(W, U, k, gc, None, *flags, num_docs=None,
-                                                    **skw, **store),
+        state_fwd=state_fwd,
         chunk_output=lambda q, P, S, R: sf.chunk_output(q, P, S, R, scale=cfg.scale,
                                                         out_dtype=x["v"].dtype, **pkw),
         dout_products=lambda P, q, do: sb.dout_products(P, q, do, scale=cfg.scale, **pkw, **store),
-        state_bwd=lambda W, k, gc, A, G, df: sb.state_pass(W, k, gc, A, G, df, *flags, **skw,
-                                                           **store),
+        state_bwd=state_bwd,
         chunk_grads=lambda *a: sb.chunk_grads(*a, scale=cfg.scale, block_k=options.block_k, **pkw),
         wy_pullback=lambda ins, extra, cts: dr._wy_pullback(cfg, ins, extra)[1](cts))
     f = {n: jax.jit(fn) for n, fn in steps.items()}
@@ -227,12 +239,13 @@ def breakdown(core, x, reps, options):
 
 def variant(v):
     """Options from precision/block_v/num_warps[/num_stages][/fused][/recompute][/vxla][/pP]
-    [/kN][/sN][/hbf16|/h32][/wbf16][/qP][/oserial][/dserial] (vxla: ``Options.vector_wy`` = "xla"; pP:
-    ``Options.parallel_precision`` = P, e.g. ptf32, pbf16; kN: ``Options.block_k`` = N; sN:
-    ``Options.serial_block_v`` = N; hbf16 / h32: ``Options.state_dtype`` = "bfloat16" /
+    [/kN][/sN][/hbf16|/h32][/wbf16][/qP][/oserial][/dserial][/mosaic] (vxla:
+    ``Options.vector_wy`` = "xla"; pP: ``Options.parallel_precision`` = P, e.g. ptf32, pbf16;
+    kN: ``Options.block_k`` = N; sN: ``Options.serial_block_v`` = N; hbf16 / h32: ``Options.state_dtype`` = "bfloat16" /
     "float32"; wbf16: ``Options.wy_dtype`` = "bfloat16"; qP: ``Options.serial_precision`` = P;
     oserial / dserial: ``Options.output_in_serial`` / ``dout_in_serial``, which ``breakdown``
-    ignores: it times the separate kernels). Unnamed options keep their defaults."""
+    ignores: it times the separate kernels; mosaic: ``Options.serial_backend`` = "mosaic").
+    Unnamed options keep their defaults."""
     f = v.split("/")
     flags = [t for t in f[3:] if not t.isdigit()]
     block_k = [int(t[1:]) for t in flags if t[0] == "k" and t[1:].isdigit()]
@@ -248,9 +261,10 @@ def variant(v):
                    block_k=block_k[0] if block_k else Options().block_k,
                    serial_block_v=serial[0] if serial else None,
                    state_dtype="bfloat16" if "hbf16" in flags else "float32" if "h32" in flags
-                   else None, wy_dtype="bfloat16" if "wbf16" in flags else "float32",
+                   else None, wy_dtype="bfloat16" if "wbf16" in flags else None,
                    serial_precision=serial_dots[0] if serial_dots else None,
-                   output_in_serial="oserial" in flags, dout_in_serial="dserial" in flags)
+                   output_in_serial="oserial" in flags, dout_in_serial="dserial" in flags,
+                   serial_backend="mosaic" if "mosaic" in flags else "triton")
 
 
 def variant_tag(opt):
@@ -264,7 +278,8 @@ def variant_tag(opt):
             + {"bfloat16": "/hbf16", "float32": "/h32", None: ""}[opt.state_dtype]
             + ("/wbf16" if opt.wy_dtype == "bfloat16" else "")
             + (f"/q{opt.serial_precision}" if opt.serial_precision else "")
-            + ("/oserial" if opt.output_in_serial else "") + ("/dserial" if opt.dout_in_serial else ""))
+            + ("/oserial" if opt.output_in_serial else "") + ("/dserial" if opt.dout_in_serial else "")
+            + ("/mosaic" if opt.serial_backend == "mosaic" else ""))
 
 
 def jla_ops():

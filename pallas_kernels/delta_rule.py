@@ -40,6 +40,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.delta_bwd_triton import delta_bwd
 from pallas_kernels.delta_fwd_triton import delta_fwd
+from pallas_kernels import state_mosaic
 from pallas_kernels.partition import match_types, sharded_call
 from pallas_kernels.state_bwd_triton import split_backward
 from pallas_kernels.state_fwd_triton import split_forward
@@ -81,8 +82,13 @@ class Options:
     ``state_dtype``: that of the per-chunk states, R, dR and dO products kept in
     HBM between kernels (the serial carries stay float32); None picks "bfloat16" under the same
     rule as ``parallel_precision`` (as FLA stores its states; DeltaNet fwd+bwd -20 %, errors
-    unchanged, RESULTS run 19), else "float32". ``serial_block_v``, ``output_in_serial`` and
-    ``dout_in_serial`` are exact but measured no faster (run 19: within the run's noise): off."""
+    unchanged, RESULTS run 19), else "float32". ``serial_backend``: the split pipeline's two
+    serial state passes as Pallas Triton kernels ("triton") or as Mosaic GPU kernels
+    (``state_mosaic``: wgmma with the carry in registers, TMA double buffering; "mosaic"
+    takes 16-bit q, k, k̃, v, chunk 64, padded K 64 or 128, and implies wy_dtype and
+    state_dtype "bfloat16" and serial_precision "bf16"; ValueError otherwise).
+    ``serial_block_v``, ``output_in_serial`` and ``dout_in_serial`` are exact but measured no
+    faster (run 19: within the run's noise): off."""
 
     precision: str | None = None
     parallel_precision: str | None = None
@@ -90,7 +96,7 @@ class Options:
     block_k: int = 64  # key columns per tile of the chunk-parallel WY kernels and chunk_grads
     serial_block_v: int | None = None  # the serial state passes' V tile (None: block_v)
     state_dtype: str | None = None  # split: per-chunk states, R, dR, dO products kept in HBM
-    wy_dtype: str = "float32"  # split: W, U, K̃', Q', P kept in HBM
+    wy_dtype: str | None = None  # split: W, U, K̃', Q', P kept in HBM (None: float32)
     serial_precision: str | None = None  # split: the serial state passes' dots (None: precision)
     output_in_serial: bool = False  # split: outputs formed in the forward state pass
     dout_in_serial: bool = False  # split: dO products formed in the backward state pass
@@ -99,6 +105,7 @@ class Options:
     split: bool = True  # the split kernels (state_*_triton) instead of the fused delta_fwd/bwd
     save_wy: bool = True  # split: keep the WY tensors for the backward (not with vector_wy="xla")
     vector_wy: str = "kernel"  # "kernel" | "xla": the per-channel-decay WY step
+    serial_backend: str = "triton"  # split: "triton" | "mosaic" serial state passes
 
     def __post_init__(self):
         if self.vector_wy not in ("xla", "kernel"):
@@ -108,8 +115,24 @@ class Options:
                              f"{self.state_dtype!r}")
         if self.serial_precision is not None:
             Dots(self.serial_precision)  # ValueError naming the valid ones
-        if self.wy_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"Options.wy_dtype must be 'float32' or 'bfloat16', got {self.wy_dtype!r}")
+        if self.wy_dtype not in (None, "float32", "bfloat16"):
+            raise ValueError("Options.wy_dtype must be None, 'float32' or 'bfloat16', got "
+                             f"{self.wy_dtype!r}")
+        if self.serial_backend not in ("triton", "mosaic"):
+            raise ValueError("Options.serial_backend must be 'triton' or 'mosaic', got "
+                             f"{self.serial_backend!r}")
+        if self.serial_backend == "mosaic":
+            clashes = dict(split=not self.split, output_in_serial=self.output_in_serial,
+                           dout_in_serial=self.dout_in_serial,
+                           serial_block_v=self.serial_block_v not in (None, 64),
+                           wy_dtype=self.wy_dtype == "float32",
+                           state_dtype=self.state_dtype == "float32",
+                           serial_precision=self.serial_precision not in (None, "bf16"))
+            bad = [name for name, clash in clashes.items() if clash]
+            if bad:
+                raise ValueError(f"Options.serial_backend='mosaic' does not combine with the "
+                                 f"values given for {bad} (it runs split, bf16 serial passes "
+                                 "over bf16 tensors, 64-wide V tiles)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,7 +189,10 @@ def prepare(cfg, q, k, kw, v, beta, gamma):
 
 def _kernel_call(cfg, kernel, args: dict, axes: dict, out_axes, **static):
     """``kernel(**args, **static)`` through ``sharded_call`` (None arguments stay None); ``axes``
-    names each argument's dimensions."""
+    names each argument's dimensions. The recurrence kernels with ``serial_backend="mosaic"`` in
+    interpret mode are called directly: Mosaic GPU's interpreter runs I/O callbacks, which
+    ``custom_partitioning`` cannot lower (KeyError: OrderedIOEffect), so on CPU they run
+    unpartitioned."""
     names, packed = list(args), cfg.num_docs is not None
 
     def call(*xs):
@@ -175,6 +201,8 @@ def _kernel_call(cfg, kernel, args: dict, axes: dict, out_axes, **static):
             given["doc"] = given["doc"] - given["doc"][:1, :1]
         return tuple(kernel(**given, **static))
 
+    if static.get("serial_backend") == "mosaic" and cfg.dots.interpret:
+        return call(*args.values())
     return sharded_call(call, list(args.values()), [axes[n] for n in names], out_axes,
                         shard_batch=not packed)
 
@@ -246,6 +274,7 @@ def _wy_pullback(cfg, ins, extra=None):
     return wy, functools.partial(_wy_kernel, cfg, _wy_kernels(cfg)[1], tuple(ins) + extra)
 
 
+_STATE_AXES = dict(triton="b h c k v", mosaic="b h c v k")  # the saved chunk states' layout
 _WY_ARGS = ("W", "U", "kw", "q", "P", "gc")  # the recurrence kernels' names for the WY tensors
 _WY_AXES = dict(zip(_WY_ARGS, _WY_OUT.values()))
 
@@ -260,7 +289,8 @@ def _forward(cfg, q, k, kw, v, beta, gamma, init, doc, first, last, store_states
         kernel, static = split_forward, dict(out_dtype=v.dtype, pdots=cfg.pdots,
                                              serial_block_v=o.serial_block_v,
                                              state_dtype=jnp.dtype(o.state_dtype),
-                                             output_in_serial=o.output_in_serial)
+                                             output_in_serial=o.output_in_serial,
+                                             serial_backend=o.serial_backend)
     else:
         A = P = None
         if cfg.decay == "vector":
@@ -271,7 +301,7 @@ def _forward(cfg, q, k, kw, v, beta, gamma, init, doc, first, last, store_states
                     gamma="b t h k" if cfg.decay == "vector" else "b t h", A="b h t s",
                     P="b h t s", initial_state="n h k v", **_FLAGS)
         kernel, static = delta_fwd, dict(decay=cfg.decay)
-    saved = ("b h c k v",) + (("b h t v",) if o.split else ())  # states (and R) for the backward
+    saved = (_STATE_AXES[o.serial_backend],) + (("b h t v",) if o.split else ())  # states, R
     out_axes = ("b t h v", "n h k v") + (saved if store_states else ())
     return _kernel_call(cfg, kernel, args, axes, out_axes, chunk=cfg.chunk, scale=cfg.scale,
                         num_docs=cfg.num_docs, block_v=o.block_v, dots=cfg.sdots,
@@ -301,8 +331,8 @@ def _core_bwd(cfg, res, cts):
     o = cfg.options
     args = dict(zip(_WY_ARGS, wy)) | dict(zip(("states", "R"), saved)) | dict(
         do=do, dfinal=dfinal, doc=doc, first=first, last=last)
-    axes = dict(_WY_AXES, states="b h c k v", R="b h t v", do="b t h v", dfinal="n h k v",
-                **_FLAGS)
+    axes = dict(_WY_AXES, states=_STATE_AXES[o.serial_backend], R="b h t v", do="b t h v",
+                dfinal="n h k v", **_FLAGS)
     out_axes = ("j b h t k", "b h t v", "j b h t k", "j b h t k", "j b h t s", "j b h c k",
                 "n h k v")
     dW, dU, dkw, dq, dP, dgc, dinit = _kernel_call(
@@ -311,7 +341,8 @@ def _core_bwd(cfg, res, cts):
         num_stages=o.num_stages, **(dict(pdots=cfg.pdots, block_k=o.block_k,
                                          serial_block_v=o.serial_block_v,
                                          state_dtype=jnp.dtype(o.state_dtype),
-                                         dout_in_serial=o.dout_in_serial) if o.split else {}))
+                                         dout_in_serial=o.dout_in_serial,
+                                         serial_backend=o.serial_backend) if o.split else {}))
     grads = pullback((dW.sum(0), dU, dkw.sum(0), dq.sum(0), dP.sum(0), dgc.sum(0)))
     return (*match_types((*grads, None if init is None else dinit),
                          (q, k, kw, v, beta, gamma, init)), None, None, None)
@@ -324,13 +355,21 @@ def resolve(options: Options, *, sixteen_bit: bool) -> Options:
     """``options`` with the input-dependent defaults filled in (``Options``' docstring):
     precision "tf32" for 16-bit inputs, else "tf32x3"; parallel_precision "bf16" and
     state_dtype "bfloat16" for 16-bit inputs when ``precision`` was left None, else
-    ``precision`` and "float32"."""
+    ``precision`` and "float32"; wy_dtype "float32"; serial_backend "mosaic" sets wy_dtype,
+    state_dtype and serial_precision to bf16 (ValueError without 16-bit inputs)."""
     fast16 = sixteen_bit and options.precision is None
     precision = options.precision or ("tf32" if sixteen_bit else "tf32x3")
+    if options.serial_backend == "mosaic":
+        if not sixteen_bit:
+            raise ValueError("Options.serial_backend='mosaic' takes 16-bit q, k, k̃ and v "
+                             "(bf16 serial passes); use serial_backend='triton' for float32")
+        options = dataclasses.replace(options, wy_dtype="bfloat16", state_dtype="bfloat16",
+                                      serial_precision="bf16")
     return dataclasses.replace(
         options, precision=precision,
         parallel_precision=options.parallel_precision or ("bf16" if fast16 else precision),
-        state_dtype=options.state_dtype or ("bfloat16" if fast16 else "float32"))
+        state_dtype=options.state_dtype or ("bfloat16" if fast16 else "float32"),
+        wy_dtype=options.wy_dtype or "float32")
 
 
 def delta_rule_pallas(q, k, kw, v, beta, log_decay, scale, initial_state, cu_seqlens, chunk_size,
@@ -369,6 +408,8 @@ def delta_rule_pallas(q, k, kw, v, beta, log_decay, scale, initial_state, cu_seq
     interpret = interpret_default() if interpret is None else interpret
     options = resolve(options, sixteen_bit=all(jnp.dtype(x.dtype).itemsize == 2
                                                for x in (q, k, kw, v)))
+    if options.serial_backend == "mosaic":
+        state_mosaic.check_shapes(chunk=chunk_size, K=Kp, V=Vp)
     cfg = _Config(chunk_size, decay, float(scale),
                   None if cu_seqlens is None else layout.num_docs, options,
                   Dots(options.precision, interpret), Dots(options.parallel_precision, interpret))

@@ -25,18 +25,19 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.state_fwd_triton import check_inputs, chunk_specs, serial_specs
+from pallas_kernels import state_mosaic
 from pallas_kernels.triton_common import Dots, out_struct
 
 
-def dout_pair(P, q, do, scale, dots):
-    """(A, G) = (scale Pᵀ dO, scale Q'ᵀ dO) of one chunk (float32)."""
+def dout_pair(P, q, do, scale, dots, transposed=False):
+    """(A, G) = (scale Pᵀ dO, scale Q'ᵀ dO) of one chunk (float32; ``transposed``: Gᵀ)."""
     dO = do.astype(jnp.float32)
-    return scale * dots.tn(P, dO), scale * dots.tn(q, dO)
+    return scale * dots.tn(P, dO), scale * (dots.tn(dO, q) if transposed else dots.tn(q, dO))
 
 
-def _dout_kernel(P_ref, q_ref, do_ref, A_ref, G_ref, *, scale, dots):
+def _dout_kernel(P_ref, q_ref, do_ref, A_ref, G_ref, *, scale, dots, transposed):
     """A = scale Pᵀ dO and G = scale Q'ᵀ dO for one chunk and V tile."""
-    A, G = dout_pair(P_ref[...], q_ref[...], do_ref[...], scale, dots)
+    A, G = dout_pair(P_ref[...], q_ref[...], do_ref[...], scale, dots, transposed)
     A_ref[...], G_ref[...] = A.astype(A_ref.dtype), G.astype(G_ref.dtype)
 
 
@@ -78,20 +79,25 @@ def _serial_kernel(doc_ref, first_ref, last_ref, W_ref, kw_ref, gc_ref, *refs, c
 
 
 def _grads_kernel(S_ref, dS_ref, dR_ref, R_ref, do_ref, dW_ref, dkw_ref, dq_ref, dP_ref, dgc_ref,
-                  *, scale, dots, block_v):
+                  *, scale, dots, block_v, transposed):
     """One chunk and one tile κ of key rows, summed over the V tiles of block_v columns:
     dW[:, κ] = −dR S[κ]ᵀ, dK̃'[:, κ] = R dS[κ]ᵀ, dQ'[:, κ] = scale dO S[κ]ᵀ, dΓ_C[κ] =
-    rowsum(dS[κ] ⊙ S[κ]); the program of tile 0 also writes dP = scale dO Rᵀ."""
+    rowsum(dS[κ] ⊙ S[κ]); the program of tile 0 also writes dP = scale dO Rᵀ. ``transposed``:
+    S and dS given as Sᵀ, dSᵀ."""
     C, BK = dW_ref.shape
+    by_s = dots.nn if transposed else dots.nt  # x S[κ]ᵀ
 
     def tile(j, acc):
         dW, dkw, dq, dP, dgc = acc
         cols = pl.ds(pl.multiple_of(j * block_v, block_v), block_v)
-        S, dS, dR, R = S_ref[:, cols], dS_ref[:, cols], dR_ref[:, cols], R_ref[:, cols]
+        S, dS = (S_ref[cols, :], dS_ref[cols, :]) if transposed else (S_ref[:, cols],
+                                                                      dS_ref[:, cols])
+        dR, R = dR_ref[:, cols], R_ref[:, cols]
         dO = do_ref[:, cols].astype(jnp.float32)
-        return (dW - dots.nt(dR, S), dkw + dots.nt(R, dS), dq + scale * dots.nt(dO, S),
+        return (dW - by_s(dR, S), dkw + by_s(R, dS), dq + scale * by_s(dO, S),
                 dP + scale * dots.nt(dO, R),
-                dgc + jnp.sum(dS.astype(jnp.float32) * S.astype(jnp.float32), axis=1))
+                dgc + jnp.sum(dS.astype(jnp.float32) * S.astype(jnp.float32),
+                              axis=0 if transposed else 1))
 
     f32 = jnp.float32
     zeros = (jnp.zeros((C, BK), f32),) * 3 + (jnp.zeros((C, C), f32), jnp.zeros((BK,), f32))
@@ -104,18 +110,19 @@ def _grads_kernel(S_ref, dS_ref, dR_ref, R_ref, do_ref, dW_ref, dkw_ref, dq_ref,
 
 
 def dout_products(P, q, do, *, chunk, scale, block_v, dots: Dots, num_warps, num_stages,
-                  state_dtype=jnp.float32):
-    """Kernel 1: A = scale Pᵀ dO [B, H, Tp, V] and G = scale Q'ᵀ dO [B, H, NC, K, V] per chunk,
-    stored in ``state_dtype``."""
+                  state_dtype=jnp.float32, transposed=False):
+    """Kernel 1: A = scale Pᵀ dO [B, H, Tp, V] and G = scale Q'ᵀ dO [B, H, NC, K, V] per chunk
+    (``transposed``: Gᵀ [B, H, NC, V, K]), stored in ``state_dtype``."""
     B, H, Tp, K = q.shape
     V, nc, BV = do.shape[-1], Tp // chunk, min(block_v, do.shape[-1])
-    c = chunk_specs(chunk, K, BV)
+    c = chunk_specs(chunk, K, BV, transposed)
+    G_shape = (B, H, nc, V, K) if transposed else (B, H, nc, K, V)
     return pl.pallas_call(
-        functools.partial(_dout_kernel, scale=scale, dots=dots),
+        functools.partial(_dout_kernel, scale=scale, dots=dots, transposed=transposed),
         grid=(B, H, nc, V // BV), in_specs=[c["c"], c["k"], c["btv"]],
         out_specs=[c["v"], c["state"]],
         out_shape=[out_struct(shape, state_dtype, P, q, do) for shape in ((B, H, Tp, V),
-                                                                            (B, H, nc, K, V))],
+                                                                            G_shape)],
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=dots.interpret, name="dout_products",
     )(P, q, do)
@@ -153,17 +160,22 @@ def state_pass(W, kw, gc, A, G, dfinal, doc, first, last, *, chunk, block_v, dot
 
 
 def chunk_grads(states, dstates, dU, R, do, *, chunk, scale, block_v, dots: Dots, num_warps,
-                num_stages, block_k=64):
+                num_stages, block_k=64, transposed=False):
     """Kernel 3, parallel over (row, head, chunk, tile of ``block_k`` key rows): dW, dK̃', dQ'
     [B, H, Tp, K], dP [B, H, Tp, C], dΓ_C [B, H, NC, K] from the chunk-start states, the
-    chunk-end cotangents, dR (= dU) and R = U − W S [B, H, Tp, V] (kept by the forward)."""
-    B, H, nc, K, V = states.shape
+    chunk-end cotangents (both [B, H, NC, K, V], ``transposed``: [B, H, NC, V, K]), dR (= dU)
+    and R = U − W S [B, H, Tp, V] (kept by the forward)."""
+    B, H, nc = states.shape[:3]
+    K, V = states.shape[3:][::-1] if transposed else states.shape[3:]
     Tp, BV, BK, f32 = nc * chunk, min(block_v, V), min(block_k, K), jnp.float32
     rows = lambda n, kt=False: pl.BlockSpec(  # noqa: E731
         (None, None, chunk, n), lambda b, h, i, t: (b, h, i, t if kt else 0))
-    state = pl.BlockSpec((None, None, None, BK, V), lambda b, h, i, t: (b, h, i, t, 0))
+    state = (pl.BlockSpec((None, None, None, V, BK), lambda b, h, i, t: (b, h, i, 0, t))
+             if transposed else
+             pl.BlockSpec((None, None, None, BK, V), lambda b, h, i, t: (b, h, i, t, 0)))
     return pl.pallas_call(
-        functools.partial(_grads_kernel, scale=scale, dots=dots, block_v=BV),
+        functools.partial(_grads_kernel, scale=scale, dots=dots, block_v=BV,
+                          transposed=transposed),
         grid=(B, H, nc, K // BK),
         in_specs=[state, state, rows(V), rows(V),
                   pl.BlockSpec((None, chunk, None, V), lambda b, h, i, t: (b, i, h, 0))],
@@ -179,7 +191,8 @@ def chunk_grads(states, dstates, dU, R, do, *, chunk, scale, block_v, dots: Dots
 def split_backward(W, U, kw, q, P, gc, states, R, do, dfinal, doc, first, last, *, chunk, scale,
                    block_v, dots: Dots, num_warps, num_stages, block_k=64,
                    pdots: Dots | None = None, serial_block_v: int | None = None,
-                   state_dtype=jnp.float32, dout_in_serial: bool = False):
+                   state_dtype=jnp.float32, dout_in_serial: bool = False,
+                   serial_backend: str = "triton"):
     """``delta_bwd`` in three kernels; arguments and results as ``delta_bwd``, plus R = U − W S
     from the forward: W, kw (K̃'), q (Q') [B, H, Tp, K]; U, R [B, H, Tp, V]; P [B, H, Tp, C];
     gc (Γ_C) [B, H, NC, K]; states (chunk-start) [B, H, NC, K, V]; do [B, Tp, H, V]; dfinal
@@ -187,7 +200,8 @@ def split_backward(W, U, kw, q, P, gc, states, R, do, dfinal, doc, first, last, 
     ``pdots``: the dots of kernels 1 and 3 (default ``dots``; the serial kernel 2 uses ``dots``);
     ``serial_block_v``: kernel 2's V tile (default ``block_v``); ``state_dtype``: that of the
     tensors kernels 1 and 2 store (A, G, dU, dS_C); ``dout_in_serial``: kernel 2 forms A and G
-    itself (no kernel 1).
+    itself (no kernel 1); ``serial_backend``: "mosaic" runs kernel 2 as
+    ``state_mosaic.state_bwd`` (``states`` then transposed, as its forward stores them).
 
     Returns dW, dK̃', dQ' [1, B, H, Tp, K], dU [B, H, Tp, V], dP [1, B, H, Tp, C], dΓ_C
     [1, B, H, NC, K] (already summed over V: the leading axis of ``delta_bwd``'s per-tile partial
@@ -197,13 +211,20 @@ def split_backward(W, U, kw, q, P, gc, states, R, do, dfinal, doc, first, last, 
                 num_stages=num_stages)
     parallel = opts | dict(dots=pdots or dots)
     A = G = products = None
+    mosaic = serial_backend == "mosaic"
     if dout_in_serial:
         products = (P, q, do, scale, pdots or dots)
     else:
-        A, G = dout_products(P, q, do, scale=scale, state_dtype=state_dtype, **parallel)
-    dU, dstates, dinit = state_pass(W, kw, gc, A, G, dfinal, doc, first, last,
-                                    state_dtype=state_dtype, products=products,
-                                    **(opts | dict(block_v=serial_block_v or block_v)))
-    grads = chunk_grads(states, dstates, dU, R, do, scale=scale, block_k=block_k, **parallel)
+        A, G = dout_products(P, q, do, scale=scale, state_dtype=state_dtype, transposed=mosaic,
+                             **parallel)
+    if mosaic:
+        dU, dstates, dinit = state_mosaic.state_bwd(W, kw, gc, A, G, dfinal, doc, first, last,
+                                                    interpret=dots.interpret)
+    else:
+        dU, dstates, dinit = state_pass(W, kw, gc, A, G, dfinal, doc, first, last,
+                                        state_dtype=state_dtype, products=products,
+                                        **(opts | dict(block_v=serial_block_v or block_v)))
+    grads = chunk_grads(states, dstates, dU, R, do, scale=scale, block_k=block_k,
+                        transposed=mosaic, **parallel)
     dW, dkw, dq, dP, dgc = (x[None] for x in grads)
     return dW, dU, dkw, dq, dP, dgc, dinit

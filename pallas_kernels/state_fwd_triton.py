@@ -22,6 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
+from pallas_kernels import state_mosaic
 from pallas_kernels.triton_common import Dots, out_struct
 
 
@@ -43,15 +44,18 @@ def check_inputs(W, U, P, *, chunk, block_v, serial_block_v=None):
     return BV
 
 
-def chunk_specs(chunk, K, BV):
+def chunk_specs(chunk, K, BV, transposed=False):
     """BlockSpecs of one chunk's tiles for a grid (b, h, c, j) (j: V tile): rows [C, K], [C, C],
-    [C, BV] of [B, H, Tp, ·] tensors, the state tile [K, BV] of [B, H, NC, K, V] and the rows
-    [C, BV] of [B, Tp, H, V] (o, dO)."""
+    [C, BV] of [B, H, Tp, ·] tensors, the state tile [K, BV] of [B, H, NC, K, V] (``transposed``:
+    [BV, K] of [B, H, NC, V, K]) and the rows [C, BV] of [B, Tp, H, V] (o, dO)."""
+    state = (pl.BlockSpec((None, None, None, BV, K), lambda b, h, c, j: (b, h, c, j, 0))
+             if transposed else
+             pl.BlockSpec((None, None, None, K, BV), lambda b, h, c, j: (b, h, c, 0, j)))
     return dict(
         k=pl.BlockSpec((None, None, chunk, K), lambda b, h, c, j: (b, h, c, 0)),
         c=pl.BlockSpec((None, None, chunk, chunk), lambda b, h, c, j: (b, h, c, 0)),
         v=pl.BlockSpec((None, None, chunk, BV), lambda b, h, c, j: (b, h, c, j)),
-        state=pl.BlockSpec((None, None, None, K, BV), lambda b, h, c, j: (b, h, c, 0, j)),
+        state=state,
         btv=pl.BlockSpec((None, chunk, None, BV), lambda b, h, c, j: (b, c, h, j)))
 
 
@@ -70,9 +74,9 @@ def serial_specs(nc, Tp, K, BV, N):
         btv=pl.BlockSpec((None, Tp, None, BV), lambda b, h, j: (b, 0, h, j)))
 
 
-def outputs(q, P, S, R, scale, dots):
-    """O = scale (Q' S + P R) of one chunk (float32)."""
-    return scale * (dots.nn(q, S) + dots.nn(P, R))
+def outputs(q, P, S, R, scale, dots, transposed=False):
+    """O = scale (Q' S + P R) of one chunk (float32); ``transposed``: S given as Sᵀ."""
+    return scale * ((dots.nt if transposed else dots.nn)(q, S) + dots.nn(P, R))
 
 
 def _serial_kernel(*refs, chunk, dots, has_init, num_chunks, store, output):
@@ -112,10 +116,10 @@ def _serial_kernel(*refs, chunk, dots, has_init, num_chunks, store, output):
     lax.fori_loop(0, num_chunks, body, jnp.zeros((K, BV), jnp.float32))
 
 
-def _output_kernel(q_ref, P_ref, S_ref, R_ref, o_ref, *, scale, dots):
+def _output_kernel(q_ref, P_ref, S_ref, R_ref, o_ref, *, scale, dots, transposed):
     """O = scale (Q' S + P R) for one chunk and V tile."""
-    o_ref[...] = outputs(q_ref[...], P_ref[...], S_ref[...], R_ref[...], scale,
-                         dots).astype(o_ref.dtype)
+    o_ref[...] = outputs(q_ref[...], P_ref[...], S_ref[...], R_ref[...], scale, dots,
+                         transposed).astype(o_ref.dtype)
 
 
 def state_pass(W, U, kw, gc, initial_state, doc, first, last, *, chunk, num_docs, block_v,
@@ -157,14 +161,15 @@ def state_pass(W, U, kw, gc, initial_state, doc, first, last, *, chunk, num_docs
 
 
 def chunk_output(q, P, states, R, *, chunk, scale, block_v, dots: Dots, num_warps, num_stages,
-                 out_dtype):
-    """Kernel 2, parallel over chunks: o = scale (Q' S + P R) [B, Tp, H, V] in ``out_dtype``."""
+                 out_dtype, transposed=False):
+    """Kernel 2, parallel over chunks: o = scale (Q' S + P R) [B, Tp, H, V] in ``out_dtype``
+    (``transposed``: states given as [B, H, NC, V, K])."""
     B, H, Tp, K = q.shape
     V = R.shape[-1]
     BV = min(block_v, V)
-    c = chunk_specs(chunk, K, BV)
+    c = chunk_specs(chunk, K, BV, transposed)
     return pl.pallas_call(
-        functools.partial(_output_kernel, scale=scale, dots=dots),
+        functools.partial(_output_kernel, scale=scale, dots=dots, transposed=transposed),
         grid=(B, H, Tp // chunk, V // BV), in_specs=[c["k"], c["c"], c["state"], c["v"]],
         out_specs=c["btv"], out_shape=out_struct((B, Tp, H, V), out_dtype, q, P, states, R),
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
@@ -176,7 +181,7 @@ def split_forward(W, U, kw, q, P, gc, initial_state, doc, first, last, *, chunk,
                   block_v, dots: Dots, num_warps, num_stages, store_states,
                   out_dtype=jnp.float32, pdots: Dots | None = None,
                   serial_block_v: int | None = None, state_dtype=jnp.float32,
-                  output_in_serial: bool = False):
+                  output_in_serial: bool = False, serial_backend: str = "triton"):
     """``delta_fwd`` from the WY tensors. Shapes: W, kw (K̃'), q (Q') [B, H, Tp, K]; U [B, H, Tp, V];
     P [B, H, Tp, C]; gc (Γ_C) [B, H, NC, K]; initial_state None | [N, H, K, V] float32; doc,
     first, last [B, NC] int32; ``num_docs``: N, or None for one document per batch row (N = B).
@@ -189,7 +194,9 @@ def split_forward(W, U, kw, q, P, gc, initial_state, doc, first, last, *, chunk,
     serial pass more programs); ``state_dtype``: that of the stored states and R (bfloat16 halves
     their traffic; the kernels that read them round them to bf16 at their dots anyway when
     ``pdots`` is "bf16"); ``output_in_serial``: form o inside the state pass (no output kernel;
-    without ``store_states`` the states and R are then never written)."""
+    without ``store_states`` the states and R are then never written); ``serial_backend``:
+    "mosaic" runs the state pass as ``state_mosaic.state_fwd`` (bf16 tensors; the saved states
+    are then transposed, [B, H, NC, V, K])."""
     check_inputs(W, U, P, chunk=chunk, block_v=block_v, serial_block_v=serial_block_v)
     opts = dict(chunk=chunk, block_v=block_v, dots=dots, num_warps=num_warps,
                 num_stages=num_stages)
@@ -200,7 +207,12 @@ def split_forward(W, U, kw, q, P, gc, initial_state, doc, first, last, *, chunk,
                                       store=store_states, **serial,
                                       output=(q, P, scale, pdots or dots, out_dtype))
         return (o, final, *saved)
-    states, R, final = state_pass(W, U, kw, gc, initial_state, doc, first, last, **serial)
-    o = chunk_output(q, P, states, R, scale=scale, out_dtype=out_dtype,
+    mosaic = serial_backend == "mosaic"
+    if mosaic:
+        states, R, final = state_mosaic.state_fwd(W, U, kw, gc, initial_state, doc, first, last,
+                                                  num_docs=num_docs, interpret=dots.interpret)
+    else:
+        states, R, final = state_pass(W, U, kw, gc, initial_state, doc, first, last, **serial)
+    o = chunk_output(q, P, states, R, scale=scale, out_dtype=out_dtype, transposed=mosaic,
                      **(opts | dict(dots=pdots or dots)))
     return (o, final) + ((states, R) if store_states else ())

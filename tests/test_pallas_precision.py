@@ -29,7 +29,7 @@ def outputs_and_grads(f, x, key):
     return o, final, pullback(cts)[0]
 
 
-def kernel_runs(rand, decay, seed, *options):
+def kernel_runs(rand, decay, seed, *options, K=K):
     """(o, final, gradients) for random cotangents of the kernel under each of ``options`` and
     of the float32 token-by-token reference (last), on bf16 inputs with an initial state."""
     x = rand.delta_inputs(B, T, H, K, V, decay=decay, dtype=jnp.bfloat16)
@@ -104,6 +104,6 @@ def test_unknown_precision_is_refused():
     with pytest.raises(ValueError, match="Options.state_dtype"):
         Options(state_dtype="float16")
     with pytest.raises(ValueError, match="Options.wy_dtype"):
-        Options(wy_dtype=None)
+        Options(wy_dtype="float16")
     with pytest.raises(ValueError, match="precision must be one of"):
         Options(serial_precision="fp16")

@@ -1,0 +1,276 @@
+"""The split pipeline's two serial state passes as Mosaic GPU kernels (wgmma, TMA).
+
+The same recurrences as ``state_fwd_triton.state_pass`` and ``state_bwd_triton.state_pass``
+(chunk-aligned documents, per-chunk flags doc / first / last), with FLA's and
+jax-linear-attention's numerics: bf16 operands for both dots of a chunk step (the state rounded
+to bf16 for W S, R for K̃'ᵀ R), float32 accumulation and carries. One CTA (one warpgroup) per
+(batch row, head, 64-wide V tile) holds the transposed carry [64, K] float32 in wgmma registers,
+so both dots of a step take their left operand from registers; the next chunk's tiles are
+double-buffered by TMA while the current one computes; stores go out through shared memory
+by TMA.
+
+    forward  (chunks in order):  S ← init[doc] (or 0) at a document's first chunk
+                                 store S;  R = U − W S (stored);  S ← Γ_C ⊙ S + K̃'ᵀ R
+                                 final[doc] = S after its last chunk
+    backward (chunks reversed):  dS_C ← dfinal[doc] at a document's last chunk;  store dS_C
+                                 dR = A + K̃' dS_C (stored as dU);  dS = Γ_C ⊙ dS_C + G − Wᵀ dR
+                                 dinit[doc] = dS at its first chunk, where the carry restarts at 0
+
+Layouts: W, K̃' [B, H, Tp, K], U, R, A, dU [B, H, Tp, V] in bf16; Γ_C [B, H, NC, K] float32;
+the per-chunk states, their cotangents and G are stored transposed, [B, H, NC, V, K] bf16
+(the orientation of the carry; the Triton kernels that read them take ``transposed=True``);
+document states [N, H, K, V] float32 as everywhere (transposed around the kernel).
+
+Shapes: chunk 64, K in {64, 128}, V a multiple of 64. wgmma has no CPU lowering in jax 0.11.2
+(NotImplementedError "MLIR translation rule for primitive 'wgmma' not found for platform cpu"),
+so in interpret mode (CPU) each dot runs as ``jnp.dot`` of the same bf16 operands with float32
+accumulation: the CPU tests check everything else (indexing, TMA copies, barriers, document
+flags); the wgmma path is checked on the device by benchmarks/bench_delta.py.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+C = 64  # chunk
+BV = 64  # V tile of one CTA
+BF16, F32 = jnp.bfloat16, jnp.float32
+WGMMA = plgpu.Layout.WGMMA
+COLS = plgpu.Layout.WGMMA.reduce(0)  # one value per column of a [BV, K] tile
+
+
+def check_shapes(*, chunk, K, V):
+    """ValueError naming the argument unless the Mosaic passes take chunk, K and V."""
+    if chunk != C:
+        raise ValueError(f"serial_backend='mosaic' needs chunk_size {C}, got {chunk}")
+    if K not in (64, 128):
+        raise ValueError(f"serial_backend='mosaic' needs the (padded) key head dim K in (64, 128), "
+                         f"got {K}")
+    if V % BV:
+        raise ValueError(f"serial_backend='mosaic' needs the (padded) value head dim V to be a "
+                         f"multiple of {BV}, got {V}")
+
+
+def _smem(shape, dtype):
+    """Shared-memory buffer tiled and swizzled for TMA and wgmma (minor dim = last)."""
+    swizzle = plgpu.find_swizzle(shape[-1] * jnp.dtype(dtype).itemsize * 8)
+    return plgpu.SMEM(shape, dtype, transforms=(
+        plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+        plgpu.SwizzleTransform(swizzle)))
+
+
+def _matmul(a, b_ref, shape, init, interpret):
+    """init + a @ b_ref (a: bf16 registers, b_ref: bf16 shared memory, float32 accumulation).
+    The optimisation barrier keeps LLVM from reading the accumulator before the wgmma wait
+    (jax-linear-attention saw zeroed products without it)."""
+    if interpret:
+        return init + jnp.dot(a, b_ref[...], preferred_element_type=F32)
+
+    def body(acc):
+        plgpu.wgmma(acc, a, b_ref)
+
+    return lax.optimization_barrier(pl.run_state(body)(plgpu.ACC.init(init)))
+
+
+def _flags(doc, first, last):
+    """doc, first, last [B, NC] -> [B, NC, 4] int32 (one 16-byte TMA copy per chunk)."""
+    return jnp.stack([doc, first, last, jnp.zeros_like(doc)], axis=-1).astype(jnp.int32)
+
+
+def _doc_states(x):
+    """[N, H, K, V] <-> [N, H, V, K] float32."""
+    return jnp.swapaxes(x, -1, -2).astype(F32)
+
+
+def _kernel(body, *, name, out_type, scratch, grid, interpret):
+    return plgpu.kernel(
+        body, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=("b", "h", "v"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else None, kernel_name=name)
+
+
+def _positions():
+    """(b, h, first value column) of this CTA."""
+    return lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v") * BV
+
+
+def _loop(nc, reverse, issue, in_bar, step, carry):
+    """The chunk loop: chunk tiles double-buffered (slot i % 2), the next chunk's issued right
+    after the current one's arrive; ``step(c, slot, carry)`` returns the next carry."""
+    chunk_at = (lambda i: nc - 1 - i) if reverse else (lambda i: i)
+    issue(chunk_at(0), 0)
+
+    def body(i, carry):
+        slot = lax.rem(i, 2)
+        plgpu.barrier_wait(in_bar.at[slot])
+
+        @pl.when(i + 1 < nc)
+        def _prefetch():
+            plgpu.commit_smem()  # this thread's reads of the other slot are done
+            issue(chunk_at(i + 1), 1 - slot)
+
+        return step(chunk_at(i), slot, carry)
+
+    carry = lax.fori_loop(0, nc, body, carry)
+    plgpu.wait_smem_to_gmem(0)
+    return carry
+
+
+def _zeroed(buf):
+    """``buf`` (a float32 [BV, K] document-state buffer) filled with zeros: the chunks a pass
+    meets before its first document boundary (the backward's trailing layout padding) read it
+    times 0, which must not be garbage times 0."""
+    buf[...] = plgpu.layout_cast(jnp.zeros(buf.shape, F32), WGMMA)
+    plgpu.commit_smem()
+    return buf
+
+
+def _doc_state_in(ref, doc, h, v0, buf, bar, cond):
+    """Load document ``doc``'s transposed state tile into ``buf`` when ``cond``; return ``buf``'s
+    value (the last tile loaded, or zeros)."""
+    @pl.when(cond != 0)
+    def _():
+        plgpu.copy_gmem_to_smem(ref.at[doc, h, pl.ds(v0, BV)], buf, bar)
+        plgpu.barrier_wait(bar)
+
+    return plgpu.load(buf, layout=WGMMA)
+
+
+def _doc_state_out(value, ref, doc, h, v0, buf, cond):
+    """Store ``value`` (transposed tile, float32) as document ``doc``'s state when ``cond``."""
+    @pl.when(cond != 0)
+    def _():
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # buf's previous store was read
+        buf[...] = value
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(buf, ref.at[doc, h, pl.ds(v0, BV)])
+
+
+def state_fwd(W, U, kw, gc, initial_state, doc, first, last, *, num_docs, interpret):
+    """Forward pass: chunk-start states [B, H, NC, V, K] (transposed) and R = U − W S
+    [B, H, Tp, V], both bf16; final states [N, H, K, V] float32. ``initial_state``: None or
+    [N, H, K, V]; ``num_docs``: N, or None for one document per batch row."""
+    B, H, Tp, K = W.shape
+    V, nc = U.shape[-1], Tp // C
+    check_shapes(chunk=Tp // gc.shape[2], K=K, V=V)
+    N, has_init = B if num_docs is None else num_docs, initial_state is not None
+    flags = _flags(doc, first, last)
+    out_type = (jax.ShapeDtypeStruct((B, H, nc, V, K), BF16),
+                jax.ShapeDtypeStruct((B, H, Tp, V), BF16), jax.ShapeDtypeStruct((N, H, V, K), F32))
+    scratch = dict(w=_smem((2, C, K), BF16), k=_smem((2, C, K), BF16), u=_smem((2, C, BV), BF16),
+                   g=plgpu.SMEM((2, K), F32), fl=plgpu.SMEM((2, 4), jnp.int32),
+                   s_out=_smem((2, BV, K), BF16), r_out=_smem((2, C, BV), BF16),
+                   fin=plgpu.SMEM((BV, K), F32), init=plgpu.SMEM((BV, K), F32),
+                   in_bar=plgpu.Barrier(num_arrivals=5, num_barriers=2), doc_bar=plgpu.Barrier())
+
+    def body(*refs, w, k, u, g, fl, s_out, r_out, fin, init, in_bar, doc_bar):
+        W_ref, U_ref, kw_ref, gc_ref, f_ref = refs[:5]
+        init_ref = refs[5] if has_init else None
+        states_ref, R_ref, final_ref = refs[5 + has_init:]
+        b, h, v0 = _positions()
+        init_buf = _zeroed(init) if has_init else None
+
+        def issue(c, slot):
+            rows, bar = pl.ds(c * C, C), in_bar.at[slot]
+            plgpu.copy_gmem_to_smem(W_ref.at[b, h, rows], w.at[slot], bar)
+            plgpu.copy_gmem_to_smem(kw_ref.at[b, h, rows], k.at[slot], bar)
+            plgpu.copy_gmem_to_smem(U_ref.at[b, h, rows, pl.ds(v0, BV)], u.at[slot], bar)
+            plgpu.copy_gmem_to_smem(gc_ref.at[b, h, c], g.at[slot], bar)
+            plgpu.copy_gmem_to_smem(f_ref.at[b, c], fl.at[slot], bar)
+
+        def step(c, slot, S):
+            d, is_first, is_last = fl[slot, 0], fl[slot, 1], fl[slot, 2]
+            S = S * (1 - is_first).astype(F32)
+            if has_init:
+                S = S + _doc_state_in(init_ref, d, h, v0, init_buf, doc_bar, is_first) * \
+                    is_first.astype(F32)
+            s_lo = S.astype(BF16)
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this slot's stores of chunk c ∓ 2
+            s_out.at[slot][...] = s_lo
+            u_t = plgpu.load(u.at[slot].T, layout=WGMMA).astype(F32)
+            r_t = _matmul(-s_lo, w.at[slot].T, (BV, C), u_t, interpret)  # Rᵀ = Uᵀ − Sᵀ Wᵀ
+            r_lo = r_t.astype(BF16)
+            r_out.at[slot].T[...] = r_lo
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(s_out.at[slot], states_ref.at[b, h, c, pl.ds(v0, BV)],
+                                    commit_group=False)
+            plgpu.copy_smem_to_gmem(r_out.at[slot], R_ref.at[b, h, pl.ds(c * C, C), pl.ds(v0, BV)],
+                                    commit_group=False)
+            plgpu.commit_smem_to_gmem_group()
+            decay = lax.broadcast_in_dim(plgpu.load(g.at[slot], layout=COLS), (BV, K), [1])
+            S = _matmul(r_lo, k.at[slot], (BV, K), S * decay, interpret)  # Sᵀ Γ_C + Rᵀ K̃'
+            _doc_state_out(S, final_ref, d, h, v0, fin, is_last)
+            return S
+
+        zero = plgpu.layout_cast(jnp.zeros((BV, K), F32), WGMMA)
+        _loop(nc, False, issue, in_bar, step, zero)
+
+    args = [W, U, kw, gc, flags] + ([_doc_states(initial_state)] if has_init else [])
+    states, R, final = _kernel(body, name="state_fwd_mosaic", out_type=out_type, scratch=scratch,
+                               grid=(B, H, V // BV), interpret=interpret)(*args)
+    return states, R, _doc_states(final)
+
+
+def state_bwd(W, kw, gc, A, G, dfinal, doc, first, last, *, interpret):
+    """Backward pass: dU = dR [B, H, Tp, V] and the chunk-end cotangents dS_C [B, H, NC, V, K]
+    (transposed), both bf16; dS_0 [N, H, K, V] float32. A = scale Pᵀ dO [B, H, Tp, V] and
+    G = scale (Q'ᵀ dO)ᵀ [B, H, NC, V, K] (transposed), bf16; dfinal [N, H, K, V]."""
+    B, H, Tp, K = W.shape
+    V, nc, N = A.shape[-1], Tp // C, dfinal.shape[0]
+    check_shapes(chunk=Tp // gc.shape[2], K=K, V=V)
+    flags = _flags(doc, first, last)
+    out_type = (jax.ShapeDtypeStruct((B, H, Tp, V), BF16),
+                jax.ShapeDtypeStruct((B, H, nc, V, K), BF16), jax.ShapeDtypeStruct((N, H, V, K), F32))
+    scratch = dict(w=_smem((2, C, K), BF16), k=_smem((2, C, K), BF16), a=_smem((2, C, BV), BF16),
+                   gt=_smem((2, BV, K), BF16), g=plgpu.SMEM((2, K), F32),
+                   fl=plgpu.SMEM((2, 4), jnp.int32), ds_out=_smem((2, BV, K), BF16),
+                   du_out=_smem((2, C, BV), BF16), dinit=plgpu.SMEM((BV, K), F32),
+                   dfin=plgpu.SMEM((BV, K), F32),
+                   in_bar=plgpu.Barrier(num_arrivals=6, num_barriers=2), doc_bar=plgpu.Barrier())
+
+    def body(W_ref, kw_ref, gc_ref, A_ref, G_ref, f_ref, dfinal_ref, dU_ref, dstates_ref,
+             dinit_ref, *, w, k, a, gt, g, fl, ds_out, du_out, dinit, dfin, in_bar, doc_bar):
+        b, h, v0 = _positions()
+        dfin = _zeroed(dfin)
+
+        def issue(c, slot):
+            rows, bar = pl.ds(c * C, C), in_bar.at[slot]
+            plgpu.copy_gmem_to_smem(W_ref.at[b, h, rows], w.at[slot], bar)
+            plgpu.copy_gmem_to_smem(kw_ref.at[b, h, rows], k.at[slot], bar)
+            plgpu.copy_gmem_to_smem(A_ref.at[b, h, rows, pl.ds(v0, BV)], a.at[slot], bar)
+            plgpu.copy_gmem_to_smem(G_ref.at[b, h, c, pl.ds(v0, BV)], gt.at[slot], bar)
+            plgpu.copy_gmem_to_smem(gc_ref.at[b, h, c], g.at[slot], bar)
+            plgpu.copy_gmem_to_smem(f_ref.at[b, c], fl.at[slot], bar)
+
+        def step(c, slot, dS):
+            d, is_first, is_last = fl[slot, 0], fl[slot, 1], fl[slot, 2]
+            dS = dS * (1 - is_last).astype(F32) + _doc_state_in(
+                dfinal_ref, d, h, v0, dfin, doc_bar, is_last) * is_last.astype(F32)
+            ds_lo = dS.astype(BF16)
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            ds_out.at[slot][...] = ds_lo
+            a_t = plgpu.load(a.at[slot].T, layout=WGMMA).astype(F32)
+            dr_t = _matmul(ds_lo, k.at[slot].T, (BV, C), a_t, interpret)  # dRᵀ = Aᵀ + dSᵀ K̃'ᵀ
+            dr_lo = dr_t.astype(BF16)
+            du_out.at[slot].T[...] = dr_lo
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(ds_out.at[slot], dstates_ref.at[b, h, c, pl.ds(v0, BV)],
+                                    commit_group=False)
+            plgpu.copy_smem_to_gmem(du_out.at[slot], dU_ref.at[b, h, pl.ds(c * C, C),
+                                                              pl.ds(v0, BV)], commit_group=False)
+            plgpu.commit_smem_to_gmem_group()
+            decay = lax.broadcast_in_dim(plgpu.load(g.at[slot], layout=COLS), (BV, K), [1])
+            g_t = plgpu.load(gt.at[slot], layout=WGMMA).astype(F32)
+            dS = _matmul(-dr_lo, w.at[slot], (BV, K), dS * decay + g_t, interpret)  # − dRᵀ W
+            _doc_state_out(dS, dinit_ref, d, h, v0, dinit, is_first)
+            return dS * (1 - is_first).astype(F32)
+
+        zero = plgpu.layout_cast(jnp.zeros((BV, K), F32), WGMMA)
+        _loop(nc, True, issue, in_bar, step, zero)
+
+    dU, dstates, dinit = _kernel(body, name="state_bwd_mosaic", out_type=out_type,
+                                 scratch=scratch, grid=(B, H, V // BV), interpret=interpret)(
+        W, kw, gc, A, G, flags, _doc_states(dfinal))
+    return dU, dstates, _doc_states(dinit)

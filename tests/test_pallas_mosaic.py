@@ -1,0 +1,123 @@
+"""The Mosaic GPU serial state passes (``Options.serial_backend="mosaic"``) in interpret mode.
+
+wgmma has no CPU lowering in jax 0.11.2, so on CPU their dots run as ``jnp.dot`` of the same bf16
+operands (``state_mosaic``'s docstring); everything else (TMA tiles, barriers, transposed
+layouts, document flags, initial and final states) runs as on the device. Checked against the
+Triton passes at the same numerics and, end to end, against the float32 token-by-token
+reference with FLA's bars."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import packed_cu_seqlens
+from test_pallas_precision import assert_within_fla_bars, kernel_runs, outputs_and_grads, rel_rms
+
+import precond_linattn as pla
+from pallas_kernels import state_bwd_triton, state_fwd_triton, state_mosaic
+from pallas_kernels.delta_rule import Options, delta_rule_pallas, resolve
+from pallas_kernels.triton_common import Dots
+
+MOSAIC = Options(serial_backend="mosaic")
+TWIN = Options(wy_dtype="bfloat16", serial_precision="bf16")  # the Triton passes, same numerics
+
+
+def transposed(x):
+    return jnp.swapaxes(x, -1, -2)
+
+
+@pytest.mark.parametrize("K", [64, 128])
+def test_state_passes_match_the_triton_passes(rand, K):
+    """Both passes on 2 rows x 3 chunks (row 0: a document of 2 chunks, then one of 1; row 1:
+    one document of 3), 2 V tiles, initial and final document states: the same bf16 operands,
+    float32 sums in another order (XLA's dot of a transposed operand), so a few bf16 roundings
+    of the stored tensors flip and carry on: relative RMS <= 1e-3, and at least 99 % of the
+    elements of every bf16 result bitwise equal to the Triton pass's."""
+
+    def assert_matches(got, want):
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and rel_rms(a, b) <= 1e-3
+            if a.dtype == bf16:
+                assert np.mean(np.asarray(a, np.float32) == np.asarray(b, np.float32)) >= 0.99
+
+    B, H, nc, V = 2, 2, 3, 128
+    Tp, bf16 = nc * 64, jnp.bfloat16
+    W, kw = (0.3 * rand.normal(B, H, Tp, K, dtype=bf16) for _ in range(2))
+    U, A = (rand.normal(B, H, Tp, V, dtype=bf16) for _ in range(2))
+    G = rand.normal(B, H, nc, K, V, dtype=bf16)
+    gc = jnp.asarray(rand.rng.uniform(0.5, 1.0, (B, H, nc, K)), jnp.float32)
+    init, dfinal = rand.normal(3, H, K, V), rand.normal(3, H, K, V)
+    doc, first, last = (jnp.asarray(x, jnp.int32) for x in (
+        [[0, 0, 1], [2, 2, 2]], [[1, 0, 1], [1, 0, 0]], [[0, 1, 1], [0, 0, 1]]))
+    flags = (doc, first, last)
+    serial = dict(chunk=64, block_v=64, dots=Dots("bf16", True), num_warps=4, num_stages=2,
+                  state_dtype=bf16)
+
+    states, R, final = state_mosaic.state_fwd(W, U, kw, gc, init, *flags, num_docs=3,
+                                              interpret=True)
+    assert_matches((transposed(states), R, final),
+                   state_fwd_triton.state_pass(W, U, kw, gc, init, *flags, num_docs=3, **serial))
+
+    dU, dstates, dinit = state_mosaic.state_bwd(W, kw, gc, A, transposed(G), dfinal, *flags,
+                                                interpret=True)
+    assert_matches((dU, transposed(dstates), dinit),
+                   state_bwd_triton.state_pass(W, kw, gc, A, G, dfinal, *flags, **serial))
+
+
+@pytest.mark.parametrize("decay", [None, "scalar", "vector"])
+def test_mosaic_backend_within_fla_bars(rand, decay):
+    """The op with ``serial_backend="mosaic"`` (T = 150: two chunks and a tail; K = 40 and V = 48
+    padded to 64; an initial state): outputs, final state and every gradient within FLA's bars
+    of the float32 reference and within 2e-3 of the Triton passes at the same numerics."""
+    mosaic, twin, ref = kernel_runs(rand, decay, 7, MOSAIC, TWIN, K=40)
+    assert_within_fla_bars(mosaic, ref)
+    assert rel_rms(mosaic[0], twin[0]) <= 2e-3 and rel_rms(mosaic[1], twin[1]) <= 2e-3
+    for name in ref[2]:
+        assert rel_rms(mosaic[2][name], twin[2][name]) <= 2e-3, name
+
+
+def test_mosaic_backend_packed_documents(rand):
+    """Three packed documents (lengths 64, 1, 85: a one-token document, a chunk-unaligned
+    boundary, and so one chunk of layout padding after the last document, which the backward
+    meets before any document's end) with per-document initial states and a scalar decay:
+    within FLA's bars of the float32 reference for outputs, final states and every gradient
+    (interpret mode starts every buffer as NaN: nothing unwritten or uninitialised is read)."""
+    T, H, K, V = 150, 2, 64, 64
+    x = rand.delta_inputs(1, T, H, K, V, decay="scalar", dtype=jnp.bfloat16)
+    x["s0"] = rand.normal(3, H, K, V)
+    cu = packed_cu_seqlens([64, 1, 85])
+
+    def kernel(x):
+        return delta_rule_pallas(x["q"], x["k"], x["write_key"], x["v"], x["beta"],
+                                 x["log_decay"], K ** -0.5, x["s0"], cu, 64, MOSAIC)
+
+    def reference(x):
+        return pla.delta_rule(x["q"], x["k"], x["v"], x["beta"], write_key=x["write_key"],
+                              log_decay=x["log_decay"], initial_state=x["s0"], cu_seqlens=cu,
+                              output_final_state=True, impl="reference")
+
+    key = jax.random.key(3)
+    got, ref = (jax.jit(lambda x, f=f: outputs_and_grads(f, x, key))(x)
+                for f in (kernel, reference))
+    assert_within_fla_bars(got, ref)
+
+
+def test_mosaic_backend_refuses_what_it_cannot_run(rand):
+    """float32 inputs, another chunk, head dims, or options that contradict bf16 passes: a
+    ValueError naming the cause; the resolved options carry the bf16 settings."""
+    r = resolve(MOSAIC, sixteen_bit=True)
+    assert (r.wy_dtype, r.state_dtype, r.serial_precision) == ("bfloat16", "bfloat16", "bf16")
+    with pytest.raises(ValueError, match="takes 16-bit"):
+        resolve(MOSAIC, sixteen_bit=False)
+    with pytest.raises(ValueError, match=r"\['state_dtype', 'split'\]|values given for"):
+        Options(serial_backend="mosaic", split=False, state_dtype="float32")
+    with pytest.raises(ValueError, match="Options.serial_backend must be"):
+        Options(serial_backend="cuda")
+    x = rand.delta_inputs(1, 64, 1, 32, 64, dtype=jnp.bfloat16)
+    args = (x["q"], x["k"], x["write_key"], x["v"], x["beta"], None, 1.0, None, None)
+    with pytest.raises(ValueError, match="key head dim K in"):
+        delta_rule_pallas(*args, 64, MOSAIC)
+    x = rand.delta_inputs(1, 64, 1, 64, 64, dtype=jnp.bfloat16)
+    args = (x["q"], x["k"], x["write_key"], x["v"], x["beta"], None, 1.0, None, None)
+    with pytest.raises(ValueError, match="chunk_size 64"):
+        delta_rule_pallas(*args, 32, MOSAIC)
