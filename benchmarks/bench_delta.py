@@ -242,7 +242,8 @@ def variant(v):
     [/kN][/sN][/hbf16|/h32][/wbf16][/qP][/oserial][/dserial][/mosaic] (vxla:
     ``Options.vector_wy`` = "xla"; pP: ``Options.parallel_precision`` = P, e.g. ptf32, pbf16;
     kN: ``Options.block_k`` = N; sN: ``Options.serial_block_v`` = N; hbf16 / h32:
-    ``Options.state_dtype`` = "bfloat16" / "float32"; wbf16: ``Options.wy_dtype`` = "bfloat16"; qP: ``Options.serial_precision`` = P;
+    ``Options.state_dtype`` = "bfloat16" / "float32"; wbf16: ``Options.wy_dtype`` =
+    "bfloat16"; qP: ``Options.serial_precision`` = P;
     oserial / dserial: ``Options.output_in_serial`` / ``dout_in_serial``, which ``breakdown``
     ignores: it times the separate kernels; mosaic: ``Options.serial_backend`` = "mosaic").
     Unnamed options keep their defaults."""
