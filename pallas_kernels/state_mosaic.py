@@ -74,9 +74,16 @@ def _matmul(a, b_ref, shape, init, interpret):
     return lax.optimization_barrier(pl.run_state(body)(plgpu.ACC.init(init)))
 
 
+FLAGS = 32  # int32 per chunk: TMA writes shared memory at 128-byte aligned addresses
+
+
 def _flags(doc, first, last):
-    """doc, first, last [B, NC] -> [B, NC, 4] int32 (one 16-byte TMA copy per chunk)."""
-    return jnp.stack([doc, first, last, jnp.zeros_like(doc)], axis=-1).astype(jnp.int32)
+    """doc, first, last [B, NC] -> [B, NC, 32] int32, zero padded: one 128-byte TMA copy per
+    chunk into a slot of a [2, 32] buffer (a 16-byte slot put the second slot off the 128-byte
+    alignment TMA needs: CUDA_ERROR_MISALIGNED_ADDRESS on the H200, not seen in interpret
+    mode)."""
+    flags = jnp.stack([doc, first, last], axis=-1).astype(jnp.int32)
+    return jnp.pad(flags, [(0, 0), (0, 0), (0, FLAGS - 3)])
 
 
 def _doc_states(x):
@@ -118,20 +125,22 @@ def _loop(nc, reverse, issue, in_bar, step, carry):
     return carry
 
 
-def _zeroed(buf):
-    """``buf`` (a float32 [BV, K] document-state buffer) filled with zeros: the chunks a pass
+def _zero(buf):
+    """Fill ``buf``, the float32 [BV, K] document-state buffer, with zeros: the chunks a pass
     meets before its first document boundary (the backward's trailing layout padding) read it
     times 0, which must not be garbage times 0."""
     buf[...] = plgpu.layout_cast(jnp.zeros(buf.shape, F32), WGMMA)
     plgpu.commit_smem()
-    return buf
 
 
 def _doc_state_in(ref, doc, h, v0, buf, bar, cond):
     """Load document ``doc``'s transposed state tile into ``buf`` when ``cond``; return ``buf``'s
-    value (the last tile loaded, or zeros)."""
+    value (times 0 where ``cond`` fails: it then holds an earlier finite tile, or zeros). The
+    one buffer serves ``_doc_state_out`` too, so its pending store is waited for first."""
     @pl.when(cond != 0)
     def _():
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        plgpu.commit_smem()
         plgpu.copy_gmem_to_smem(ref.at[doc, h, pl.ds(v0, BV)], buf, bar)
         plgpu.barrier_wait(bar)
 
@@ -160,17 +169,17 @@ def state_fwd(W, U, kw, gc, initial_state, doc, first, last, *, num_docs, interp
     out_type = (jax.ShapeDtypeStruct((B, H, nc, V, K), BF16),
                 jax.ShapeDtypeStruct((B, H, Tp, V), BF16), jax.ShapeDtypeStruct((N, H, V, K), F32))
     scratch = dict(w=_smem((2, C, K), BF16), k=_smem((2, C, K), BF16), u=_smem((2, C, BV), BF16),
-                   g=plgpu.SMEM((2, K), F32), fl=plgpu.SMEM((2, 4), jnp.int32),
+                   g=plgpu.SMEM((2, K), F32), fl=plgpu.SMEM((2, FLAGS), jnp.int32),
                    s_out=_smem((2, BV, K), BF16), r_out=_smem((2, C, BV), BF16),
-                   fin=plgpu.SMEM((BV, K), F32), init=plgpu.SMEM((BV, K), F32),
+                   doc_buf=plgpu.SMEM((BV, K), F32),
                    in_bar=plgpu.Barrier(num_arrivals=5, num_barriers=2), doc_bar=plgpu.Barrier())
 
-    def body(*refs, w, k, u, g, fl, s_out, r_out, fin, init, in_bar, doc_bar):
+    def body(*refs, w, k, u, g, fl, s_out, r_out, doc_buf, in_bar, doc_bar):
         W_ref, U_ref, kw_ref, gc_ref, f_ref = refs[:5]
         init_ref = refs[5] if has_init else None
         states_ref, R_ref, final_ref = refs[5 + has_init:]
         b, h, v0 = _positions()
-        init_buf = _zeroed(init) if has_init else None
+        _zero(doc_buf)
 
         def issue(c, slot):
             rows, bar = pl.ds(c * C, C), in_bar.at[slot]
@@ -184,7 +193,7 @@ def state_fwd(W, U, kw, gc, initial_state, doc, first, last, *, num_docs, interp
             d, is_first, is_last = fl[slot, 0], fl[slot, 1], fl[slot, 2]
             S = S * (1 - is_first).astype(F32)
             if has_init:
-                S = S + _doc_state_in(init_ref, d, h, v0, init_buf, doc_bar, is_first) * \
+                S = S + _doc_state_in(init_ref, d, h, v0, doc_buf, doc_bar, is_first) * \
                     is_first.astype(F32)
             s_lo = S.astype(BF16)
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this slot's stores of chunk c ∓ 2
@@ -201,7 +210,7 @@ def state_fwd(W, U, kw, gc, initial_state, doc, first, last, *, num_docs, interp
             plgpu.commit_smem_to_gmem_group()
             decay = lax.broadcast_in_dim(plgpu.load(g.at[slot], layout=COLS), (BV, K), [1])
             S = _matmul(r_lo, k.at[slot], (BV, K), S * decay, interpret)  # Sᵀ Γ_C + Rᵀ K̃'
-            _doc_state_out(S, final_ref, d, h, v0, fin, is_last)
+            _doc_state_out(S, final_ref, d, h, v0, doc_buf, is_last)
             return S
 
         zero = plgpu.layout_cast(jnp.zeros((BV, K), F32), WGMMA)
@@ -225,15 +234,14 @@ def state_bwd(W, kw, gc, A, G, dfinal, doc, first, last, *, interpret):
                 jax.ShapeDtypeStruct((B, H, nc, V, K), BF16), jax.ShapeDtypeStruct((N, H, V, K), F32))
     scratch = dict(w=_smem((2, C, K), BF16), k=_smem((2, C, K), BF16), a=_smem((2, C, BV), BF16),
                    gt=_smem((2, BV, K), BF16), g=plgpu.SMEM((2, K), F32),
-                   fl=plgpu.SMEM((2, 4), jnp.int32), ds_out=_smem((2, BV, K), BF16),
-                   du_out=_smem((2, C, BV), BF16), dinit=plgpu.SMEM((BV, K), F32),
-                   dfin=plgpu.SMEM((BV, K), F32),
+                   fl=plgpu.SMEM((2, FLAGS), jnp.int32), ds_out=_smem((2, BV, K), BF16),
+                   du_out=_smem((2, C, BV), BF16), doc_buf=plgpu.SMEM((BV, K), F32),
                    in_bar=plgpu.Barrier(num_arrivals=6, num_barriers=2), doc_bar=plgpu.Barrier())
 
     def body(W_ref, kw_ref, gc_ref, A_ref, G_ref, f_ref, dfinal_ref, dU_ref, dstates_ref,
-             dinit_ref, *, w, k, a, gt, g, fl, ds_out, du_out, dinit, dfin, in_bar, doc_bar):
+             dinit_ref, *, w, k, a, gt, g, fl, ds_out, du_out, doc_buf, in_bar, doc_bar):
         b, h, v0 = _positions()
-        dfin = _zeroed(dfin)
+        _zero(doc_buf)
 
         def issue(c, slot):
             rows, bar = pl.ds(c * C, C), in_bar.at[slot]
@@ -247,7 +255,7 @@ def state_bwd(W, kw, gc, A, G, dfinal, doc, first, last, *, interpret):
         def step(c, slot, dS):
             d, is_first, is_last = fl[slot, 0], fl[slot, 1], fl[slot, 2]
             dS = dS * (1 - is_last).astype(F32) + _doc_state_in(
-                dfinal_ref, d, h, v0, dfin, doc_bar, is_last) * is_last.astype(F32)
+                dfinal_ref, d, h, v0, doc_buf, doc_bar, is_last) * is_last.astype(F32)
             ds_lo = dS.astype(BF16)
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)
             ds_out.at[slot][...] = ds_lo
@@ -264,7 +272,7 @@ def state_bwd(W, kw, gc, A, G, dfinal, doc, first, last, *, interpret):
             decay = lax.broadcast_in_dim(plgpu.load(g.at[slot], layout=COLS), (BV, K), [1])
             g_t = plgpu.load(gt.at[slot], layout=WGMMA).astype(F32)
             dS = _matmul(-dr_lo, w.at[slot], (BV, K), dS * decay + g_t, interpret)  # − dRᵀ W
-            _doc_state_out(dS, dinit_ref, d, h, v0, dinit, is_first)
+            _doc_state_out(dS, dinit_ref, d, h, v0, doc_buf, is_first)
             return dS * (1 - is_first).astype(F32)
 
         zero = plgpu.layout_cast(jnp.zeros((BV, K), F32), WGMMA)
