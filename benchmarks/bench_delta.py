@@ -4,7 +4,7 @@
         [--sections checks,packed,time,rows,jla,chunked,breakdown] [--check-dtypes bf16,fp32]
         [--variants auto/64/4,auto/64/4/fused]
         # a variant: precision/block_v/num_warps[/num_stages][/fused][/recompute][/vxla]
-        #            [/pP][/kN][/sN][/hbf16|/h32][/wbf16][/qP][/oserial][/dserial][/mosaic]
+        #            [/pP][/kN][/sN][/hbf16|/h32][/wbf16][/qP][/oserial|/okernel][/dserial][/mosaic|/triton]
         #            (see ``variant``)
 
 Checks (fresh random inputs per check; the device allocator is filled with NaN before each run so
@@ -183,7 +183,8 @@ def breakdown(core, x, reps, options):
     from pallas_kernels.triton_common import Dots, interpret_default
     B, T, H, D = x["q"].shape
     nc, decay = T // 64, {None: "none", 3: "scalar", 4: "vector"}[DECAYS[core]]
-    options = dr.resolve(options, sixteen_bit=x["q"].dtype.itemsize == 2)  # as the op does
+    options = dr.resolve(options, sixteen_bit=x["q"].dtype.itemsize == 2,  # as the op does
+                         mosaic_fits=not interpret_default())
     cfg = dr._Config(64, decay, D ** -0.5, None, options, Dots(options.precision, interpret_default()),
                      Dots(options.parallel_precision, interpret_default()))
     g = x.get("g")
@@ -239,14 +240,14 @@ def breakdown(core, x, reps, options):
 
 def variant(v):
     """Options from precision/block_v/num_warps[/num_stages][/fused][/recompute][/vxla][/pP]
-    [/kN][/sN][/hbf16|/h32][/wbf16][/qP][/oserial][/dserial][/mosaic] (vxla:
+    [/kN][/sN][/hbf16|/h32][/wbf16][/qP][/oserial|/okernel][/dserial][/mosaic|/triton] (vxla:
     ``Options.vector_wy`` = "xla"; pP: ``Options.parallel_precision`` = P, e.g. ptf32, pbf16;
     kN: ``Options.block_k`` = N; sN: ``Options.serial_block_v`` = N; hbf16 / h32:
     ``Options.state_dtype`` = "bfloat16" / "float32"; wbf16: ``Options.wy_dtype`` =
     "bfloat16"; qP: ``Options.serial_precision`` = P;
-    oserial / dserial: ``Options.output_in_serial`` / ``dout_in_serial``, which ``breakdown``
-    ignores: it times the separate kernels; mosaic: ``Options.serial_backend`` = "mosaic").
-    Unnamed options keep their defaults."""
+    oserial / okernel: ``Options.output_in_serial`` True / False; dserial:
+    ``Options.dout_in_serial`` (``breakdown`` ignores both: it times the separate kernels);
+    mosaic / triton: ``Options.serial_backend``). Unnamed options keep their defaults."""
     f = v.split("/")
     flags = [t for t in f[3:] if not t.isdigit()]
     block_k = [int(t[1:]) for t in flags if t[0] == "k" and t[1:].isdigit()]
@@ -264,8 +265,9 @@ def variant(v):
                    state_dtype="bfloat16" if "hbf16" in flags else "float32" if "h32" in flags
                    else None, wy_dtype="bfloat16" if "wbf16" in flags else None,
                    serial_precision=serial_dots[0] if serial_dots else None,
-                   output_in_serial="oserial" in flags, dout_in_serial="dserial" in flags,
-                   serial_backend="mosaic" if "mosaic" in flags else "triton")
+                   output_in_serial=True if "oserial" in flags else False if "okernel" in flags
+                   else None, dout_in_serial="dserial" in flags,
+                   serial_backend=next((t for t in flags if t in ("mosaic", "triton")), None))
 
 
 def variant_tag(opt):
@@ -279,8 +281,9 @@ def variant_tag(opt):
             + {"bfloat16": "/hbf16", "float32": "/h32", None: ""}[opt.state_dtype]
             + ("/wbf16" if opt.wy_dtype == "bfloat16" else "")
             + (f"/q{opt.serial_precision}" if opt.serial_precision else "")
-            + ("/oserial" if opt.output_in_serial else "") + ("/dserial" if opt.dout_in_serial else "")
-            + ("/mosaic" if opt.serial_backend == "mosaic" else ""))
+            + {True: "/oserial", False: "/okernel", None: ""}[opt.output_in_serial]
+            + ("/dserial" if opt.dout_in_serial else "")
+            + (f"/{opt.serial_backend}" if opt.serial_backend else ""))
 
 
 def jla_ops():

@@ -86,9 +86,14 @@ class Options:
     serial state passes as Pallas Triton kernels ("triton") or as Mosaic GPU kernels
     (``state_mosaic``: wgmma with the carry in registers, TMA double buffering; "mosaic"
     takes 16-bit q, k, k̃, v, chunk 64, padded K 64 or 128, and implies wy_dtype and
-    state_dtype "bfloat16" and serial_precision "bf16"; ValueError otherwise).
-    ``serial_block_v``, ``output_in_serial`` and ``dout_in_serial`` are exact but measured no
-    faster (run 19: within the run's noise): off."""
+    state_dtype "bfloat16" and serial_precision "bf16"; ValueError otherwise, and where an
+    explicit option contradicts that). None picks "mosaic" on a GPU where it runs and the
+    options leave those settings open, else "triton" (always in interpret mode: the CPU tests
+    of the defaults exercise the Triton passes; ``state_mosaic``'s own tests the other).
+    ``output_in_serial``: the outputs formed in the forward state pass instead of by the output
+    kernel (None: with the Mosaic passes, as jax-linear-attention does; not with the Triton
+    ones, where run 19 measured it no faster). ``serial_block_v`` and ``dout_in_serial`` are
+    exact but measured no faster (run 19: within the run's noise): off."""
 
     precision: str | None = None
     parallel_precision: str | None = None
@@ -98,14 +103,14 @@ class Options:
     state_dtype: str | None = None  # split: per-chunk states, R, dR, dO products kept in HBM
     wy_dtype: str | None = None  # split: W, U, K̃', Q', P kept in HBM (None: float32)
     serial_precision: str | None = None  # split: the serial state passes' dots (None: precision)
-    output_in_serial: bool = False  # split: outputs formed in the forward state pass
+    output_in_serial: bool | None = None  # split: outputs formed in the forward state pass
     dout_in_serial: bool = False  # split: dO products formed in the backward state pass
     num_warps: int = 4
     num_stages: int = 2  # software pipelining of the serial loops' loads (RESULTS run 13)
     split: bool = True  # the split kernels (state_*_triton) instead of the fused delta_fwd/bwd
     save_wy: bool = True  # split: keep the WY tensors for the backward (not with vector_wy="xla")
     vector_wy: str = "kernel"  # "kernel" | "xla": the per-channel-decay WY step
-    serial_backend: str = "triton"  # split: "triton" | "mosaic" serial state passes
+    serial_backend: str | None = None  # split: "triton" | "mosaic" serial state passes
 
     def __post_init__(self):
         if self.vector_wy not in ("xla", "kernel"):
@@ -118,21 +123,22 @@ class Options:
         if self.wy_dtype not in (None, "float32", "bfloat16"):
             raise ValueError("Options.wy_dtype must be None, 'float32' or 'bfloat16', got "
                              f"{self.wy_dtype!r}")
-        if self.serial_backend not in ("triton", "mosaic"):
-            raise ValueError("Options.serial_backend must be 'triton' or 'mosaic', got "
+        if self.serial_backend not in (None, "triton", "mosaic"):
+            raise ValueError("Options.serial_backend must be None, 'triton' or 'mosaic', got "
                              f"{self.serial_backend!r}")
-        if self.serial_backend == "mosaic":
-            clashes = dict(split=not self.split, output_in_serial=self.output_in_serial,
-                           dout_in_serial=self.dout_in_serial,
-                           serial_block_v=self.serial_block_v not in (None, 64),
-                           wy_dtype=self.wy_dtype == "float32",
-                           state_dtype=self.state_dtype == "float32",
-                           serial_precision=self.serial_precision not in (None, "bf16"))
-            bad = [name for name, clash in clashes.items() if clash]
-            if bad:
-                raise ValueError(f"Options.serial_backend='mosaic' does not combine with the "
-                                 f"values given for {bad} (it runs split, bf16 serial passes "
-                                 "over bf16 tensors, 64-wide V tiles)")
+        if self.serial_backend == "mosaic" and self.mosaic_clashes():
+            raise ValueError(f"Options.serial_backend='mosaic' does not combine with the values "
+                             f"given for {self.mosaic_clashes()} (it runs split, bf16 serial "
+                             "passes over bf16 tensors, 64-wide V tiles)")
+
+    def mosaic_clashes(self) -> list[str]:
+        """The options whose given values the Mosaic serial passes cannot honour."""
+        clashes = dict(split=not self.split, dout_in_serial=self.dout_in_serial,
+                       serial_block_v=self.serial_block_v not in (None, 64),
+                       wy_dtype=self.wy_dtype == "float32",
+                       state_dtype=self.state_dtype == "float32",
+                       serial_precision=self.serial_precision not in (None, "bf16"))
+        return [name for name, clash in clashes.items() if clash]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,14 +357,23 @@ def _core_bwd(cfg, res, cts):
 _core.defvjp(_core_fwd, _core_bwd)
 
 
-def resolve(options: Options, *, sixteen_bit: bool) -> Options:
+def resolve(options: Options, *, sixteen_bit: bool, mosaic_fits: bool = False) -> Options:
     """``options`` with the input-dependent defaults filled in (``Options``' docstring):
     precision "tf32" for 16-bit inputs, else "tf32x3"; parallel_precision "bf16" and
     state_dtype "bfloat16" for 16-bit inputs when ``precision`` was left None, else
-    ``precision`` and "float32"; wy_dtype "float32"; serial_backend "mosaic" sets wy_dtype,
-    state_dtype and serial_precision to bf16 (ValueError without 16-bit inputs)."""
+    ``precision`` and "float32"; serial_backend "mosaic" when ``mosaic_fits`` (a GPU, not
+    interpret mode, shapes ``state_mosaic`` takes), the inputs are 16-bit, ``precision`` was
+    left None and no option clashes, else "triton"; "mosaic" sets wy_dtype, state_dtype and
+    serial_precision to bf16 (ValueError without 16-bit inputs); wy_dtype otherwise "float32";
+    output_in_serial as the backend's default."""
     fast16 = sixteen_bit and options.precision is None
     precision = options.precision or ("tf32" if sixteen_bit else "tf32x3")
+    if options.serial_backend is None:
+        auto = mosaic_fits and fast16 and not options.mosaic_clashes()
+        options = dataclasses.replace(options, serial_backend="mosaic" if auto else "triton")
+    if options.output_in_serial is None:
+        options = dataclasses.replace(options,
+                                      output_in_serial=options.serial_backend == "mosaic")
     if options.serial_backend == "mosaic":
         if not sixteen_bit:
             raise ValueError("Options.serial_backend='mosaic' takes 16-bit q, k, k̃ and v "
@@ -407,7 +422,8 @@ def delta_rule_pallas(q, k, kw, v, beta, log_decay, scale, initial_state, cu_seq
     decay = {None: "none", 3: "scalar", 4: "vector"}[None if log_decay is None else log_decay.ndim]
     interpret = interpret_default() if interpret is None else interpret
     options = resolve(options, sixteen_bit=all(jnp.dtype(x.dtype).itemsize == 2
-                                               for x in (q, k, kw, v)))
+                                               for x in (q, k, kw, v)),
+                      mosaic_fits=not interpret and state_mosaic.fits(chunk=chunk_size, K=Kp, V=Vp))
     if options.serial_backend == "mosaic":
         state_mosaic.check_shapes(chunk=chunk_size, K=Kp, V=Vp)
     cfg = _Config(chunk_size, decay, float(scale),

@@ -202,17 +202,19 @@ def split_forward(W, U, kw, q, P, gc, initial_state, doc, first, last, *, chunk,
                 num_stages=num_stages)
     serial = dict(num_docs=num_docs, state_dtype=state_dtype,
                   **(opts | dict(block_v=serial_block_v or block_v)))
-    if output_in_serial:
-        *saved, final, o = state_pass(W, U, kw, gc, initial_state, doc, first, last,
-                                      store=store_states, **serial,
-                                      output=(q, P, scale, pdots or dots, out_dtype))
-        return (o, final, *saved)
     mosaic = serial_backend == "mosaic"
     if mosaic:
-        states, R, final = state_mosaic.state_fwd(W, U, kw, gc, initial_state, doc, first, last,
-                                                  num_docs=num_docs, interpret=dots.interpret)
+        serial_pass = functools.partial(state_mosaic.state_fwd, num_docs=num_docs,
+                                        interpret=dots.interpret)
+        output = (q, P, scale, out_dtype)
     else:
-        states, R, final = state_pass(W, U, kw, gc, initial_state, doc, first, last, **serial)
+        serial_pass = functools.partial(state_pass, **serial)
+        output = (q, P, scale, pdots or dots, out_dtype)
+    if output_in_serial:
+        *saved, final, o = serial_pass(W, U, kw, gc, initial_state, doc, first, last,
+                                       store=store_states, output=output)
+        return (o, final, *saved)
+    states, R, final = serial_pass(W, U, kw, gc, initial_state, doc, first, last)
     o = chunk_output(q, P, states, R, scale=scale, out_dtype=out_dtype, transposed=mosaic,
                      **(opts | dict(dots=pdots or dots)))
     return (o, final) + ((states, R) if store_states else ())

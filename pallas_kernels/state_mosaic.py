@@ -41,6 +41,11 @@ WGMMA = plgpu.Layout.WGMMA
 COLS = plgpu.Layout.WGMMA.reduce(0)  # one value per column of a [BV, K] tile
 
 
+def fits(*, chunk, K, V) -> bool:
+    """Whether the Mosaic passes take chunk, K and V (``check_shapes`` says why not)."""
+    return chunk == C and K in (64, 128) and V % BV == 0
+
+
 def check_shapes(*, chunk, K, V):
     """ValueError naming the argument unless the Mosaic passes take chunk, K and V."""
     if chunk != C:
@@ -157,27 +162,47 @@ def _doc_state_out(value, ref, doc, h, v0, buf, cond):
         plgpu.copy_smem_to_gmem(buf, ref.at[doc, h, pl.ds(v0, BV)])
 
 
-def state_fwd(W, U, kw, gc, initial_state, doc, first, last, *, num_docs, interpret):
-    """Forward pass: chunk-start states [B, H, NC, V, K] (transposed) and R = U − W S
-    [B, H, Tp, V], both bf16; final states [N, H, K, V] float32. ``initial_state``: None or
-    [N, H, K, V]; ``num_docs``: N, or None for one document per batch row."""
+def state_fwd(W, U, kw, gc, initial_state, doc, first, last, *, num_docs, interpret, store=True,
+              output=None):
+    """Forward pass. Returns a list: if ``store``, the chunk-start states [B, H, NC, V, K]
+    (transposed) and R = U − W S [B, H, Tp, V], both bf16; the final states [N, H, K, V]
+    float32; with ``output`` = (q, P, scale, out_dtype) (Q' [B, H, Tp, K], P [B, H, Tp, C],
+    16-bit) also o = scale (Q' S + P R) [B, Tp, H, V] in 16-bit ``out_dtype``, formed in the
+    pass (two more wgmmas a chunk, off the carry's path). ``initial_state``: None or
+    [N, H, K, V]; ``num_docs``: N, or None for one document per batch row. Output tiles go out
+    through single shared-memory buffers (a chunk step's stores are read long before the next
+    step writes them; the wait is there all the same)."""
     B, H, Tp, K = W.shape
     V, nc = U.shape[-1], Tp // C
     check_shapes(chunk=Tp // gc.shape[2], K=K, V=V)
     N, has_init = B if num_docs is None else num_docs, initial_state is not None
-    flags = _flags(doc, first, last)
-    out_type = (jax.ShapeDtypeStruct((B, H, nc, V, K), BF16),
-                jax.ShapeDtypeStruct((B, H, Tp, V), BF16), jax.ShapeDtypeStruct((N, H, V, K), F32))
+    out_type = [jax.ShapeDtypeStruct((N, H, V, K), F32)]
     scratch = dict(w=_smem((2, C, K), BF16), k=_smem((2, C, K), BF16), u=_smem((2, C, BV), BF16),
                    g=plgpu.SMEM((2, K), F32), fl=plgpu.SMEM((2, FLAGS), jnp.int32),
-                   s_out=_smem((2, BV, K), BF16), r_out=_smem((2, C, BV), BF16),
-                   doc_buf=plgpu.SMEM((BV, K), F32),
-                   in_bar=plgpu.Barrier(num_arrivals=5, num_barriers=2), doc_bar=plgpu.Barrier())
+                   doc_buf=plgpu.SMEM((BV, K), F32), doc_bar=plgpu.Barrier())
+    if store:
+        out_type[:0] = [jax.ShapeDtypeStruct((B, H, nc, V, K), BF16),
+                        jax.ShapeDtypeStruct((B, H, Tp, V), BF16)]
+        scratch.update(s_out=_smem((BV, K), BF16), r_out=_smem((C, BV), BF16))
+    args = [W, U, kw, gc, _flags(doc, first, last)]
+    if output is not None:
+        q, P, scale, out_dtype = output
+        out_type.append(jax.ShapeDtypeStruct((B, Tp, H, V), out_dtype))
+        scratch.update(q=_smem((2, C, K), BF16), p=_smem((2, C, C), BF16),
+                       o_out=_smem((C, BV), out_dtype))
+        args += [q, P]
+    scratch["in_bar"] = plgpu.Barrier(num_arrivals=5 + 2 * (output is not None), num_barriers=2)
+    args += [_doc_states(initial_state)] if has_init else []
 
-    def body(*refs, w, k, u, g, fl, s_out, r_out, doc_buf, in_bar, doc_bar):
-        W_ref, U_ref, kw_ref, gc_ref, f_ref = refs[:5]
-        init_ref = refs[5] if has_init else None
-        states_ref, R_ref, final_ref = refs[5 + has_init:]
+    def body(*refs, w, k, u, g, fl, doc_buf, doc_bar, in_bar, s_out=None, r_out=None, q=None,
+             p=None, o_out=None):
+        refs = list(refs)
+        W_ref, U_ref, kw_ref, gc_ref, f_ref = (refs.pop(0) for _ in range(5))
+        q_ref, P_ref = (refs.pop(0), refs.pop(0)) if output is not None else (None, None)
+        init_ref = refs.pop(0) if has_init else None
+        states_ref, R_ref = (refs.pop(0), refs.pop(0)) if store else (None, None)
+        final_ref = refs.pop(0)
+        o_ref = refs.pop(0) if output is not None else None
         b, h, v0 = _positions()
         _zero(doc_buf)
 
@@ -188,25 +213,39 @@ def state_fwd(W, U, kw, gc, initial_state, doc, first, last, *, num_docs, interp
             plgpu.copy_gmem_to_smem(U_ref.at[b, h, rows, pl.ds(v0, BV)], u.at[slot], bar)
             plgpu.copy_gmem_to_smem(gc_ref.at[b, h, c], g.at[slot], bar)
             plgpu.copy_gmem_to_smem(f_ref.at[b, c], fl.at[slot], bar)
+            if output is not None:
+                plgpu.copy_gmem_to_smem(q_ref.at[b, h, rows], q.at[slot], bar)
+                plgpu.copy_gmem_to_smem(P_ref.at[b, h, rows], p.at[slot], bar)
 
         def step(c, slot, S):
             d, is_first, is_last = fl[slot, 0], fl[slot, 1], fl[slot, 2]
+            rows = pl.ds(c * C, C)
             S = S * (1 - is_first).astype(F32)
             if has_init:
                 S = S + _doc_state_in(init_ref, d, h, v0, doc_buf, doc_bar, is_first) * \
                     is_first.astype(F32)
             s_lo = S.astype(BF16)
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this slot's stores of chunk c ∓ 2
-            s_out.at[slot][...] = s_lo
             u_t = plgpu.load(u.at[slot].T, layout=WGMMA).astype(F32)
             r_t = _matmul(-s_lo, w.at[slot].T, (BV, C), u_t, interpret)  # Rᵀ = Uᵀ − Sᵀ Wᵀ
             r_lo = r_t.astype(BF16)
-            r_out.at[slot].T[...] = r_lo
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's stores were read
+            if store:
+                s_out[...] = s_lo
+                r_out.T[...] = r_lo
+            if output is not None:  # Oᵀ = scale (Sᵀ Q'ᵀ + Rᵀ Pᵀ)
+                zero = plgpu.layout_cast(jnp.zeros((BV, C), F32), WGMMA)
+                o_t = _matmul(r_lo, p.at[slot].T, (BV, C),
+                              _matmul(s_lo, q.at[slot].T, (BV, C), zero, interpret), interpret)
+                o_out.T[...] = (scale * o_t).astype(o_out.dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(s_out.at[slot], states_ref.at[b, h, c, pl.ds(v0, BV)],
-                                    commit_group=False)
-            plgpu.copy_smem_to_gmem(r_out.at[slot], R_ref.at[b, h, pl.ds(c * C, C), pl.ds(v0, BV)],
-                                    commit_group=False)
+            if store:
+                plgpu.copy_smem_to_gmem(s_out, states_ref.at[b, h, c, pl.ds(v0, BV)],
+                                        commit_group=False)
+                plgpu.copy_smem_to_gmem(r_out, R_ref.at[b, h, rows, pl.ds(v0, BV)],
+                                        commit_group=False)
+            if output is not None:
+                plgpu.copy_smem_to_gmem(o_out, o_ref.at[b, rows, h, pl.ds(v0, BV)],
+                                        commit_group=False)
             plgpu.commit_smem_to_gmem_group()
             decay = lax.broadcast_in_dim(plgpu.load(g.at[slot], layout=COLS), (BV, K), [1])
             S = _matmul(r_lo, k.at[slot], (BV, K), S * decay, interpret)  # Sᵀ Γ_C + Rᵀ K̃'
@@ -216,10 +255,10 @@ def state_fwd(W, U, kw, gc, initial_state, doc, first, last, *, num_docs, interp
         zero = plgpu.layout_cast(jnp.zeros((BV, K), F32), WGMMA)
         _loop(nc, False, issue, in_bar, step, zero)
 
-    args = [W, U, kw, gc, flags] + ([_doc_states(initial_state)] if has_init else [])
-    states, R, final = _kernel(body, name="state_fwd_mosaic", out_type=out_type, scratch=scratch,
-                               grid=(B, H, V // BV), interpret=interpret)(*args)
-    return states, R, _doc_states(final)
+    outs = list(_kernel(body, name="state_fwd_mosaic", out_type=tuple(out_type), scratch=scratch,
+                        grid=(B, H, V // BV), interpret=interpret)(*args))
+    outs[2 * store] = _doc_states(outs[2 * store])
+    return outs
 
 
 def state_bwd(W, kw, gc, A, G, dfinal, doc, first, last, *, interpret):

@@ -19,6 +19,7 @@ from pallas_kernels.delta_rule import Options, delta_rule_pallas, resolve
 from pallas_kernels.triton_common import Dots
 
 MOSAIC = Options(serial_backend="mosaic")
+FUSED = Options(serial_backend="mosaic", output_in_serial=True)  # outputs formed in the pass
 TWIN = Options(wy_dtype="bfloat16", serial_precision="bf16")  # the Triton passes, same numerics
 
 
@@ -66,14 +67,30 @@ def test_state_passes_match_the_triton_passes(rand, K):
 
 @pytest.mark.parametrize("decay", [None, "scalar", "vector"])
 def test_mosaic_backend_within_fla_bars(rand, decay):
-    """The op with ``serial_backend="mosaic"`` (T = 150: two chunks and a tail; K = 40 and V = 48
-    padded to 64; an initial state): outputs, final state and every gradient within FLA's bars
-    of the float32 reference and within 2e-3 of the Triton passes at the same numerics."""
-    mosaic, twin, ref = kernel_runs(rand, decay, 7, MOSAIC, TWIN, K=40)
-    assert_within_fla_bars(mosaic, ref)
-    assert rel_rms(mosaic[0], twin[0]) <= 2e-3 and rel_rms(mosaic[1], twin[1]) <= 2e-3
-    for name in ref[2]:
-        assert rel_rms(mosaic[2][name], twin[2][name]) <= 2e-3, name
+    """The op with ``serial_backend="mosaic"``, outputs formed by the output kernel or in the
+    pass (T = 150: two chunks and a tail; K = 40 and V = 48 padded to 64; an initial state):
+    outputs, final state and every gradient within FLA's bars of the float32 reference and
+    within 2e-3 of the Triton passes at the same numerics."""
+    *mosaic_runs, twin, ref = kernel_runs(rand, decay, 7, MOSAIC, FUSED, TWIN, K=40)
+    for mosaic in mosaic_runs:
+        assert_within_fla_bars(mosaic, ref)
+        assert rel_rms(mosaic[0], twin[0]) <= 2e-3 and rel_rms(mosaic[1], twin[1]) <= 2e-3
+        for name in ref[2]:
+            assert rel_rms(mosaic[2][name], twin[2][name]) <= 2e-3, name
+
+
+def test_fused_forward_without_gradients_stores_nothing_else(rand):
+    """A forward without gradients (outputs in the pass, no per-chunk states or R written):
+    the outputs and final state of the forward that stores them for a backward."""
+    x = rand.delta_inputs(2, 150, 2, 64, 64, decay="scalar", dtype=jnp.bfloat16)
+
+    def run(options):
+        return jax.jit(lambda x: delta_rule_pallas(
+            x["q"], x["k"], x["write_key"], x["v"], x["beta"], x["log_decay"], 0.125, None,
+            None, 64, options))(x)
+
+    fused, kernel = run(FUSED), run(MOSAIC)
+    assert rel_rms(fused[0], kernel[0]) <= 2e-3 and rel_rms(fused[1], kernel[1]) <= 1e-6
 
 
 def test_mosaic_backend_packed_documents(rand):
