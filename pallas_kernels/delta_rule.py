@@ -75,10 +75,11 @@ class Options:
     passes and the WY forward, whose rounding would compound along the sequence, keep
     ``precision``. ``wy_dtype``: that of W, U, K̃', Q' and P between the WY step and the
     recurrence kernels (T, Γ_C and every cotangent stay float32); "bfloat16" (as FLA stores w
-    and u) is exact on CPU within FLA's bars but not yet measured on a GPU: "float32" by default.
+    and u; what the Mosaic passes take) is within FLA's bars on CPU and, with those passes, on the
+    H200 (RESULTS runs 28-30); None: "bfloat16" with the Mosaic passes, else "float32".
     ``serial_precision``: that of the split pipeline's two serial state passes (None: as
     ``precision``); "bf16" rounds the state and R to bf16 at their dots, as FLA and
-    jax-linear-attention do; within FLA's bars on CPU, not yet measured on a GPU.
+    jax-linear-attention do (and the Mosaic passes always).
     ``state_dtype``: that of the per-chunk states, R, dR and dO products kept in
     HBM between kernels (the serial carries stay float32); None picks "bfloat16" under the same
     rule as ``parallel_precision`` (as FLA stores its states; DeltaNet fwd+bwd -20 %, errors

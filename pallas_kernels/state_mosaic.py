@@ -28,11 +28,12 @@ accumulation: the CPU tests check everything else (indexing, TMA copies, barrier
 flags); the wgmma path is checked on the device by benchmarks/bench_delta.py.
 """
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.triton_common import out_struct
 
 C = 64  # chunk
 BV = 64  # V tile of one CTA
@@ -176,18 +177,19 @@ def state_fwd(W, U, kw, gc, initial_state, doc, first, last, *, num_docs, interp
     V, nc = U.shape[-1], Tp // C
     check_shapes(chunk=Tp // gc.shape[2], K=K, V=V)
     N, has_init = B if num_docs is None else num_docs, initial_state is not None
-    out_type = [jax.ShapeDtypeStruct((N, H, V, K), F32)]
+    ins = (W, U, kw, gc, initial_state) + (output[:2] if output is not None else ())
+    out_type = [out_struct((N, H, V, K), F32, *ins)]
     scratch = dict(w=_smem((2, C, K), BF16), k=_smem((2, C, K), BF16), u=_smem((2, C, BV), BF16),
                    g=plgpu.SMEM((2, K), F32), fl=plgpu.SMEM((2, FLAGS), jnp.int32),
                    doc_buf=plgpu.SMEM((BV, K), F32), doc_bar=plgpu.Barrier())
     if store:
-        out_type[:0] = [jax.ShapeDtypeStruct((B, H, nc, V, K), BF16),
-                        jax.ShapeDtypeStruct((B, H, Tp, V), BF16)]
+        out_type[:0] = [out_struct((B, H, nc, V, K), BF16, *ins),
+                        out_struct((B, H, Tp, V), BF16, *ins)]
         scratch.update(s_out=_smem((BV, K), BF16), r_out=_smem((C, BV), BF16))
     args = [W, U, kw, gc, _flags(doc, first, last)]
     if output is not None:
         q, P, scale, out_dtype = output
-        out_type.append(jax.ShapeDtypeStruct((B, Tp, H, V), out_dtype))
+        out_type.append(out_struct((B, Tp, H, V), out_dtype, *ins))
         scratch.update(q=_smem((2, C, K), BF16), p=_smem((2, C, C), BF16),
                        o_out=_smem((C, BV), out_dtype))
         args += [q, P]
@@ -269,8 +271,9 @@ def state_bwd(W, kw, gc, A, G, dfinal, doc, first, last, *, interpret):
     V, nc, N = A.shape[-1], Tp // C, dfinal.shape[0]
     check_shapes(chunk=Tp // gc.shape[2], K=K, V=V)
     flags = _flags(doc, first, last)
-    out_type = (jax.ShapeDtypeStruct((B, H, Tp, V), BF16),
-                jax.ShapeDtypeStruct((B, H, nc, V, K), BF16), jax.ShapeDtypeStruct((N, H, V, K), F32))
+    ins = (W, kw, gc, A, G, dfinal)
+    out_type = (out_struct((B, H, Tp, V), BF16, *ins), out_struct((B, H, nc, V, K), BF16, *ins),
+                out_struct((N, H, V, K), F32, *ins))
     scratch = dict(w=_smem((2, C, K), BF16), k=_smem((2, C, K), BF16), a=_smem((2, C, BV), BF16),
                    gt=_smem((2, BV, K), BF16), g=plgpu.SMEM((2, K), F32),
                    fl=plgpu.SMEM((2, FLAGS), jnp.int32), ds_out=_smem((2, BV, K), BF16),

@@ -138,3 +138,22 @@ def test_mosaic_backend_refuses_what_it_cannot_run(rand):
     args = (x["q"], x["k"], x["write_key"], x["v"], x["beta"], None, 1.0, None, None)
     with pytest.raises(ValueError, match="chunk_size 64"):
         delta_rule_pallas(*args, 32, MOSAIC)
+
+
+def test_the_default_takes_the_mosaic_passes_where_they_run():
+    """``serial_backend=None`` resolves to "mosaic" (with the outputs in the pass) for 16-bit
+    inputs on a GPU where the shapes fit and no option asks for something they cannot do, else
+    to "triton" (with the output kernel); an explicit choice stays."""
+    def picked(options, **kw):
+        r = resolve(options, **({"sixteen_bit": True, "mosaic_fits": True} | kw))
+        return r.serial_backend, r.output_in_serial
+
+    assert picked(Options()) == ("mosaic", True)
+    assert picked(Options(), mosaic_fits=False) == ("triton", False)  # CPU, or shapes
+    assert picked(Options(), sixteen_bit=False) == ("triton", False)
+    assert picked(Options(precision="tf32")) == ("triton", False)
+    assert picked(Options(state_dtype="float32")) == ("triton", False)
+    assert picked(Options(serial_backend="triton")) == ("triton", False)
+    assert picked(Options(output_in_serial=False)) == ("mosaic", False)
+    assert picked(Options(serial_backend="mosaic"), mosaic_fits=False) == ("mosaic", True)
+    assert state_mosaic.fits(chunk=64, K=128, V=192) and not state_mosaic.fits(chunk=64, K=32, V=64)
