@@ -93,8 +93,10 @@ class Options:
     of the defaults exercise the Triton passes; ``state_mosaic``'s own tests the other).
     ``output_in_serial``: the outputs formed in the forward state pass instead of by the output
     kernel (None: with the Mosaic passes, as jax-linear-attention does; not with the Triton
-    ones, where run 19 measured it no faster). ``serial_block_v`` and ``dout_in_serial`` are
-    exact but measured no faster (run 19: within the run's noise): off."""
+    ones, where run 19 measured it no faster). ``dout_in_serial``: the backward state pass forms
+    the dO products itself (the Triton pass both, measured no faster in run 19; the Mosaic pass
+    G = scale Q'ᵀ dO as a third wgmma a chunk, so G never goes through HBM: not yet measured);
+    off. ``serial_block_v``: exact but measured no faster (run 19): off."""
 
     precision: str | None = None
     parallel_precision: str | None = None
@@ -134,8 +136,7 @@ class Options:
 
     def mosaic_clashes(self) -> list[str]:
         """The options whose given values the Mosaic serial passes cannot honour."""
-        clashes = dict(split=not self.split, dout_in_serial=self.dout_in_serial,
-                       serial_block_v=self.serial_block_v not in (None, 64),
+        clashes = dict(split=not self.split, serial_block_v=self.serial_block_v not in (None, 64),
                        wy_dtype=self.wy_dtype == "float32",
                        state_dtype=self.state_dtype == "float32",
                        serial_precision=self.serial_precision not in (None, "bf16"))

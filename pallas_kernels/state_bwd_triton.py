@@ -35,8 +35,12 @@ def dout_pair(P, q, do, scale, dots, transposed=False):
     return scale * dots.tn(P, dO), scale * (dots.tn(dO, q) if transposed else dots.tn(q, dO))
 
 
-def _dout_kernel(P_ref, q_ref, do_ref, A_ref, G_ref, *, scale, dots, transposed):
-    """A = scale Pᵀ dO and G = scale Q'ᵀ dO for one chunk and V tile."""
+def _dout_kernel(P_ref, q_ref, do_ref, A_ref, G_ref=None, *, scale, dots, transposed):
+    """A = scale Pᵀ dO and (if ``G_ref`` is given) G = scale Q'ᵀ dO for one chunk and V tile."""
+    if G_ref is None:
+        A_ref[...] = (scale * dots.tn(P_ref[...], do_ref[...].astype(jnp.float32))
+                      ).astype(A_ref.dtype)
+        return
     A, G = dout_pair(P_ref[...], q_ref[...], do_ref[...], scale, dots, transposed)
     A_ref[...], G_ref[...] = A.astype(A_ref.dtype), G.astype(G_ref.dtype)
 
@@ -110,19 +114,19 @@ def _grads_kernel(S_ref, dS_ref, dR_ref, R_ref, do_ref, dW_ref, dkw_ref, dq_ref,
 
 
 def dout_products(P, q, do, *, chunk, scale, block_v, dots: Dots, num_warps, num_stages,
-                  state_dtype=jnp.float32, transposed=False):
-    """Kernel 1: A = scale Pᵀ dO [B, H, Tp, V] and G = scale Q'ᵀ dO [B, H, NC, K, V] per chunk
-    (``transposed``: Gᵀ [B, H, NC, V, K]), stored in ``state_dtype``."""
+                  state_dtype=jnp.float32, transposed=False, with_G=True):
+    """Kernel 1: A = scale Pᵀ dO [B, H, Tp, V] and (``with_G``) G = scale Q'ᵀ dO
+    [B, H, NC, K, V] per chunk (``transposed``: Gᵀ [B, H, NC, V, K]), stored in
+    ``state_dtype``; a list."""
     B, H, Tp, K = q.shape
     V, nc, BV = do.shape[-1], Tp // chunk, min(block_v, do.shape[-1])
     c = chunk_specs(chunk, K, BV, transposed)
-    G_shape = (B, H, nc, V, K) if transposed else (B, H, nc, K, V)
+    shapes = [(B, H, Tp, V)] + [(B, H, nc, V, K) if transposed else (B, H, nc, K, V)] * with_G
     return pl.pallas_call(
         functools.partial(_dout_kernel, scale=scale, dots=dots, transposed=transposed),
         grid=(B, H, nc, V // BV), in_specs=[c["c"], c["k"], c["btv"]],
-        out_specs=[c["v"], c["state"]],
-        out_shape=[out_struct(shape, state_dtype, P, q, do) for shape in ((B, H, Tp, V),
-                                                                            G_shape)],
+        out_specs=[c["v"], c["state"]][:len(shapes)],
+        out_shape=[out_struct(shape, state_dtype, P, q, do) for shape in shapes],
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=dots.interpret, name="dout_products",
     )(P, q, do)
@@ -200,8 +204,9 @@ def split_backward(W, U, kw, q, P, gc, states, R, do, dfinal, doc, first, last, 
     ``pdots``: the dots of kernels 1 and 3 (default ``dots``; the serial kernel 2 uses ``dots``);
     ``serial_block_v``: kernel 2's V tile (default ``block_v``); ``state_dtype``: that of the
     tensors kernels 1 and 2 store (A, G, dU, dS_C); ``dout_in_serial``: kernel 2 forms A and G
-    itself (no kernel 1); ``serial_backend``: "mosaic" runs kernel 2 as
-    ``state_mosaic.state_bwd`` (``states`` then transposed, as its forward stores them).
+    itself (no kernel 1; the Mosaic kernel 2 forms G, kernel 1 still A); ``serial_backend``:
+    "mosaic" runs kernel 2 as ``state_mosaic.state_bwd`` (``states`` then transposed, as its
+    forward stores them).
 
     Returns dW, dK̃', dQ' [1, B, H, Tp, K], dU [B, H, Tp, V], dP [1, B, H, Tp, C], dΓ_C
     [1, B, H, NC, K] (already summed over V: the leading axis of ``delta_bwd``'s per-tile partial
@@ -212,15 +217,18 @@ def split_backward(W, U, kw, q, P, gc, states, R, do, dfinal, doc, first, last, 
     parallel = opts | dict(dots=pdots or dots)
     A = G = products = None
     mosaic = serial_backend == "mosaic"
-    if dout_in_serial:
+    if mosaic:  # A from kernel 1; G from it too, or formed in the pass (dout_in_serial)
+        A, *G = dout_products(P, q, do, scale=scale, state_dtype=state_dtype, transposed=True,
+                              with_G=not dout_in_serial, **parallel)
+        dU, dstates, dinit = state_mosaic.state_bwd(
+            W, kw, gc, A, G[0] if G else None, dfinal, doc, first, last,
+            interpret=dots.interpret,
+            products=(q, do.astype(q.dtype), scale) if dout_in_serial else None)
+    elif dout_in_serial:
         products = (P, q, do, scale, pdots or dots)
     else:
-        A, G = dout_products(P, q, do, scale=scale, state_dtype=state_dtype, transposed=mosaic,
-                             **parallel)
-    if mosaic:
-        dU, dstates, dinit = state_mosaic.state_bwd(W, kw, gc, A, G, dfinal, doc, first, last,
-                                                    interpret=dots.interpret)
-    else:
+        A, G = dout_products(P, q, do, scale=scale, state_dtype=state_dtype, **parallel)
+    if not mosaic:
         dU, dstates, dinit = state_pass(W, kw, gc, A, G, dfinal, doc, first, last,
                                         state_dtype=state_dtype, products=products,
                                         **(opts | dict(block_v=serial_block_v or block_v)))

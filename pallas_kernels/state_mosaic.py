@@ -67,15 +67,18 @@ def _smem(shape, dtype):
         plgpu.SwizzleTransform(swizzle)))
 
 
-def _matmul(a, b_ref, shape, init, interpret):
-    """init + a @ b_ref (a: bf16 registers, b_ref: bf16 shared memory, float32 accumulation).
-    The optimisation barrier keeps LLVM from reading the accumulator before the wgmma wait
-    (jax-linear-attention saw zeroed products without it)."""
+def _matmul(a, b_ref, shape, init, interpret, *more):
+    """init + a @ b_ref (+ a2 @ b2_ref for ``more`` = (a2, b2_ref), into the same accumulator;
+    a: bf16 registers, b_ref: bf16 shared memory, float32 accumulation). The optimisation
+    barrier keeps LLVM from reading the accumulator before the wgmma wait (jax-linear-attention
+    saw zeroed products without it)."""
+    pairs = ((a, b_ref),) + ((tuple(more),) if more else ())
     if interpret:
-        return init + jnp.dot(a, b_ref[...], preferred_element_type=F32)
+        return init + sum(jnp.dot(x, y[...], preferred_element_type=F32) for x, y in pairs)
 
     def body(acc):
-        plgpu.wgmma(acc, a, b_ref)
+        for x, y in pairs:
+            plgpu.wgmma(acc, x, y)
 
     return lax.optimization_barrier(pl.run_state(body)(plgpu.ACC.init(init)))
 
@@ -263,25 +266,39 @@ def state_fwd(W, U, kw, gc, initial_state, doc, first, last, *, num_docs, interp
     return outs
 
 
-def state_bwd(W, kw, gc, A, G, dfinal, doc, first, last, *, interpret):
+def state_bwd(W, kw, gc, A, G, dfinal, doc, first, last, *, interpret, products=None):
     """Backward pass: dU = dR [B, H, Tp, V] and the chunk-end cotangents dS_C [B, H, NC, V, K]
-    (transposed), both bf16; dS_0 [N, H, K, V] float32. A = scale Pᵀ dO [B, H, Tp, V] and
-    G = scale (Q'ᵀ dO)ᵀ [B, H, NC, V, K] (transposed), bf16; dfinal [N, H, K, V]."""
+    (transposed), both bf16; dS_0 [N, H, K, V] float32. A = scale Pᵀ dO [B, H, Tp, V] bf16;
+    G = scale (Q'ᵀ dO)ᵀ [B, H, NC, V, K] (transposed) bf16, or None with ``products`` =
+    (q, do, scale) (Q' [B, H, Tp, K] and dO [B, Tp, H, V], 16-bit): the pass adds Gᵀ = (scale
+    dO)ᵀ Q' itself, a third wgmma a chunk into the accumulator of − dRᵀ W (scale dO rounded to
+    bf16, as jax-linear-attention does; no G through HBM); dfinal [N, H, K, V]."""
     B, H, Tp, K = W.shape
     V, nc, N = A.shape[-1], Tp // C, dfinal.shape[0]
     check_shapes(chunk=Tp // gc.shape[2], K=K, V=V)
-    flags = _flags(doc, first, last)
-    ins = (W, kw, gc, A, G, dfinal)
+    ins = (W, kw, gc, A, G, dfinal) + (products[:2] if products is not None else ())
     out_type = (out_struct((B, H, Tp, V), BF16, *ins), out_struct((B, H, nc, V, K), BF16, *ins),
                 out_struct((N, H, V, K), F32, *ins))
     scratch = dict(w=_smem((2, C, K), BF16), k=_smem((2, C, K), BF16), a=_smem((2, C, BV), BF16),
-                   gt=_smem((2, BV, K), BF16), g=plgpu.SMEM((2, K), F32),
-                   fl=plgpu.SMEM((2, FLAGS), jnp.int32), ds_out=_smem((2, BV, K), BF16),
-                   du_out=_smem((2, C, BV), BF16), doc_buf=plgpu.SMEM((BV, K), F32),
-                   in_bar=plgpu.Barrier(num_arrivals=6, num_barriers=2), doc_bar=plgpu.Barrier())
+                   g=plgpu.SMEM((2, K), F32), fl=plgpu.SMEM((2, FLAGS), jnp.int32),
+                   ds_out=_smem((2, BV, K), BF16), du_out=_smem((2, C, BV), BF16),
+                   doc_buf=plgpu.SMEM((BV, K), F32), doc_bar=plgpu.Barrier(),
+                   in_bar=plgpu.Barrier(num_arrivals=6 + (products is not None), num_barriers=2))
+    args = [W, kw, gc, A, _flags(doc, first, last), _doc_states(dfinal)]
+    if products is None:
+        scratch["gt"] = _smem((2, BV, K), BF16)
+        args.append(G)
+    else:
+        q, do, scale = products
+        scratch.update(q=_smem((2, C, K), BF16), do=_smem((2, C, BV), do.dtype))
+        args += [q, do]
 
-    def body(W_ref, kw_ref, gc_ref, A_ref, G_ref, f_ref, dfinal_ref, dU_ref, dstates_ref,
-             dinit_ref, *, w, k, a, gt, g, fl, ds_out, du_out, doc_buf, in_bar, doc_bar):
+    def body(W_ref, kw_ref, gc_ref, A_ref, f_ref, dfinal_ref, *refs, w, k, a, g, fl, ds_out,
+             du_out, doc_buf, doc_bar, in_bar, gt=None, q=None, do=None):
+        refs = list(refs)
+        G_ref = refs.pop(0) if products is None else None
+        q_ref, do_ref = (refs.pop(0), refs.pop(0)) if products is not None else (None, None)
+        dU_ref, dstates_ref, dinit_ref = refs
         b, h, v0 = _positions()
         _zero(doc_buf)
 
@@ -290,20 +307,24 @@ def state_bwd(W, kw, gc, A, G, dfinal, doc, first, last, *, interpret):
             plgpu.copy_gmem_to_smem(W_ref.at[b, h, rows], w.at[slot], bar)
             plgpu.copy_gmem_to_smem(kw_ref.at[b, h, rows], k.at[slot], bar)
             plgpu.copy_gmem_to_smem(A_ref.at[b, h, rows, pl.ds(v0, BV)], a.at[slot], bar)
-            plgpu.copy_gmem_to_smem(G_ref.at[b, h, c, pl.ds(v0, BV)], gt.at[slot], bar)
             plgpu.copy_gmem_to_smem(gc_ref.at[b, h, c], g.at[slot], bar)
             plgpu.copy_gmem_to_smem(f_ref.at[b, c], fl.at[slot], bar)
+            if products is None:
+                plgpu.copy_gmem_to_smem(G_ref.at[b, h, c, pl.ds(v0, BV)], gt.at[slot], bar)
+            else:
+                plgpu.copy_gmem_to_smem(q_ref.at[b, h, rows], q.at[slot], bar)
+                plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h, pl.ds(v0, BV)], do.at[slot], bar)
 
         def step(c, slot, dS):
             d, is_first, is_last = fl[slot, 0], fl[slot, 1], fl[slot, 2]
             dS = dS * (1 - is_last).astype(F32) + _doc_state_in(
                 dfinal_ref, d, h, v0, doc_buf, doc_bar, is_last) * is_last.astype(F32)
             ds_lo = dS.astype(BF16)
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-            ds_out.at[slot][...] = ds_lo
             a_t = plgpu.load(a.at[slot].T, layout=WGMMA).astype(F32)
             dr_t = _matmul(ds_lo, k.at[slot].T, (BV, C), a_t, interpret)  # dRᵀ = Aᵀ + dSᵀ K̃'ᵀ
             dr_lo = dr_t.astype(BF16)
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this slot's stores of chunk c ± 2
+            ds_out.at[slot][...] = ds_lo
             du_out.at[slot].T[...] = dr_lo
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(ds_out.at[slot], dstates_ref.at[b, h, c, pl.ds(v0, BV)],
@@ -312,8 +333,12 @@ def state_bwd(W, kw, gc, A, G, dfinal, doc, first, last, *, interpret):
                                                               pl.ds(v0, BV)], commit_group=False)
             plgpu.commit_smem_to_gmem_group()
             decay = lax.broadcast_in_dim(plgpu.load(g.at[slot], layout=COLS), (BV, K), [1])
-            g_t = plgpu.load(gt.at[slot], layout=WGMMA).astype(F32)
-            dS = _matmul(-dr_lo, w.at[slot], (BV, K), dS * decay + g_t, interpret)  # − dRᵀ W
+            if products is None:  # dS Γ_C + Gᵀ − dRᵀ W
+                g_t = plgpu.load(gt.at[slot], layout=WGMMA).astype(F32)
+                dS = _matmul(-dr_lo, w.at[slot], (BV, K), dS * decay + g_t, interpret)
+            else:
+                do_t = (scale * plgpu.load(do.at[slot].T, layout=WGMMA).astype(F32)).astype(BF16)
+                dS = _matmul(-dr_lo, w.at[slot], (BV, K), dS * decay, interpret, do_t, q.at[slot])
             _doc_state_out(dS, dinit_ref, d, h, v0, doc_buf, is_first)
             return dS * (1 - is_first).astype(F32)
 
@@ -321,6 +346,5 @@ def state_bwd(W, kw, gc, A, G, dfinal, doc, first, last, *, interpret):
         _loop(nc, True, issue, in_bar, step, zero)
 
     dU, dstates, dinit = _kernel(body, name="state_bwd_mosaic", out_type=out_type,
-                                 scratch=scratch, grid=(B, H, V // BV), interpret=interpret)(
-        W, kw, gc, A, G, flags, _doc_states(dfinal))
+                                 scratch=scratch, grid=(B, H, V // BV), interpret=interpret)(*args)
     return dU, dstates, _doc_states(dinit)

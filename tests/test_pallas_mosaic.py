@@ -20,6 +20,7 @@ from pallas_kernels.triton_common import Dots
 
 MOSAIC = Options(serial_backend="mosaic")
 FUSED = Options(serial_backend="mosaic", output_in_serial=True)  # outputs formed in the pass
+DSERIAL = Options(serial_backend="mosaic", dout_in_serial=True)  # G formed in the backward pass
 TWIN = Options(wy_dtype="bfloat16", serial_precision="bf16")  # the Triton passes, same numerics
 
 
@@ -70,13 +71,22 @@ def test_mosaic_backend_within_fla_bars(rand, decay):
     """The op with ``serial_backend="mosaic"``, outputs formed by the output kernel or in the
     pass (T = 150: two chunks and a tail; K = 40 and V = 48 padded to 64; an initial state):
     outputs, final state and every gradient within FLA's bars of the float32 reference and
-    within 2e-3 of the Triton passes at the same numerics."""
-    *mosaic_runs, twin, ref = kernel_runs(rand, decay, 7, MOSAIC, FUSED, TWIN, K=40)
-    for mosaic in mosaic_runs:
-        assert_within_fla_bars(mosaic, ref)
-        assert rel_rms(mosaic[0], twin[0]) <= 2e-3 and rel_rms(mosaic[1], twin[1]) <= 2e-3
+    within 2e-3 of the Triton passes at the same numerics. With the dO products in the backward
+    pass (``dout_in_serial``: scale dO rounded to bf16 where the kernel path rounds G) the
+    gradients round differently: within the bars, each no more than 1.2x the error of the
+    kernel path, and not equal to it (the option is used)."""
+    mosaic, fused, dserial, twin, ref = kernel_runs(rand, decay, 7, MOSAIC, FUSED, DSERIAL, TWIN,
+                                                    K=40)
+    for run in (mosaic, fused):
+        assert_within_fla_bars(run, ref)
+        assert rel_rms(run[0], twin[0]) <= 2e-3 and rel_rms(run[1], twin[1]) <= 2e-3
         for name in ref[2]:
-            assert rel_rms(mosaic[2][name], twin[2][name]) <= 2e-3, name
+            assert rel_rms(run[2][name], twin[2][name]) <= 2e-3, name
+    assert_within_fla_bars(dserial, ref)
+    for name in ref[2]:
+        assert rel_rms(dserial[2][name], ref[2][name]) <= 1.2 * rel_rms(mosaic[2][name],
+                                                                        ref[2][name]), name
+    assert max(rel_rms(dserial[2][n], mosaic[2][n]) for n in ref[2]) > 1e-4
 
 
 def test_fused_forward_without_gradients_stores_nothing_else(rand):
