@@ -112,6 +112,17 @@ def _positions():
     return lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v") * BV
 
 
+def _issue_shared(c, slot, bar, position, W, kw, values, gc, flags):
+    """TMA copies of chunk ``c``'s tiles that both passes read, each a (GMEM ref, SMEM buffer)
+    pair, into ``slot``: the W and K̃' rows, a value tile (U or A), Γ_C and the flags."""
+    b, h, v0 = position
+    rows = pl.ds(c * C, C)
+    for src, dst in ((W[0].at[b, h, rows], W[1]), (kw[0].at[b, h, rows], kw[1]),
+                     (values[0].at[b, h, rows, pl.ds(v0, BV)], values[1]),
+                     (gc[0].at[b, h, c], gc[1]), (flags[0].at[b, c], flags[1])):
+        plgpu.copy_gmem_to_smem(src, dst.at[slot], bar)
+
+
 def _loop(nc, reverse, issue, in_bar, step, carry):
     """The chunk loop: chunk tiles double-buffered (slot i % 2), the next chunk's issued right
     after the current one's arrive; ``step(c, slot, carry)`` returns the next carry."""
@@ -213,11 +224,8 @@ def state_fwd(W, U, kw, gc, initial_state, doc, first, last, *, num_docs, interp
 
         def issue(c, slot):
             rows, bar = pl.ds(c * C, C), in_bar.at[slot]
-            plgpu.copy_gmem_to_smem(W_ref.at[b, h, rows], w.at[slot], bar)
-            plgpu.copy_gmem_to_smem(kw_ref.at[b, h, rows], k.at[slot], bar)
-            plgpu.copy_gmem_to_smem(U_ref.at[b, h, rows, pl.ds(v0, BV)], u.at[slot], bar)
-            plgpu.copy_gmem_to_smem(gc_ref.at[b, h, c], g.at[slot], bar)
-            plgpu.copy_gmem_to_smem(f_ref.at[b, c], fl.at[slot], bar)
+            _issue_shared(c, slot, bar, (b, h, v0), (W_ref, w), (kw_ref, k), (U_ref, u),
+                          (gc_ref, g), (f_ref, fl))
             if output is not None:
                 plgpu.copy_gmem_to_smem(q_ref.at[b, h, rows], q.at[slot], bar)
                 plgpu.copy_gmem_to_smem(P_ref.at[b, h, rows], p.at[slot], bar)
@@ -304,11 +312,8 @@ def state_bwd(W, kw, gc, A, G, dfinal, doc, first, last, *, interpret, products=
 
         def issue(c, slot):
             rows, bar = pl.ds(c * C, C), in_bar.at[slot]
-            plgpu.copy_gmem_to_smem(W_ref.at[b, h, rows], w.at[slot], bar)
-            plgpu.copy_gmem_to_smem(kw_ref.at[b, h, rows], k.at[slot], bar)
-            plgpu.copy_gmem_to_smem(A_ref.at[b, h, rows, pl.ds(v0, BV)], a.at[slot], bar)
-            plgpu.copy_gmem_to_smem(gc_ref.at[b, h, c], g.at[slot], bar)
-            plgpu.copy_gmem_to_smem(f_ref.at[b, c], fl.at[slot], bar)
+            _issue_shared(c, slot, bar, (b, h, v0), (W_ref, w), (kw_ref, k), (A_ref, a),
+                          (gc_ref, g), (f_ref, fl))
             if products is None:
                 plgpu.copy_gmem_to_smem(G_ref.at[b, h, c, pl.ds(v0, BV)], gt.at[slot], bar)
             else:
