@@ -7,7 +7,9 @@ split (``state_fwd_triton``, ``state_bwd_triton``): the per-chunk tensors of the
 come from the chunk-parallel kernel ``wy_triton.wy_fwd`` (no decay, scalar decay), and with a
 per-channel decay from ``prepare`` in plain JAX or ``wy_vector_triton.wy_vector_fwd``
 (``Options.vector_wy``); a serial kernel carries the state through the chunks with 2 matmuls
-per chunk and chunk-parallel kernels form the outputs. The backward reuses the forward's WY
+per chunk (Triton, or by default on a GPU with 16-bit inputs Mosaic GPU: ``state_mosaic``, which
+also forms the outputs; ``Options.serial_backend``) and chunk-parallel kernels form the outputs.
+The backward reuses the forward's WY
 tensors (``Options.save_wy``) or recomputes them, runs the reverse state pass the same way (2
 matmuls per chunk) and the per-chunk cotangents in parallel, then the pullback of the WY step
 (``wy_bwd`` / ``wy_vector_bwd``, reading T = (I + L)^-1 from the forward, or ``prepare``'s
