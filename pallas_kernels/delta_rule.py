@@ -90,7 +90,7 @@ class Options:
     (``state_mosaic``: wgmma with the carry in registers, TMA double buffering; "mosaic"
     takes 16-bit q, k, k̃, v, chunk 64, padded K 64 or 128, and implies wy_dtype and
     state_dtype "bfloat16" and serial_precision "bf16"; ValueError otherwise, and where an
-    explicit option contradicts that). None picks "mosaic" on a GPU where it runs and the
+    explicit option contradicts that). None picks "mosaic" on a Hopper GPU where it runs and the
     options leave those settings open, else "triton" (always in interpret mode: the CPU tests
     of the defaults exercise the Triton passes; ``state_mosaic``'s own tests the other).
     ``output_in_serial``: the outputs formed in the forward state pass instead of by the output
@@ -427,7 +427,8 @@ def delta_rule_pallas(q, k, kw, v, beta, log_decay, scale, initial_state, cu_seq
     interpret = interpret_default() if interpret is None else interpret
     options = resolve(options, sixteen_bit=all(jnp.dtype(x.dtype).itemsize == 2
                                                for x in (q, k, kw, v)),
-                      mosaic_fits=not interpret and state_mosaic.fits(chunk=chunk_size, K=Kp, V=Vp))
+                      mosaic_fits=not interpret and state_mosaic.hopper()
+                      and state_mosaic.fits(chunk=chunk_size, K=Kp, V=Vp))
     if options.serial_backend == "mosaic":
         state_mosaic.check_shapes(chunk=chunk_size, K=Kp, V=Vp)
     cfg = _Config(chunk_size, decay, float(scale),

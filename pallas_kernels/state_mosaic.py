@@ -1,4 +1,4 @@
-"""The split pipeline's two serial state passes as Mosaic GPU kernels (wgmma, TMA).
+"""The split pipeline's two serial state passes as Mosaic GPU kernels (wgmma, TMA; Hopper).
 
 The same recurrences as ``state_fwd_triton.state_pass`` and ``state_bwd_triton.state_pass``
 (chunk-aligned documents, per-chunk flags doc / first / last), with FLA's and
@@ -28,6 +28,9 @@ accumulation: the CPU tests check everything else (indexing, TMA copies, barrier
 flags); the wgmma path is checked on the device by benchmarks/bench_delta.py.
 """
 
+import functools
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -40,6 +43,13 @@ BV = 64  # V tile of one CTA
 BF16, F32 = jnp.bfloat16, jnp.float32
 WGMMA = plgpu.Layout.WGMMA
 COLS = plgpu.Layout.WGMMA.reduce(0)  # one value per column of a [BV, K] tile
+
+
+@functools.cache
+def hopper() -> bool:
+    """Whether the default device is an sm_90 GPU (H100 / H200): wgmma is Hopper's alone."""
+    device = jax.devices()[0]
+    return device.platform == "gpu" and getattr(device, "compute_capability", None) == "9.0"
 
 
 def fits(*, chunk, K, V) -> bool:
