@@ -4,7 +4,8 @@
         [--sections checks,packed,time,rows,jla,chunked,breakdown] [--check-dtypes bf16,fp32]
         [--variants auto/64/4,auto/64/4/fused]
         # a variant: precision/block_v/num_warps[/num_stages][/fused][/recompute][/vxla]
-        #            [/pP][/kN][/sN][/hbf16|/h32][/wbf16][/qP][/oserial|/okernel][/dserial][/mosaic|/triton]
+        #            [/pP][/kN][/bwN][/sN][/hbf16|/h32][/wbf16][/qP][/oserial|/okernel][/dserial]
+        #            [/mosaic|/triton]
         #            (see ``variant``)
 
 Checks (fresh random inputs per check; the device allocator is filled with NaN before each run so
@@ -240,9 +241,10 @@ def breakdown(core, x, reps, options):
 
 def variant(v):
     """Options from precision/block_v/num_warps[/num_stages][/fused][/recompute][/vxla][/pP]
-    [/kN][/sN][/hbf16|/h32][/wbf16][/qP][/oserial|/okernel][/dserial][/mosaic|/triton] (vxla:
+    [/kN][/bwN][/sN][/hbf16|/h32][/wbf16][/qP][/oserial|/okernel][/dserial][/mosaic|/triton] (vxla:
     ``Options.vector_wy`` = "xla"; pP: ``Options.parallel_precision`` = P, e.g. ptf32, pbf16;
-    kN: ``Options.block_k`` = N; sN: ``Options.serial_block_v`` = N; hbf16 / h32:
+    kN: ``Options.block_k`` = N; bwN: ``Options.pullback_warps`` = N; sN:
+    ``Options.serial_block_v`` = N; hbf16 / h32:
     ``Options.state_dtype`` = "bfloat16" / "float32"; wbf16: ``Options.wy_dtype`` =
     "bfloat16"; qP: ``Options.serial_precision`` = P;
     oserial / okernel: ``Options.output_in_serial`` True / False; dserial:
@@ -251,6 +253,7 @@ def variant(v):
     f = v.split("/")
     flags = [t for t in f[3:] if not t.isdigit()]
     block_k = [int(t[1:]) for t in flags if t[0] == "k" and t[1:].isdigit()]
+    pullback = [int(t[2:]) for t in flags if t[:2] == "bw" and t[2:].isdigit()]
     parallel = [t[1:] for t in flags if t[0] == "p"]
     serial_dots = [t[1:] for t in flags if t[0] == "q"]
     serial = [int(t[1:]) for t in flags if t[0] == "s" and t[1:].isdigit()]
@@ -261,6 +264,7 @@ def variant(v):
                    vector_wy="xla" if "vxla" in flags else "kernel",
                    parallel_precision=parallel[0] if parallel else None,
                    block_k=block_k[0] if block_k else Options().block_k,
+                   pullback_warps=pullback[0] if pullback else None,
                    serial_block_v=serial[0] if serial else None,
                    state_dtype="bfloat16" if "hbf16" in flags else "float32" if "h32" in flags
                    else None, wy_dtype="bfloat16" if "wbf16" in flags else None,
@@ -277,6 +281,7 @@ def variant_tag(opt):
             + ("/vxla" if opt.vector_wy == "xla" else "")
             + (f"/p{opt.parallel_precision}" if opt.parallel_precision else "")
             + (f"/k{opt.block_k}" if opt.block_k != Options().block_k else "")
+            + (f"/bw{opt.pullback_warps}" if opt.pullback_warps else "")
             + (f"/s{opt.serial_block_v}" if opt.serial_block_v else "")
             + {"bfloat16": "/hbf16", "float32": "/h32", None: ""}[opt.state_dtype]
             + ("/wbf16" if opt.wy_dtype == "bfloat16" else "")

@@ -98,7 +98,9 @@ class Options:
     ones, where run 19 measured it no faster). ``dout_in_serial``: the backward state pass forms
     the dO products itself (the Triton pass both, measured no faster in run 19; the Mosaic pass
     G = scale Q'ᵀ dO as a third wgmma a chunk, so G never goes through HBM: not yet measured);
-    off. ``serial_block_v``: exact but measured no faster (run 19): off."""
+    off. ``serial_block_v``: exact but measured no faster (run 19): off. ``pullback_warps``:
+    the WY pullback kernel's own warps (run 15, one reading each: 8 warps made GDN's pullback
+    0.99 ms against 1.26 at 4, DeltaNet's 0.93 against 0.72; not yet measured again)."""
 
     precision: str | None = None
     parallel_precision: str | None = None
@@ -111,6 +113,7 @@ class Options:
     output_in_serial: bool | None = None  # split: outputs formed in the forward state pass
     dout_in_serial: bool = False  # split: dO products formed in the backward state pass
     num_warps: int = 4
+    pullback_warps: int | None = None  # split: the WY pullback kernel's warps (None: num_warps)
     num_stages: int = 2  # software pipelining of the serial loops' loads (RESULTS run 13)
     split: bool = True  # the split kernels (state_*_triton) instead of the fused delta_fwd/bwd
     save_wy: bool = True  # split: keep the WY tensors for the backward (not with vector_wy="xla")
@@ -239,14 +242,14 @@ def _wy_kernel(cfg, kernel, ins, cts=None):
     in_axes = _WY_IN | (dict(gamma="b t h k") if cfg.decay == "vector" else {}) | _WY_T
     args, axes = dict(zip(in_axes, ins)), dict(in_axes)
     out_axes = tuple(_WY_OUT.values()) + tuple(_WY_T.values())
-    dots = cfg.dots
+    dots, warps = cfg.dots, o.num_warps
     if cts is not None:
         args |= dict(zip(_WY_OUT, cts))
         axes |= _WY_OUT
         out_axes = tuple(a for a, x in zip(in_axes.values(), ins[:6]) if x is not None)
-        dots = cfg.pdots
+        dots, warps = cfg.pdots, o.pullback_warps or o.num_warps
     outs = _kernel_call(cfg, kernel, args, axes, out_axes, chunk=cfg.chunk, block_v=o.block_v,
-                        block_k=o.block_k, dots=dots, num_warps=o.num_warps,
+                        block_k=o.block_k, dots=dots, num_warps=warps,
                         num_stages=o.num_stages,
                         **({} if cts is not None else dict(out_dtype=jnp.dtype(o.wy_dtype))))
     if cts is None:

@@ -1,0 +1,25 @@
+"""bench_delta's variant strings (a device call is lost when one is misread): each parses to the
+Options it names, and ``variant_tag`` writes it back."""
+
+import pytest
+
+from benchmarks.bench_delta import variant, variant_tag
+from pallas_kernels.delta_rule import Options
+
+
+@pytest.mark.parametrize("text, fields", [
+    ("auto/64/4", {}),
+    ("auto/64/4/2/mosaic/dserial", dict(serial_backend="mosaic", dout_in_serial=True)),
+    ("auto/64/4/okernel/bw8", dict(output_in_serial=False, pullback_warps=8)),
+    ("tf32/32/8/1/triton/oserial/k128/s32", dict(precision="tf32", block_v=32, num_warps=8,
+                                                  num_stages=1, serial_backend="triton",
+                                                  output_in_serial=True, block_k=128,
+                                                  serial_block_v=32)),
+    ("auto/64/4/fused/recompute/vxla/pbf16/hbf16/wbf16/qbf16",
+     dict(split=False, save_wy=False, vector_wy="xla", parallel_precision="bf16",
+          state_dtype="bfloat16", wy_dtype="bfloat16", serial_precision="bf16")),
+])
+def test_variant_strings_round_trip(text, fields):
+    options = variant(text)
+    assert options == Options(**fields)
+    assert variant(variant_tag(options)) == options
