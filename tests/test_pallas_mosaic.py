@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import packed_cu_seqlens
+from conftest import assert_repeats_bitwise, assert_vmap_matches_loop, packed_cu_seqlens
 from test_pallas_precision import assert_within_fla_bars, kernel_runs, outputs_and_grads, rel_rms
 
 import precond_linattn as pla
@@ -167,3 +167,41 @@ def test_the_default_takes_the_mosaic_passes_where_they_run():
     assert picked(Options(output_in_serial=False)) == ("mosaic", False)
     assert picked(Options(serial_backend="mosaic"), mosaic_fits=False) == ("mosaic", True)
     assert state_mosaic.fits(chunk=64, K=128, V=192) and not state_mosaic.fits(chunk=64, K=32, V=64)
+
+
+def test_mosaic_passes_under_vmap_and_repeat_bitwise(rand):
+    """Gradients of a loss of the op with the Mosaic passes: ``jax.vmap`` over rows as [1, T]
+    sequences equals the rows one by one, and a second run (compiled afresh) is bitwise the
+    first. Not ``jax.checkpoint``: in interpret mode the kernels run I/O callbacks, which remat
+    refuses ("Effects not supported in AD of checkpoint"); compiled for the GPU they have none."""
+    x = rand.delta_inputs(2, 100, 2, 64, 64, decay="scalar", dtype=jnp.bfloat16)
+    names = ("q", "k", "write_key", "v", "beta", "log_decay")
+
+    def loss(*args):
+        q, k, kw, v, beta, g = args
+        o, final = delta_rule_pallas(q, k, kw, v, beta, g, 0.125, None, None, 64, MOSAIC)
+        return jnp.sum(jnp.sin(o.astype(jnp.float32))) + jnp.sum(final ** 2)
+
+    grad = jax.grad(loss, argnums=tuple(range(6)))
+    args = [x[n] for n in names]
+    assert_vmap_matches_loop(grad, [a.reshape(2, 1, *a.shape[1:]) for a in args])
+    assert_repeats_bitwise(lambda: jax.jit(grad)(*args))
+
+
+def test_compiled_kernels_carry_no_effects():
+    """Traced for the GPU (not interpret mode) both passes are effect-free, so ``jax.checkpoint``
+    and ``custom_partitioning`` take them there (interpret mode's I/O callbacks are the CPU's
+    alone)."""
+    B, H, nc, K, V = 1, 2, 2, 64, 128
+    Tp, bf16, f32 = nc * 64, jnp.bfloat16, jnp.float32
+    S = jax.ShapeDtypeStruct
+    flags = [S((B, nc), jnp.int32)] * 3
+    fwd = jax.make_jaxpr(lambda W, U, kw, gc, *fl: state_mosaic.state_fwd(
+        W, U, kw, gc, None, *fl, num_docs=None, interpret=False))(
+        S((B, H, Tp, K), bf16), S((B, H, Tp, V), bf16), S((B, H, Tp, K), bf16),
+        S((B, H, nc, K), f32), *flags)
+    bwd = jax.make_jaxpr(lambda W, kw, gc, A, G, df, *fl: state_mosaic.state_bwd(
+        W, kw, gc, A, G, df, *fl, interpret=False))(
+        S((B, H, Tp, K), bf16), S((B, H, Tp, K), bf16), S((B, H, nc, K), f32),
+        S((B, H, Tp, V), bf16), S((B, H, nc, V, K), bf16), S((B, H, K, V), f32), *flags)
+    assert not fwd.effects and not bwd.effects
