@@ -117,11 +117,6 @@ def _kernel(body, *, name, out_type, scratch, grid, interpret):
         interpret=plgpu.InterpretGPUParams() if interpret else None, kernel_name=name)
 
 
-def _positions():
-    """(b, h, first value column) of this CTA."""
-    return lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v") * BV
-
-
 def _issue_shared(c, slot, bar, position, W, kw, values, gc, flags):
     """TMA copies of chunk ``c``'s tiles that both passes read, each a (GMEM ref, SMEM buffer)
     pair, into ``slot``: the W and K̃' rows, a value tile (U or A), Γ_C and the flags."""
@@ -155,12 +150,14 @@ def _loop(nc, reverse, issue, in_bar, step, carry):
     return carry
 
 
-def _zero(buf):
-    """Fill ``buf``, the float32 [BV, K] document-state buffer, with zeros: the chunks a pass
-    meets before its first document boundary (the backward's trailing layout padding) read it
-    times 0, which must not be garbage times 0."""
-    buf[...] = plgpu.layout_cast(jnp.zeros(buf.shape, F32), WGMMA)
+def _start(doc_buf):
+    """This CTA's (b, h, first value column), after filling ``doc_buf``, the float32 [BV, K]
+    document-state buffer, with zeros: the chunks a pass meets before its first document
+    boundary (the backward's trailing layout padding) read it times 0, which must not be
+    garbage times 0."""
+    doc_buf[...] = plgpu.layout_cast(jnp.zeros(doc_buf.shape, F32), WGMMA)
     plgpu.commit_smem()
+    return lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v") * BV
 
 
 def _doc_state_in(ref, doc, h, v0, buf, bar, cond):
@@ -229,8 +226,7 @@ def state_fwd(W, U, kw, gc, initial_state, doc, first, last, *, num_docs, interp
         states_ref, R_ref = (refs.pop(0), refs.pop(0)) if store else (None, None)
         final_ref = refs.pop(0)
         o_ref = refs.pop(0) if output is not None else None
-        b, h, v0 = _positions()
-        _zero(doc_buf)
+        b, h, v0 = _start(doc_buf)
 
         def issue(c, slot):
             rows, bar = pl.ds(c * C, C), in_bar.at[slot]
@@ -317,8 +313,7 @@ def state_bwd(W, kw, gc, A, G, dfinal, doc, first, last, *, interpret, products=
         G_ref = refs.pop(0) if products is None else None
         q_ref, do_ref = (refs.pop(0), refs.pop(0)) if products is not None else (None, None)
         dU_ref, dstates_ref, dinit_ref = refs
-        b, h, v0 = _positions()
-        _zero(doc_buf)
+        b, h, v0 = _start(doc_buf)
 
         def issue(c, slot):
             rows, bar = pl.ds(c * C, C), in_bar.at[slot]
