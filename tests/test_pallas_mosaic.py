@@ -18,7 +18,7 @@ from pallas_kernels import state_bwd_triton, state_fwd_triton, state_mosaic
 from pallas_kernels.delta_rule import Options, delta_rule_pallas, resolve
 from pallas_kernels.triton_common import Dots
 
-MOSAIC = Options(serial_backend="mosaic")
+MOSAIC = Options(serial_backend="mosaic", output_in_serial=False)  # outputs by their kernel
 FUSED = Options(serial_backend="mosaic", output_in_serial=True)  # outputs formed in the pass
 DSERIAL = Options(serial_backend="mosaic", dout_in_serial=True)  # G formed in the backward pass
 TWIN = Options(wy_dtype="bfloat16", serial_precision="bf16")  # the Triton passes, same numerics
@@ -103,7 +103,8 @@ def test_fused_forward_without_gradients_stores_nothing_else(rand):
     assert rel_rms(fused[0], kernel[0]) <= 2e-3 and rel_rms(fused[1], kernel[1]) <= 1e-6
 
 
-def test_mosaic_backend_packed_documents(rand):
+@pytest.mark.parametrize("options", [MOSAIC, FUSED], ids=["output_kernel", "fused"])
+def test_mosaic_backend_packed_documents(rand, options):
     """Three packed documents (lengths 64, 1, 85: a one-token document, a chunk-unaligned
     boundary, and so one chunk of layout padding after the last document, which the backward
     meets before any document's end) with per-document initial states and a scalar decay:
@@ -116,7 +117,7 @@ def test_mosaic_backend_packed_documents(rand):
 
     def kernel(x):
         return delta_rule_pallas(x["q"], x["k"], x["write_key"], x["v"], x["beta"],
-                                 x["log_decay"], K ** -0.5, x["s0"], cu, 64, MOSAIC)
+                                 x["log_decay"], K ** -0.5, x["s0"], cu, 64, options)
 
     def reference(x):
         return pla.delta_rule(x["q"], x["k"], x["v"], x["beta"], write_key=x["write_key"],
@@ -179,7 +180,7 @@ def test_mosaic_passes_under_vmap_and_repeat_bitwise(rand):
 
     def loss(*args):
         q, k, kw, v, beta, g = args
-        o, final = delta_rule_pallas(q, k, kw, v, beta, g, 0.125, None, None, 64, MOSAIC)
+        o, final = delta_rule_pallas(q, k, kw, v, beta, g, 0.125, None, None, 64, FUSED)
         return jnp.sum(jnp.sin(o.astype(jnp.float32))) + jnp.sum(final ** 2)
 
     grad = jax.grad(loss, argnums=tuple(range(6)))
