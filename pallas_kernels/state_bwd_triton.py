@@ -24,25 +24,27 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels.state_fwd_triton import check_inputs, chunk_specs, serial_specs
 from pallas_kernels import state_mosaic
+from pallas_kernels.state_fwd_triton import check_inputs, chunk_specs, serial_specs
 from pallas_kernels.triton_common import Dots, out_struct
 
 
-def dout_pair(P, q, do, scale, dots, transposed=False):
-    """(A, G) = (scale Pᵀ dO, scale Q'ᵀ dO) of one chunk (float32; ``transposed``: Gᵀ)."""
+def dout_a(P, do, scale, dots):
+    """A = scale Pᵀ dO of one chunk (float32)."""
+    return scale * dots.tn(P, do.astype(jnp.float32))
+
+
+def dout_g(q, do, scale, dots, transposed=False):
+    """G = scale Q'ᵀ dO of one chunk (float32; ``transposed``: Gᵀ)."""
     dO = do.astype(jnp.float32)
-    return scale * dots.tn(P, dO), scale * (dots.tn(dO, q) if transposed else dots.tn(q, dO))
+    return scale * (dots.tn(dO, q) if transposed else dots.tn(q, dO))
 
 
 def _dout_kernel(P_ref, q_ref, do_ref, A_ref, G_ref=None, *, scale, dots, transposed):
     """A = scale Pᵀ dO and (if ``G_ref`` is given) G = scale Q'ᵀ dO for one chunk and V tile."""
-    if G_ref is None:
-        A_ref[...] = (scale * dots.tn(P_ref[...], do_ref[...].astype(jnp.float32))
-                      ).astype(A_ref.dtype)
-        return
-    A, G = dout_pair(P_ref[...], q_ref[...], do_ref[...], scale, dots, transposed)
-    A_ref[...], G_ref[...] = A.astype(A_ref.dtype), G.astype(G_ref.dtype)
+    A_ref[...] = dout_a(P_ref[...], do_ref[...], scale, dots).astype(A_ref.dtype)
+    if G_ref is not None:
+        G_ref[...] = dout_g(q_ref[...], do_ref[...], scale, dots, transposed).astype(G_ref.dtype)
 
 
 def _serial_kernel(doc_ref, first_ref, last_ref, W_ref, kw_ref, gc_ref, *refs, chunk, dots,
@@ -60,7 +62,8 @@ def _serial_kernel(doc_ref, first_ref, last_ref, W_ref, kw_ref, gc_ref, *refs, c
             A_ref, G_ref = ins
             return A_ref[rows, :].astype(jnp.float32), G_ref[c].astype(jnp.float32)
         (scale, pdots), (P_ref, q_ref, do_ref) = products, ins
-        return dout_pair(P_ref[rows, :], q_ref[rows, :], do_ref[rows, :], scale, pdots)
+        do = do_ref[rows, :]
+        return dout_a(P_ref[rows, :], do, scale, pdots), dout_g(q_ref[rows, :], do, scale, pdots)
 
     def body(it, dS):
         c = num_chunks - 1 - it
@@ -215,7 +218,6 @@ def split_backward(W, U, kw, q, P, gc, states, R, do, dfinal, doc, first, last, 
     opts = dict(chunk=chunk, block_v=block_v, dots=dots, num_warps=num_warps,
                 num_stages=num_stages)
     parallel = opts | dict(dots=pdots or dots)
-    A = G = products = None
     mosaic = serial_backend == "mosaic"
     if mosaic:  # A from kernel 1; G from it too, or formed in the pass (dout_in_serial)
         A, *G = dout_products(P, q, do, scale=scale, state_dtype=state_dtype, transposed=True,
@@ -224,11 +226,12 @@ def split_backward(W, U, kw, q, P, gc, states, R, do, dfinal, doc, first, last, 
             W, kw, gc, A, G[0] if G else None, dfinal, doc, first, last,
             interpret=dots.interpret,
             products=(q, do.astype(q.dtype), scale) if dout_in_serial else None)
-    elif dout_in_serial:
-        products = (P, q, do, scale, pdots or dots)
     else:
-        A, G = dout_products(P, q, do, scale=scale, state_dtype=state_dtype, **parallel)
-    if not mosaic:
+        A = G = products = None
+        if dout_in_serial:
+            products = (P, q, do, scale, pdots or dots)
+        else:
+            A, G = dout_products(P, q, do, scale=scale, state_dtype=state_dtype, **parallel)
         dU, dstates, dinit = state_pass(W, kw, gc, A, G, dfinal, doc, first, last,
                                         state_dtype=state_dtype, products=products,
                                         **(opts | dict(block_v=serial_block_v or block_v)))
