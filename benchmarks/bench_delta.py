@@ -185,7 +185,8 @@ def breakdown(core, x, reps, options):
     B, T, H, D = x["q"].shape
     nc, decay = T // 64, {None: "none", 3: "scalar", 4: "vector"}[DECAYS[core]]
     options = dr.resolve(options, sixteen_bit=x["q"].dtype.itemsize == 2,  # as the op does
-                         mosaic_fits=not interpret_default() and sm.hopper())
+                         mosaic_fits=sm.runs_here(interpret=interpret_default(), chunk=64,
+                                                  K=D, V=D))
     cfg = dr._Config(64, decay, D ** -0.5, None, options, Dots(options.precision, interpret_default()),
                      Dots(options.parallel_precision, interpret_default()))
     g = x.get("g")

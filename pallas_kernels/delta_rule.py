@@ -430,8 +430,8 @@ def delta_rule_pallas(q, k, kw, v, beta, log_decay, scale, initial_state, cu_seq
     interpret = interpret_default() if interpret is None else interpret
     options = resolve(options, sixteen_bit=all(jnp.dtype(x.dtype).itemsize == 2
                                                for x in (q, k, kw, v)),
-                      mosaic_fits=not interpret and state_mosaic.hopper()
-                      and state_mosaic.fits(chunk=chunk_size, K=Kp, V=Vp))
+                      mosaic_fits=state_mosaic.runs_here(interpret=interpret, chunk=chunk_size,
+                                                         K=Kp, V=Vp))
     if options.serial_backend == "mosaic":
         state_mosaic.check_shapes(chunk=chunk_size, K=Kp, V=Vp)
     cfg = _Config(chunk_size, decay, float(scale),

@@ -52,21 +52,33 @@ def hopper() -> bool:
     return device.platform == "gpu" and getattr(device, "compute_capability", None) == "9.0"
 
 
+def _shape_problem(chunk, K, V) -> str | None:
+    """Why the Mosaic passes cannot take chunk, K and V, or None."""
+    if chunk != C:
+        return f"chunk_size {C}, got {chunk}"
+    if K not in (64, 128):
+        return f"the (padded) key head dim K in (64, 128), got {K}"
+    if V % BV:
+        return f"the (padded) value head dim V to be a multiple of {BV}, got {V}"
+    return None
+
+
 def fits(*, chunk, K, V) -> bool:
     """Whether the Mosaic passes take chunk, K and V (``check_shapes`` says why not)."""
-    return chunk == C and K in (64, 128) and V % BV == 0
+    return _shape_problem(chunk, K, V) is None
+
+
+def runs_here(*, interpret, chunk, K, V) -> bool:
+    """Whether the Mosaic passes can be the default for this call: compiled (not interpret
+    mode) on a Hopper GPU, for shapes they take."""
+    return not interpret and hopper() and fits(chunk=chunk, K=K, V=V)
 
 
 def check_shapes(*, chunk, K, V):
     """ValueError naming the argument unless the Mosaic passes take chunk, K and V."""
-    if chunk != C:
-        raise ValueError(f"serial_backend='mosaic' needs chunk_size {C}, got {chunk}")
-    if K not in (64, 128):
-        raise ValueError(f"serial_backend='mosaic' needs the (padded) key head dim K in (64, 128), "
-                         f"got {K}")
-    if V % BV:
-        raise ValueError(f"serial_backend='mosaic' needs the (padded) value head dim V to be a "
-                         f"multiple of {BV}, got {V}")
+    problem = _shape_problem(chunk, K, V)
+    if problem:
+        raise ValueError(f"serial_backend='mosaic' needs {problem}")
 
 
 def _smem(shape, dtype):
