@@ -242,14 +242,16 @@ def breakdown(core, x, reps, options):
 
 def variant(v):
     """Options from precision/block_v/num_warps[/num_stages][/fused][/recompute][/vxla][/pP]
-    [/kN][/bwN][/sN][/hbf16|/h32][/wbf16][/qP][/oserial|/okernel][/dserial][/mosaic|/triton] (vxla:
+    [/kN][/bwN][/sN][/hbf16|/h32][/wbf16][/qP][/oserial|/okernel][/dserial|/dkernel]
+    [/mosaic|/triton] (vxla:
     ``Options.vector_wy`` = "xla"; pP: ``Options.parallel_precision`` = P, e.g. ptf32, pbf16;
     kN: ``Options.block_k`` = N; bwN: ``Options.pullback_warps`` = N; sN:
     ``Options.serial_block_v`` = N; hbf16 / h32:
     ``Options.state_dtype`` = "bfloat16" / "float32"; wbf16: ``Options.wy_dtype`` =
     "bfloat16"; qP: ``Options.serial_precision`` = P;
-    oserial / okernel: ``Options.output_in_serial`` True / False; dserial:
-    ``Options.dout_in_serial`` (``breakdown`` ignores both: it times the separate kernels);
+    oserial / okernel: ``Options.output_in_serial`` True / False; dserial / dkernel:
+    ``Options.dout_in_serial`` True / False (``breakdown`` ignores both: it times the separate
+    kernels);
     mosaic / triton: ``Options.serial_backend``). Unnamed options keep their defaults."""
     f = v.split("/")
     flags = [t for t in f[3:] if not t.isdigit()]
@@ -271,7 +273,9 @@ def variant(v):
                    else None, wy_dtype="bfloat16" if "wbf16" in flags else None,
                    serial_precision=serial_dots[0] if serial_dots else None,
                    output_in_serial=True if "oserial" in flags else False if "okernel" in flags
-                   else None, dout_in_serial="dserial" in flags,
+                   else None,
+                   dout_in_serial=True if "dserial" in flags else False if "dkernel" in flags
+                   else None,
                    serial_backend=next((t for t in flags if t in ("mosaic", "triton")), None))
 
 
@@ -288,7 +292,7 @@ def variant_tag(opt):
             + ("/wbf16" if opt.wy_dtype == "bfloat16" else "")
             + (f"/q{opt.serial_precision}" if opt.serial_precision else "")
             + {True: "/oserial", False: "/okernel", None: ""}[opt.output_in_serial]
-            + ("/dserial" if opt.dout_in_serial else "")
+            + {True: "/dserial", False: "/dkernel", None: ""}[opt.dout_in_serial]
             + (f"/{opt.serial_backend}" if opt.serial_backend else ""))
 
 

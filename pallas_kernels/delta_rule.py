@@ -97,10 +97,12 @@ class Options:
     kernel (None: with the Mosaic passes, as jax-linear-attention does; not with the Triton
     ones, where run 19 measured it no faster). ``dout_in_serial``: the backward state pass forms
     the dO products itself (the Triton pass both, measured no faster in run 19; the Mosaic pass
-    G = scale Q'ᵀ dO as a third wgmma a chunk, so G never goes through HBM: not yet measured);
-    off. ``serial_block_v``: exact but measured no faster (run 19): off. ``pullback_warps``:
-    the WY pullback kernel's own warps (run 15, one reading each: 8 warps made GDN's pullback
-    0.99 ms against 1.26 at 4, DeltaNet's 0.93 against 0.72; not yet measured again)."""
+    G = scale Q'ᵀ dO as a third wgmma a chunk, so G never goes through HBM: fwd+bwd -3 % / -6 %
+    for DeltaNet / GDN in run 31); None: with the Mosaic passes, not with the Triton ones.
+    ``serial_block_v``: exact but measured no faster (run 19): off. ``pullback_warps``: the WY
+    pullback kernel's own warps; None: 8 with a scalar decay (GDN's pullback 0.99 against 1.26
+    ms at 4 in run 15, fwd+bwd 1.85 against 2.01 in run 31), else ``num_warps`` (DeltaNet's
+    pullback 0.93 against 0.72 ms at 8 in run 15, fwd+bwd 2.15 against 1.40 in run 31)."""
 
     precision: str | None = None
     parallel_precision: str | None = None
@@ -111,9 +113,9 @@ class Options:
     wy_dtype: str | None = None  # split: W, U, K̃', Q', P kept in HBM (None: float32)
     serial_precision: str | None = None  # split: the serial state passes' dots (None: precision)
     output_in_serial: bool | None = None  # split: outputs formed in the forward state pass
-    dout_in_serial: bool = False  # split: dO products formed in the backward state pass
+    dout_in_serial: bool | None = None  # split: dO products formed in the backward state pass
     num_warps: int = 4
-    pullback_warps: int | None = None  # split: the WY pullback kernel's warps (None: num_warps)
+    pullback_warps: int | None = None  # split: the WY pullback kernel's warps (None: see above)
     num_stages: int = 2  # software pipelining of the serial loops' loads (RESULTS run 13)
     split: bool = True  # the split kernels (state_*_triton) instead of the fused delta_fwd/bwd
     save_wy: bool = True  # split: keep the WY tensors for the backward (not with vector_wy="xla")
@@ -237,9 +239,10 @@ def _wy_kernels(cfg):
 def _wy_kernel(cfg, kernel, ins, cts=None):
     """``kernel(*ins)`` (a forward of ``_wy_kernels``), or ``kernel(*ins, *cts)`` (a pullback:
     cotangents of q, k, kw, v, beta and gamma, cast to the inputs' dtypes; None for a missing
-    gamma; ``ins`` may end with the forward's T), through ``_kernel_call``."""
+    gamma; ``ins`` may end with the forward's T and P), through ``_kernel_call``."""
     o = cfg.options
-    in_axes = _WY_IN | (dict(gamma="b t h k") if cfg.decay == "vector" else {}) | _WY_T
+    in_axes = (_WY_IN | (dict(gamma="b t h k") if cfg.decay == "vector" else {}) | _WY_T
+               | (dict(P=_WY_OUT["dP"]) if cfg.decay == "scalar" else {}))
     args, axes = dict(zip(in_axes, ins)), dict(in_axes)
     out_axes = tuple(_WY_OUT.values()) + tuple(_WY_T.values())
     dots, warps = cfg.dots, o.num_warps
@@ -247,7 +250,7 @@ def _wy_kernel(cfg, kernel, ins, cts=None):
         args |= dict(zip(_WY_OUT, cts))
         axes |= _WY_OUT
         out_axes = tuple(a for a, x in zip(in_axes.values(), ins[:6]) if x is not None)
-        dots, warps = cfg.pdots, o.pullback_warps or o.num_warps
+        dots, warps = cfg.pdots, o.pullback_warps or (8 if cfg.decay == "scalar" else o.num_warps)
     outs = _kernel_call(cfg, kernel, args, axes, out_axes, chunk=cfg.chunk, block_v=o.block_v,
                         block_k=o.block_k, dots=dots, num_warps=warps,
                         num_stages=o.num_stages,
@@ -267,12 +270,12 @@ def _stored(cfg, wy):
 
 def _wy(cfg, ins):
     """The six WY tensors of ``ins`` = (q, k, kw, v, beta, gamma) and what their kernel pullback
-    needs besides ``ins``: (T,) from the kernels, () from ``prepare`` in plain JAX (per-channel
-    decay, ``vector_wy="xla"``)."""
+    needs besides ``ins``: (T,) from the kernels ((T, P) with a scalar decay), () from
+    ``prepare`` in plain JAX (per-channel decay, ``vector_wy="xla"``)."""
     if cfg.decay == "vector" and cfg.options.vector_wy == "xla":
         return _stored(cfg, prepare(cfg, *ins)), ()
     wy = _wy_kernel(cfg, _wy_kernels(cfg)[0], ins)
-    return wy[:6], wy[6:]
+    return wy[:6], wy[6:] + ((wy[4],) if cfg.decay == "scalar" else ())  # T (and P: wy_bwd)
 
 
 def _wy_pullback(cfg, ins, extra=None):
@@ -372,15 +375,17 @@ def resolve(options: Options, *, sixteen_bit: bool, mosaic_fits: bool = False) -
     interpret mode, shapes ``state_mosaic`` takes), the inputs are 16-bit, ``precision`` was
     left None and no option clashes, else "triton"; "mosaic" sets wy_dtype, state_dtype and
     serial_precision to bf16 (ValueError without 16-bit inputs); wy_dtype otherwise "float32";
-    output_in_serial as the backend's default."""
+    output_in_serial and dout_in_serial as the backend's defaults."""
     fast16 = sixteen_bit and options.precision is None
     precision = options.precision or ("tf32" if sixteen_bit else "tf32x3")
     if options.serial_backend is None:
         auto = mosaic_fits and fast16 and not options.mosaic_clashes()
         options = dataclasses.replace(options, serial_backend="mosaic" if auto else "triton")
-    if options.output_in_serial is None:
-        options = dataclasses.replace(options,
-                                      output_in_serial=options.serial_backend == "mosaic")
+    mosaic = options.serial_backend == "mosaic"
+    options = dataclasses.replace(
+        options,
+        output_in_serial=mosaic if options.output_in_serial is None else options.output_in_serial,
+        dout_in_serial=mosaic if options.dout_in_serial is None else options.dout_in_serial)
     if options.serial_backend == "mosaic":
         if not sixteen_bit:
             raise ValueError("Options.serial_backend='mosaic' takes 16-bit q, k, k̃ and v "

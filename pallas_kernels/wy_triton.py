@@ -8,7 +8,8 @@ chunk (rows i, j = 0 .. C − 1; γ the cumulative log decay from the chunk star
     W = T Diag(β)(K ⊙ Γ)    U = T Diag(β) V    K̃' = K̃ ⊙ Γ_C/Γ    Q' = Q ⊙ Γ    Γ_C = exp γ_C
 
 ``wy_fwd`` writes ``delta_rule.prepare``'s outputs and T. ``wy_bwd`` reads T back (a
-[C, C] tile per chunk: cheaper than the doubling product's chain of matmuls), recomputes A, L
+[C, C] tile per chunk: cheaper than the doubling product's chain of matmuls) and, with a decay,
+the forward's P (for E below: no Q K̃ᵀ recomputed, one [C, C] accumulator fewer), recomputes A
 (one matmul) and applies the pullback to the cotangents (dW, dU, dK̃', dQ', dP, dΓ_C; dΓ_C is
 broadcast over K, so its channels are summed):
 
@@ -107,15 +108,17 @@ def _bwd_kernel(*refs, dots, block_v, block_k, has_decay):
     recomputed per tile rather than kept)."""
     q_ref, k_ref, kw_ref, v_ref, beta_ref, *refs = refs
     g_ref = refs.pop(0) if has_decay else None
-    (T_ref, dW_ref, dU_ref, dkwt_ref, dqd_ref, dP_ref, dgc_ref, dq_ref, dk_ref, dkw_ref, dv_ref,
-     db_ref) = refs[:12]
-    dg_ref = refs[12] if has_decay else None
+    T_ref = refs.pop(0)
+    P_ref = refs.pop(0) if has_decay else None
+    (dW_ref, dU_ref, dkwt_ref, dqd_ref, dP_ref, dgc_ref, dq_ref, dk_ref, dkw_ref, dv_ref,
+     db_ref) = refs[:11]
+    dg_ref = refs[11] if has_decay else None
     C, K = k_ref.shape
     f32 = jnp.float32
     i, j = iota2(C)
     key_tiles = tiles(K, block_k)
     gram = sum(dots.nt(k_ref[:, cols], kw_ref[:, cols]) for cols in key_tiles)
-    beta, Gam, tail, gc, D, A, L = _decayed_gram(gram, beta_ref[...].astype(f32), g_ref, C)
+    beta, Gam, tail, gc, D, A, _ = _decayed_gram(gram, beta_ref[...].astype(f32), g_ref, C)
     T = T_ref[...]
     b, Gcol, tcol = beta[:, None], Gam[:, None], tail[:, None]
 
@@ -130,11 +133,11 @@ def _bwd_kernel(*refs, dots, block_v, block_k, has_decay):
     dL = jnp.where(i > j, -dots.nt(dots.tn(T, dT), T), 0.0)
     db_ref[...] = db + s + jnp.sum(dL * A, axis=1)
     GK = b * dL * D
-    GQ = jnp.where(i >= j, dP_ref[...], 0.0) * D
+    dP = jnp.where(i >= j, dP_ref[...], 0.0)
+    GQ = dP * D
 
     # sweep 2: dK = G_K K̃ + Diag(βΓ) Tᵀ dW, dK̃ = G_Kᵀ K + G_Qᵀ Q + dK̃' ⊙ Γ_C/Γ, dQ = G_Q K̃ + dQ' ⊙ Γ
     e = qd = 0.0  # rowsum(dK̃' ⊙ K̃'), rowsum(dQ' ⊙ Q')
-    qkw = 0.0  # Q K̃ᵀ, for dγ
     for cols in key_tiles:
         k, kw, q = k_ref[:, cols], kw_ref[:, cols], q_ref[:, cols]
         dk_ref[:, cols] = b * Gcol * dots.tn(T, dW_ref[:, cols]) + dots.nn(GK, kw)
@@ -145,9 +148,8 @@ def _bwd_kernel(*refs, dots, block_v, block_k, has_decay):
         if has_decay:
             e = e + tail * jnp.sum(dkwt * kw.astype(f32), axis=1)
             qd = qd + Gam * jnp.sum(dqd * q.astype(f32), axis=1)
-            qkw = qkw + dots.nt(q, kw)
-    if has_decay:  # γ enters through D, Γ, Γ_C/Γ and Γ_C
-        E = dL * L + GQ * qkw
+    if has_decay:  # γ enters through D, Γ, Γ_C/Γ and Γ_C; dL ⊙ L = β dL ⊙ A
+        E = b * dL * A + dP * P_ref[...].astype(f32)
         last = jnp.sum(e) + gc * jnp.sum(dgc_ref[...])
         at_last = lax.broadcasted_iota(jnp.int32, (C,), 0) == C - 1
         dg_ref[...] = (beta * s + jnp.sum(E, axis=1) - jnp.sum(E, axis=0) + qd - e
@@ -212,15 +214,21 @@ def wy_fwd(q, k, kw, v, beta, gamma, *, chunk, block_v, dots: Dots, num_warps, n
 
 
 def wy_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *, chunk, block_v,
-           dots: Dots, num_warps, num_stages, block_k=64):
+           dots: Dots, num_warps, num_stages, block_k=64, P=None):
     """Cotangents of q, k, kw [B, Tp, H, K], v [B, Tp, H, V], beta [B, Tp, H] and, if gamma is
-    given, of gamma [B, Tp, H] (float32), from those of ``wy_fwd``'s outputs and its T
-    (module docstring); ``block_k``: the key columns per tile of the kernel's two sweeps."""
+    given, of gamma [B, Tp, H] (float32), from those of ``wy_fwd``'s outputs, its T and, with
+    gamma, its P (module docstring; ValueError without it); ``block_k``: the key columns per tile
+    of the kernel's two sweeps."""
     in_specs, wy_specs, grid = layout(q, v, gamma, chunk)
+    if (gamma is None) != (P is None):
+        raise ValueError("wy_bwd takes the forward's P exactly when gamma is given, got "
+                         f"gamma {'None' if gamma is None else 'given'}, "
+                         f"P {'None' if P is None else 'given'}")
     args = [x for x in (q, k, kw, v, beta, gamma) if x is not None]
-    cts = [T, dW, dU, dkw_t, dq_dec, dP, dgc]
-    out_shape = [out_struct(x.shape, jnp.float32, *args, *cts) for x in args]
+    saved, saved_specs = [T] + ([P] if P is not None else []), wy_specs[-1:] + wy_specs[4:5]
+    cts = [dW, dU, dkw_t, dq_dec, dP, dgc]
+    out_shape = [out_struct(x.shape, jnp.float32, *args, *saved, *cts) for x in args]
     kernel = functools.partial(_bwd_kernel, dots=dots, block_v=block_v, block_k=block_k,
                                has_decay=gamma is not None)
-    return call(kernel, "wy_bwd", grid, in_specs + wy_specs[-1:] + wy_specs[:-1], in_specs,
-                out_shape, args + cts, dots, num_warps, num_stages)
+    return call(kernel, "wy_bwd", grid, in_specs + saved_specs[:len(saved)] + wy_specs[:-1],
+                in_specs, out_shape, args + saved + cts, dots, num_warps, num_stages)

@@ -18,9 +18,10 @@ from pallas_kernels import state_bwd_triton, state_fwd_triton, state_mosaic
 from pallas_kernels.delta_rule import Options, delta_rule_pallas, resolve
 from pallas_kernels.triton_common import Dots
 
-MOSAIC = Options(serial_backend="mosaic", output_in_serial=False)  # outputs by their kernel
-FUSED = Options(serial_backend="mosaic", output_in_serial=True)  # outputs formed in the pass
-DSERIAL = Options(serial_backend="mosaic", dout_in_serial=True)  # G formed in the backward pass
+# outputs by their kernel; outputs formed in the pass; both with G from the dO-product kernel
+MOSAIC = Options(serial_backend="mosaic", output_in_serial=False, dout_in_serial=False)
+FUSED = Options(serial_backend="mosaic", output_in_serial=True, dout_in_serial=False)
+DSERIAL = Options(serial_backend="mosaic")  # the default: also G formed in the backward pass
 TWIN = Options(wy_dtype="bfloat16", serial_precision="bf16")  # the Triton passes, same numerics
 
 
@@ -152,21 +153,23 @@ def test_mosaic_backend_refuses_what_it_cannot_run(rand):
 
 
 def test_the_default_takes_the_mosaic_passes_where_they_run():
-    """``serial_backend=None`` resolves to "mosaic" (with the outputs in the pass) for 16-bit
-    inputs on a GPU where the shapes fit and no option asks for something they cannot do, else
-    to "triton" (with the output kernel); an explicit choice stays."""
+    """``serial_backend=None`` resolves to "mosaic" (with the outputs in the forward pass and the
+    dO products in the backward one) for 16-bit inputs on a GPU where the shapes fit and no
+    option asks for something they cannot do, else to "triton" (with the output and dO-product
+    kernels); an explicit choice stays."""
     def picked(options, **kw):
         r = resolve(options, **({"sixteen_bit": True, "mosaic_fits": True} | kw))
-        return r.serial_backend, r.output_in_serial
+        return r.serial_backend, r.output_in_serial, r.dout_in_serial
 
-    assert picked(Options()) == ("mosaic", True)
-    assert picked(Options(), mosaic_fits=False) == ("triton", False)  # CPU, or shapes
-    assert picked(Options(), sixteen_bit=False) == ("triton", False)
-    assert picked(Options(precision="tf32")) == ("triton", False)
-    assert picked(Options(state_dtype="float32")) == ("triton", False)
-    assert picked(Options(serial_backend="triton")) == ("triton", False)
-    assert picked(Options(output_in_serial=False)) == ("mosaic", False)
-    assert picked(Options(serial_backend="mosaic"), mosaic_fits=False) == ("mosaic", True)
+    assert picked(Options()) == ("mosaic", True, True)
+    assert picked(Options(), mosaic_fits=False) == ("triton", False, False)  # CPU, or shapes
+    assert picked(Options(), sixteen_bit=False) == ("triton", False, False)
+    assert picked(Options(precision="tf32")) == ("triton", False, False)
+    assert picked(Options(state_dtype="float32")) == ("triton", False, False)
+    assert picked(Options(serial_backend="triton")) == ("triton", False, False)
+    assert picked(Options(output_in_serial=False)) == ("mosaic", False, True)
+    assert picked(Options(dout_in_serial=False)) == ("mosaic", True, False)
+    assert picked(Options(serial_backend="mosaic"), mosaic_fits=False) == ("mosaic", True, True)
     assert state_mosaic.fits(chunk=64, K=128, V=192) and not state_mosaic.fits(chunk=64, K=32, V=64)
 
 

@@ -39,7 +39,8 @@ def oracle(decay, ins, dtype=jnp.float32):
 
 
 def kernels(ins, cts, block_v, block_k=64):
-    """``wy_fwd``'s six WY tensors and ``wy_bwd``'s cotangents (given the forward's T); checks
+    """``wy_fwd``'s six WY tensors and ``wy_bwd``'s cotangents (given the forward's T, and P
+    with a decay); checks
     that T is (I + L)^-1 for ``chunk_grams``' L."""
     opts = dict(chunk=C, block_v=block_v, block_k=block_k, dots=DOTS, num_warps=4, num_stages=1)
     *wy, T = jax.jit(functools.partial(wy_fwd, **opts))(*ins)
@@ -48,7 +49,8 @@ def kernels(ins, cts, block_v, block_k=64):
     eye = jnp.eye(C)
     TL = jnp.einsum("bhncd,bhnde->bhnce", T.reshape(L.shape), L + eye, precision="highest")
     assert rel_err(TL, jnp.broadcast_to(eye, L.shape)) <= 1e-5
-    return wy, jax.jit(functools.partial(wy_bwd, **opts))(*ins, T, *cts)
+    P = None if ins[5] is None else wy[4]
+    return wy, jax.jit(functools.partial(wy_bwd, **opts))(*ins, T, *cts, P=P)
 
 
 def check(got, want, tol, names):
@@ -100,6 +102,17 @@ def test_vector_decay_is_refused(rand):
     with pytest.raises(ValueError, match="gamma"):
         wy_fwd(q, k, kw, v, beta, gamma, chunk=C, block_v=16, dots=DOTS, num_warps=4,
                num_stages=1)
+
+
+@pytest.mark.parametrize("decay", ["none", "scalar"])
+def test_pullback_takes_P_exactly_with_a_decay(rand, decay):
+    """wy_bwd reads the forward's P for a decay's E term: missing (scalar) or stray (none) is a
+    ValueError naming P, not a silently wrong dγ."""
+    ins = inputs(rand, decay, jnp.float32)
+    x = jnp.zeros((B, H, ins[0].shape[1], C), jnp.float32)
+    with pytest.raises(ValueError, match="P"):
+        wy_bwd(*ins, x, *([None] * 6), P=None if decay == "scalar" else x, chunk=C, block_v=16,
+               dots=DOTS, num_warps=4, num_stages=1)
 
 
 @pytest.mark.parametrize("c, k_dim, dtype, block_k", [
