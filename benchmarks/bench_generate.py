@@ -8,6 +8,7 @@ tokens/s = (2048 + 128) / (t_prefill + t_decode). Prefill alone is timed the sam
 
 import argparse
 import dataclasses
+import json
 import statistics
 import time
 
@@ -59,7 +60,11 @@ def main():
     ap.add_argument("--tiny", action="store_true")
     a = ap.parse_args()
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
-    rows = [bench(n, p, a.prompt, a.new_tokens, a.tiny) for n in a.presets for p in a.preconditioners]
+    rows = []
+    for n in a.presets:
+        for p in a.preconditioners:  # each row as it is done: a call cut short keeps the earlier
+            rows.append(bench(n, p, a.prompt, a.new_tokens, a.tiny))
+            print(json.dumps(rows[-1]), flush=True)
     base = {r["model"].split("/")[0]: r["tok_s"] for r in rows if r["model"].endswith("/none")}
     print(f"{'model':28s} {'params':>8s} {'state MiB':>9s} {'prefill ms':>10s} {'decode ms':>9s} "
           f"{'tok/s':>8s} {'x paper':>7s} {'vs host':>7s}")
