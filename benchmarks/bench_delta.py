@@ -243,7 +243,7 @@ def breakdown(core, x, reps, options):
 def variant(v):
     """Options from precision/block_v/num_warps[/num_stages][/fused][/recompute][/vxla][/pP]
     [/kN][/bwN][/sN][/hbf16|/h32][/wbf16][/qP][/oserial|/okernel][/dserial|/dkernel]
-    [/mosaic|/triton] (vxla:
+    [/mosaic|/triton][/cpN] (vxla:
     ``Options.vector_wy`` = "xla"; pP: ``Options.parallel_precision`` = P, e.g. ptf32, pbf16;
     kN: ``Options.block_k`` = N; bwN: ``Options.pullback_warps`` = N; sN:
     ``Options.serial_block_v`` = N; hbf16 / h32:
@@ -252,7 +252,8 @@ def variant(v):
     oserial / okernel: ``Options.output_in_serial`` True / False; dserial / dkernel:
     ``Options.dout_in_serial`` True / False (``breakdown`` ignores both: it times the separate
     kernels);
-    mosaic / triton: ``Options.serial_backend``). Unnamed options keep their defaults."""
+    mosaic / triton: ``Options.serial_backend``; cpN: ``Options.sequence_pieces`` = N). Unnamed
+    options keep their defaults."""
     f = v.split("/")
     flags = [t for t in f[3:] if not t.isdigit()]
     block_k = [int(t[1:]) for t in flags if t[0] == "k" and t[1:].isdigit()]
@@ -260,6 +261,7 @@ def variant(v):
     parallel = [t[1:] for t in flags if t[0] == "p"]
     serial_dots = [t[1:] for t in flags if t[0] == "q"]
     serial = [int(t[1:]) for t in flags if t[0] == "s" and t[1:].isdigit()]
+    pieces = [int(t[2:]) for t in flags if t[:2] == "cp" and t[2:].isdigit()]
     stages = int(f[3]) if len(f) > 3 and f[3].isdigit() else Options().num_stages
     return Options(precision=None if f[0] == "auto" else f[0], block_v=int(f[1]),
                    num_warps=int(f[2]), num_stages=stages, split="fused" not in flags,
@@ -276,7 +278,8 @@ def variant(v):
                    else None,
                    dout_in_serial=True if "dserial" in flags else False if "dkernel" in flags
                    else None,
-                   serial_backend=next((t for t in flags if t in ("mosaic", "triton")), None))
+                   serial_backend=next((t for t in flags if t in ("mosaic", "triton")), None),
+                   sequence_pieces=pieces[0] if pieces else None)
 
 
 def variant_tag(opt):
@@ -293,7 +296,8 @@ def variant_tag(opt):
             + (f"/q{opt.serial_precision}" if opt.serial_precision else "")
             + {True: "/oserial", False: "/okernel", None: ""}[opt.output_in_serial]
             + {True: "/dserial", False: "/dkernel", None: ""}[opt.dout_in_serial]
-            + (f"/{opt.serial_backend}" if opt.serial_backend else ""))
+            + (f"/{opt.serial_backend}" if opt.serial_backend else "")
+            + (f"/cp{opt.sequence_pieces}" if opt.sequence_pieces else ""))
 
 
 def jla_ops():

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.delta_bwd_triton import delta_bwd
 from pallas_kernels.delta_fwd_triton import delta_fwd
-from pallas_kernels import state_mosaic
+from pallas_kernels import sequence_split, state_mosaic
 from pallas_kernels.partition import match_types, sharded_call
 from pallas_kernels.state_bwd_triton import split_backward
 from pallas_kernels.state_fwd_triton import split_forward
@@ -102,7 +102,12 @@ class Options:
     ``serial_block_v``: exact but measured no faster (run 19): off. ``pullback_warps``: the WY
     pullback kernel's own warps; None: 8 with a scalar decay (GDN's pullback 0.99 against 1.26
     ms at 4 in run 15, fwd+bwd 1.85 against 2.01 in run 31), else ``num_warps`` (DeltaNet's
-    pullback 0.93 against 0.72 ms at 8 in run 15, fwd+bwd 2.15 against 1.40 in run 31)."""
+    pullback 0.93 against 0.72 ms at 8 in run 15, fwd+bwd 2.15 against 1.40 in run 31).
+    ``sequence_pieces``: the Mosaic serial passes over the sequence cut into that many pieces run
+    in parallel (``sequence_split``: an extra pass with K more value columns and a chain of p
+    small products buy p times the programs; dense rows, the chunks a multiple of it); None:
+    ``sequence_split.auto_pieces`` with the Mosaic passes over dense rows (more than 1 only where
+    B H V / 64 CTAs leave most SMs idle, e.g. B = 1), else 1."""
 
     precision: str | None = None
     parallel_precision: str | None = None
@@ -121,6 +126,7 @@ class Options:
     save_wy: bool = True  # split: keep the WY tensors for the backward (not with vector_wy="xla")
     vector_wy: str = "kernel"  # "kernel" | "xla": the per-channel-decay WY step
     serial_backend: str | None = None  # split: "triton" | "mosaic" serial state passes
+    sequence_pieces: int | None = None  # mosaic: the serial passes over pieces run in parallel
 
     def __post_init__(self):
         if self.vector_wy not in ("xla", "kernel"):
@@ -136,6 +142,10 @@ class Options:
         if self.serial_backend not in (None, "triton", "mosaic"):
             raise ValueError("Options.serial_backend must be None, 'triton' or 'mosaic', got "
                              f"{self.serial_backend!r}")
+        if self.sequence_pieces is not None and (self.sequence_pieces < 1 or
+                                                 self.sequence_pieces & (self.sequence_pieces - 1)):
+            raise ValueError("Options.sequence_pieces must be None or a power of two >= 1, got "
+                             f"{self.sequence_pieces!r}")
         if self.serial_backend == "mosaic" and self.mosaic_clashes():
             raise ValueError(f"Options.serial_backend='mosaic' does not combine with the values "
                              f"given for {self.mosaic_clashes()} (it runs split, bf16 serial "
@@ -306,7 +316,8 @@ def _forward(cfg, q, k, kw, v, beta, gamma, init, doc, first, last, store_states
                                              serial_block_v=o.serial_block_v,
                                              state_dtype=jnp.dtype(o.state_dtype),
                                              output_in_serial=o.output_in_serial,
-                                             serial_backend=o.serial_backend)
+                                             serial_backend=o.serial_backend,
+                                             pieces=o.sequence_pieces)
     else:
         A = P = None
         if cfg.decay == "vector":
@@ -358,7 +369,8 @@ def _core_bwd(cfg, res, cts):
                                          serial_block_v=o.serial_block_v,
                                          state_dtype=jnp.dtype(o.state_dtype),
                                          dout_in_serial=o.dout_in_serial,
-                                         serial_backend=o.serial_backend) if o.split else {}))
+                                         serial_backend=o.serial_backend,
+                                         pieces=o.sequence_pieces) if o.split else {}))
     grads = pullback((dW.sum(0), dU, dkw.sum(0), dq.sum(0), dP.sum(0), dgc.sum(0)))
     return (*match_types((*grads, None if init is None else dinit),
                          (q, k, kw, v, beta, gamma, init)), None, None, None)
@@ -397,6 +409,22 @@ def resolve(options: Options, *, sixteen_bit: bool, mosaic_fits: bool = False) -
         parallel_precision=options.parallel_precision or ("bf16" if fast16 else precision),
         state_dtype=options.state_dtype or ("bfloat16" if fast16 else "float32"),
         wy_dtype=options.wy_dtype or "float32")
+
+
+def _pieces(options, programs, chunks, dense):
+    """``Options.sequence_pieces`` for a pass of ``programs`` CTAs over ``chunks`` chunks (None:
+    ``sequence_split.auto_pieces`` with the Mosaic passes over dense rows, else 1); ValueError
+    for pieces the call cannot take."""
+    p, mosaic = options.sequence_pieces, options.serial_backend == "mosaic"
+    if p is None:
+        return sequence_split.auto_pieces(programs=programs, chunks=chunks) if (
+            mosaic and dense) else 1
+    if p > 1 and not (mosaic and dense and chunks % p == 0):
+        raise ValueError(f"Options.sequence_pieces={p} needs the Mosaic serial passes, dense rows "
+                         f"(no cu_seqlens) and a chunk count divisible by it; got "
+                         f"serial_backend={options.serial_backend!r}, "
+                         f"{'dense' if dense else 'packed'} rows, {chunks} chunks")
+    return p
 
 
 def delta_rule_pallas(q, k, kw, v, beta, log_decay, scale, initial_state, cu_seqlens, chunk_size,
@@ -439,6 +467,8 @@ def delta_rule_pallas(q, k, kw, v, beta, log_decay, scale, initial_state, cu_seq
                                                          K=Kp, V=Vp))
     if options.serial_backend == "mosaic":
         state_mosaic.check_shapes(chunk=chunk_size, K=Kp, V=Vp)
+    options = dataclasses.replace(options, sequence_pieces=_pieces(options, B * H * Vp // 64, nc,
+                                                                   cu_seqlens is None))
     cfg = _Config(chunk_size, decay, float(scale),
                   None if cu_seqlens is None else layout.num_docs, options,
                   Dots(options.precision, interpret), Dots(options.parallel_precision, interpret))

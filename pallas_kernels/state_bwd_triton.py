@@ -24,7 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels import state_mosaic
+from pallas_kernels import sequence_split, state_mosaic
 from pallas_kernels.state_fwd_triton import check_inputs, chunk_specs, serial_specs
 from pallas_kernels.triton_common import Dots, out_struct
 
@@ -199,7 +199,7 @@ def split_backward(W, U, kw, q, P, gc, states, R, do, dfinal, doc, first, last, 
                    block_v, dots: Dots, num_warps, num_stages, block_k=64,
                    pdots: Dots | None = None, serial_block_v: int | None = None,
                    state_dtype=jnp.float32, dout_in_serial: bool = False,
-                   serial_backend: str = "triton"):
+                   serial_backend: str = "triton", pieces: int = 1):
     """``delta_bwd`` in three kernels; arguments and results as ``delta_bwd``, plus R = U − W S
     from the forward: W, kw (K̃'), q (Q') [B, H, Tp, K]; U, R [B, H, Tp, V]; P [B, H, Tp, C];
     gc (Γ_C) [B, H, NC, K]; states (chunk-start) [B, H, NC, K, V]; do [B, Tp, H, V]; dfinal
@@ -209,7 +209,8 @@ def split_backward(W, U, kw, q, P, gc, states, R, do, dfinal, doc, first, last, 
     tensors kernels 1 and 2 store (A, G, dU, dS_C); ``dout_in_serial``: kernel 2 forms A and G
     itself (no kernel 1; the Mosaic kernel 2 forms G, kernel 1 still A); ``serial_backend``:
     "mosaic" runs kernel 2 as ``state_mosaic.state_bwd`` (``states`` then transposed, as its
-    forward stores them).
+    forward stores them); ``pieces``: that pass over the sequence cut into pieces run in parallel
+    (``sequence_split``; dense rows).
 
     Returns dW, dK̃', dQ' [1, B, H, Tp, K], dU [B, H, Tp, V], dP [1, B, H, Tp, C], dΓ_C
     [1, B, H, NC, K] (already summed over V: the leading axis of ``delta_bwd``'s per-tile partial
@@ -222,9 +223,11 @@ def split_backward(W, U, kw, q, P, gc, states, R, do, dfinal, doc, first, last, 
     if mosaic:  # A from kernel 1; G from it too, or formed in the pass (dout_in_serial)
         A, *G = dout_products(P, q, do, scale=scale, state_dtype=state_dtype, transposed=True,
                               with_G=not dout_in_serial, **parallel)
-        dU, dstates, dinit = state_mosaic.state_bwd(
+        serial_pass = functools.partial(state_mosaic.state_bwd, interpret=dots.interpret)
+        if pieces > 1:
+            serial_pass = sequence_split.backward(serial_pass, pieces)
+        dU, dstates, dinit = serial_pass(
             W, kw, gc, A, G[0] if G else None, dfinal, doc, first, last,
-            interpret=dots.interpret,
             products=(q, do.astype(q.dtype), scale) if dout_in_serial else None)
     else:
         A = G = products = None

@@ -22,7 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels import state_mosaic
+from pallas_kernels import sequence_split, state_mosaic
 from pallas_kernels.triton_common import Dots, out_struct
 
 
@@ -181,7 +181,8 @@ def split_forward(W, U, kw, q, P, gc, initial_state, doc, first, last, *, chunk,
                   block_v, dots: Dots, num_warps, num_stages, store_states,
                   out_dtype=jnp.float32, pdots: Dots | None = None,
                   serial_block_v: int | None = None, state_dtype=jnp.float32,
-                  output_in_serial: bool = False, serial_backend: str = "triton"):
+                  output_in_serial: bool = False, serial_backend: str = "triton",
+                  pieces: int = 1):
     """``delta_fwd`` from the WY tensors. Shapes: W, kw (K̃'), q (Q') [B, H, Tp, K]; U [B, H, Tp, V];
     P [B, H, Tp, C]; gc (Γ_C) [B, H, NC, K]; initial_state None | [N, H, K, V] float32; doc,
     first, last [B, NC] int32; ``num_docs``: N, or None for one document per batch row (N = B).
@@ -196,7 +197,8 @@ def split_forward(W, U, kw, q, P, gc, initial_state, doc, first, last, *, chunk,
     ``pdots`` is "bf16"); ``output_in_serial``: form o inside the state pass (no output kernel;
     without ``store_states`` the states and R are then never written); ``serial_backend``:
     "mosaic" runs the state pass as ``state_mosaic.state_fwd`` (bf16 tensors; the saved states
-    are then transposed, [B, H, NC, V, K])."""
+    are then transposed, [B, H, NC, V, K]); ``pieces``: the Mosaic pass over the sequence cut
+    into that many pieces run in parallel (``sequence_split``; dense rows)."""
     check_inputs(W, U, P, chunk=chunk, block_v=block_v, serial_block_v=serial_block_v)
     opts = dict(chunk=chunk, block_v=block_v, dots=dots, num_warps=num_warps,
                 num_stages=num_stages)
@@ -206,6 +208,8 @@ def split_forward(W, U, kw, q, P, gc, initial_state, doc, first, last, *, chunk,
     if mosaic:
         serial_pass = functools.partial(state_mosaic.state_fwd, num_docs=num_docs,
                                         interpret=dots.interpret)
+        if pieces > 1:
+            serial_pass = sequence_split.forward(serial_pass, pieces)
         output = (q, P, scale, out_dtype)
     else:
         serial_pass = functools.partial(state_pass, **serial)
