@@ -1,9 +1,9 @@
 """Device benchmark of osgm_precondition(impl="pallas") (OSDN phase 1): checks, then timings.
 
     PYTHONPATH=. python3 benchmarks/bench_osgm.py [--shape B T H K] [--budget-s 100]
-        [--sections checks,time,osdn] [--variants 4/1,2/1/4,2/1/4/scalar]
-        # kernel options prefetch/num_warps[/unroll][/scalar]: prefetch in loop iterations (groups
-        # of ``unroll`` tokens), ``scalar``: Options.scalar_aux
+        [--sections checks,time,osdn] [--variants 4/1,2/1/4,2/1/4/scalar,2/1/16/8]
+        # kernel options prefetch/num_warps[/unroll[/bwd_unroll]][/scalar]: prefetch in loop
+        # iterations (groups of ``unroll`` tokens), ``scalar``: Options.scalar_aux
 
 Checks (fresh random inputs; device memory filled with NaN before each run): pallas vs the
 token-by-token reference, k̃, final d and the gradients of k, β, r and d_1 for a random
@@ -53,14 +53,17 @@ def phase1(impl, eta=0.003, beta_aware=True, apf=True, options=None):
 
 
 def variant(text):
-    """``Options`` from "prefetch/num_warps[/unroll][/scalar]" (e.g. "4/1", "2/1/4/scalar")."""
+    """``Options`` from "prefetch/num_warps[/unroll[/bwd_unroll]][/scalar]" (e.g. "4/1",
+    "2/1/4/scalar", "2/1/16/8": the forward 16 tokens an iteration, the backward 8)."""
     parts = text.split("/")
     scalar = parts[-1] == "scalar"
     numbers = parts[:-1] if scalar else parts
-    if not 2 <= len(numbers) <= 3 or not all(n.isdigit() for n in numbers):
-        raise ValueError("--variants entries are prefetch/num_warps[/unroll][/scalar], got "
-                         f"{text!r}")
-    return Options(*map(int, numbers), scalar_aux=scalar)
+    if not 2 <= len(numbers) <= 4 or not all(n.isdigit() for n in numbers):
+        raise ValueError("--variants entries are prefetch/num_warps[/unroll[/bwd_unroll]]"
+                         f"[/scalar], got {text!r}")
+    numbers = list(map(int, numbers))
+    return Options(*numbers[:3], scalar_aux=scalar,
+                   bwd_unroll=numbers[3] if len(numbers) == 4 else None)
 
 
 def check(name, f_kernel, f_ref, x, key, dtype):

@@ -39,15 +39,20 @@ class Options:
     (``unroll``: their d-independent work issued before their serial steps), and ``scalar_aux``:
     the per-token scalars (β, r, document flags) by scalar loads instead of an aux row and masked
     sums. Defaults from RESULTS run 16 (APF phase 1 at 8x2048x8x128: 2 groups ahead, 8 tokens per
-    group: fwd / fwd+bwd 0.65 / 1.49 ms vs 1.15 / 3.02 for one token per iteration)."""
+    group: fwd / fwd+bwd 0.65 / 1.49 ms vs 1.15 / 3.02 for one token per iteration).
+    ``bwd_unroll``: the backward kernel's own tokens per iteration (None: ``unroll``); the SASS
+    analysis of session 7 (benchmarks/NOTES.md) puts a forward at 16 tokens ~15 % faster, while
+    the backward at 16 holds 255 registers."""
 
     prefetch: int = 2
     num_warps: int = 1
     unroll: int = 8
     scalar_aux: bool = False
+    bwd_unroll: int | None = None
 
     def __post_init__(self):
-        for name in ("prefetch", "num_warps", "unroll"):
+        for name in ("prefetch", "num_warps", "unroll") + (
+                ("bwd_unroll",) if self.bwd_unroll is not None else ()):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Options.{name} must be a positive int, got {value!r}")
@@ -71,10 +76,12 @@ def supports(*, K: int, dtype) -> bool:
 
 
 def _call(cfg, kernel, args, in_axes, out_axes, **static):
-    """``kernel(*args, **static)`` through ``sharded_call``."""
+    """``kernel(*args, **static)`` through ``sharded_call`` (the backward kernel at
+    ``Options.bwd_unroll``)."""
     o = cfg.options
+    unroll = (o.bwd_unroll or o.unroll) if kernel is osgm_bwd else o.unroll
     fn = functools.partial(kernel, hyper=cfg.hyper, beta_aware=cfg.beta_aware, packed=cfg.packed,
-                           prefetch=o.prefetch, num_warps=o.num_warps, unroll=o.unroll,
+                           prefetch=o.prefetch, num_warps=o.num_warps, unroll=unroll,
                            scalar_aux=o.scalar_aux, interpret=cfg.interpret, **static)
     return sharded_call(lambda *xs: tuple(fn(*xs)), args, in_axes, out_axes,
                         shard_batch=not cfg.packed)

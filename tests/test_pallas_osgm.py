@@ -187,7 +187,8 @@ def test_unrolled_bitwise_when_traced_unrolled():
 
 
 @pytest.mark.parametrize("case, options", [("dense", Options(unroll=4, scalar_aux=True)),
-                                           ("beta-free", Options(unroll=3)), ("dense", Options())])
+                                           ("beta-free", Options(unroll=3)), ("dense", Options()),
+                                           ("dense", Options(unroll=16, bwd_unroll=3))])
 def test_unrolled_matches_reference(case, options):
     """Compiled, two rows of T = 37 (a last group of 1): forward k̃, and under differentiation
     k̃, the final d and all gradients within 1e-6 of unroll=1 and 2e-5 of the reference (packed
@@ -204,7 +205,7 @@ def test_unrolled_matches_reference(case, options):
 
 
 @pytest.mark.parametrize("field, value", [("unroll", 0), ("unroll", 2.0), ("prefetch", 0),
-                                          ("scalar_aux", 1)])
+                                          ("scalar_aux", 1), ("bwd_unroll", 0)])
 def test_bad_options_raise(field, value):
     with pytest.raises(ValueError, match=f"Options.{field}"):
         Options(**{field: value})

@@ -1,0 +1,21 @@
+"""bench_osgm's variant strings (a misread variant costs a device call)."""
+
+import pytest
+
+from benchmarks.bench_osgm import variant
+from pallas_kernels.osgm_precond import Options
+
+
+@pytest.mark.parametrize("text, options", [
+    ("4/1", Options(prefetch=4, num_warps=1)),
+    ("2/1/4/scalar", Options(prefetch=2, num_warps=1, unroll=4, scalar_aux=True)),
+    ("2/1/16/8", Options(prefetch=2, num_warps=1, unroll=16, bwd_unroll=8)),
+])
+def test_variant_strings(text, options):
+    assert variant(text) == options
+
+
+@pytest.mark.parametrize("text", ["2", "2/1/8/8/8", "2/x/8", "2/1/0"])
+def test_bad_variant_strings_raise(text):
+    with pytest.raises(ValueError):
+        variant(text)
