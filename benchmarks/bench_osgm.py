@@ -9,11 +9,13 @@ Checks (fresh random inputs; device memory filled with NaN before each run): pal
 token-by-token reference, k̃, final d and the gradients of k, β, r and d_1 for a random
 cotangent, relative RMS error with the bars of bench_delta (bf16 6e-3 outputs, 8e-3 gradients;
 fp32 1e-4): the paper's setting (η = 0.003, APF retention σ(x + 6)) in fp32 and bf16, and a
-clip-active one (η = 1, beta-free, skewed keys) in fp32. Timings (bf16, median after warm-up):
-phase 1 alone, pallas vs chunked, vanilla and APF, forward and forward+backward (gradients of
-k, β, r); ``osdn``: the whole OSDN op (phase 1 + the Pallas delta core with k̃) against the core
-alone with k̃ = k. Every variant but the first is also checked (paper APF fp32 and clip
-cases) after the timings. Prints JSON lines and one table; records go to benchmarks/RESULTS.md.
+clip-active one (η = 1, beta-free, skewed keys) in fp32, and the same two for the Picard form
+(``chunked.osgm_picard``, with its iteration count). Timings (bf16, median after warm-up):
+phase 1 alone, pallas vs chunked (and the Picard form in XLA, APF), vanilla and APF, forward
+and forward+backward (gradients of k, β, r); ``osdn``: the whole OSDN op (phase 1 + the Pallas
+delta core with k̃) against the core alone with k̃ = k. Every variant but the first is also
+checked (paper APF fp32 and clip cases) after the timings. Prints JSON lines and one table;
+records go to benchmarks/RESULTS.md.
 """
 
 import argparse
@@ -25,6 +27,7 @@ import jax.numpy as jnp
 import precond_linattn as pla
 from benchmarks.bench_delta import BARS, Guard, elapsed, rel_rms, timeit, values_and_grads
 from pallas_kernels.osgm_precond import Options, osgm_pallas
+from precond_linattn.chunked.osgm_picard import osgm_picard, osgm_picard_steps
 
 
 def make_inputs(key, B, T, H, K, dtype, skewed=False):
@@ -46,6 +49,11 @@ def phase1(impl, eta=0.003, beta_aware=True, apf=True, options=None):
         if options is not None:
             return osgm_pallas(x["k"], x["beta"], r, eta, 0.5, 2.0, beta_aware, 1e-6, x["d0"],
                                None, 64, options)
+        if impl == "picard":  # the parallel-in-time algorithm in XLA (float32)
+            kw, final = osgm_picard(*(None if a is None else a.astype(jnp.float32)
+                                      for a in (x["k"], x["beta"], r)),
+                                    eta, 0.5, 2.0, beta_aware, 1e-6, x["d0"], None)
+            return kw.astype(x["k"].dtype), final
         return pla.osgm_precondition(x["k"], x["beta"], eta=eta, retention=r,
                                      beta_aware=beta_aware, initial_state=x["d0"],
                                      output_final_state=True, impl=impl)
@@ -133,11 +141,21 @@ def main():
             results.append(guarded(f"check {name}{label}", one))
 
     checks(range(len(cases)))
+    for n in (0, 2) if "checks" in a.sections else ():  # the Picard form: iterations, errors
+        name, dtype, hyper = cases[n]
+        x, kc = make_inputs(jax.random.fold_in(key, n), B, T, H, K, dtype, skewed="eta" in hyper)
+        its = osgm_picard_steps(x["k"], x["beta"], x["r"], hyper.get("eta", 0.003), 0.5, 2.0,
+                                hyper.get("beta_aware", True), 1e-6, x["d0"], None)
+        print(json.dumps(dict(picard_iterations=int(its), case=name)), flush=True)
+        results.append(guarded(f"check {name} picard", lambda name=name, x=x, kc=kc, hyper=hyper:
+                               check(name + " picard", phase1("picard", **hyper),
+                                     phase1("reference", **hyper), x, kc, dtype)))
     x, _ = make_inputs(jax.random.fold_in(key, 9), B, T, H, K, jnp.bfloat16)
     jobs = []
     if "time" in a.sections:  # the first variant, the chunked form; other variants after osdn
         jobs += [(f"phase 1 pallas[{names[0]}] APF", phase1("pallas", options=variants[0])),
                  ("phase 1 chunked APF", phase1("chunked")),
+                 ("phase 1 picard (XLA) APF", phase1("picard")),
                  ("phase 1 pallas vanilla", phase1("pallas", apf=False)),
                  ("phase 1 chunked vanilla", phase1("chunked", apf=False))]
     if "osdn" in a.sections:
