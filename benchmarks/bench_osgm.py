@@ -1,9 +1,10 @@
 """Device benchmark of osgm_precondition(impl="pallas") (OSDN phase 1): checks, then timings.
 
     PYTHONPATH=. python3 benchmarks/bench_osgm.py [--shape B T H K] [--budget-s 100]
-        [--sections checks,time,osdn] [--variants 4/1,2/1/4,2/1/4/scalar,2/1/16/8]
-        # kernel options prefetch/num_warps[/unroll[/bwd_unroll]][/scalar]: prefetch in loop
-        # iterations (groups of ``unroll`` tokens), ``scalar``: Options.scalar_aux
+        [--sections checks,time,osdn] [--variants 4/1,2/1/4,2/1/4/scalar,2/1/16/8,2/1/8/p8]
+        # kernel options prefetch/num_warps[/unroll[/bwd_unroll]][/scalar][/pN[/bkM]]: prefetch
+        # in loop iterations (groups of ``unroll`` tokens), ``scalar``: Options.scalar_aux, pN:
+        # the forward by at most N Picard sweeps over blocks of M coordinates
 
 Checks (fresh random inputs; device memory filled with NaN before each run): pallas vs the
 token-by-token reference, k̃, final d and the gradients of k, β, r and d_1 for a random
@@ -61,17 +62,24 @@ def phase1(impl, eta=0.003, beta_aware=True, apf=True, options=None):
 
 
 def variant(text):
-    """``Options`` from "prefetch/num_warps[/unroll[/bwd_unroll]][/scalar]" (e.g. "4/1",
-    "2/1/4/scalar", "2/1/16/8": the forward 16 tokens an iteration, the backward 8)."""
+    """``Options`` from "prefetch/num_warps[/unroll[/bwd_unroll]][/scalar][/pN[/bkM]]" (e.g.
+    "4/1", "2/1/4/scalar", "2/1/16/8": the forward 16 tokens an iteration, the backward 8;
+    "2/1/8/p8/bk32": the forward by at most 8 Picard sweeps over blocks of 32 coordinates)."""
     parts = text.split("/")
-    scalar = parts[-1] == "scalar"
-    numbers = parts[:-1] if scalar else parts
-    if not 2 <= len(numbers) <= 4 or not all(n.isdigit() for n in numbers):
+    flags = [t for t in parts if not t.isdigit()]
+    numbers = [t for t in parts if t.isdigit()]
+    picard = [int(t[1:]) for t in flags if t[:1] == "p" and t[1:].isdigit()]
+    block = [int(t[2:]) for t in flags if t[:2] == "bk" and t[2:].isdigit()]
+    known = len(picard) + len(block) + flags.count("scalar")
+    if (not 2 <= len(numbers) <= 4 or known != len(flags)
+            or parts[:len(numbers)] != numbers):
         raise ValueError("--variants entries are prefetch/num_warps[/unroll[/bwd_unroll]]"
-                         f"[/scalar], got {text!r}")
+                         f"[/scalar][/pN[/bkM]], got {text!r}")
     numbers = list(map(int, numbers))
-    return Options(*numbers[:3], scalar_aux=scalar,
-                   bwd_unroll=numbers[3] if len(numbers) == 4 else None)
+    return Options(*numbers[:3], scalar_aux="scalar" in flags,
+                   bwd_unroll=numbers[3] if len(numbers) == 4 else None,
+                   picard_iters=picard[0] if picard else 0,
+                   **({"picard_block_k": block[0]} if block else {}))
 
 
 def check(name, f_kernel, f_ref, x, key, dtype):
@@ -101,10 +109,12 @@ def time_op(label, f, x, reps):
     return r
 
 
-def osdn(phase1_impl, apf):
-    """The OSDN op: phase 1 (``phase1_impl``, None: k̃ = k, plain DeltaNet) + the Pallas core."""
+def osdn(phase1_impl, apf, options=None):
+    """The OSDN op: phase 1 (``phase1_impl`` with kernel ``options``; None: k̃ = k, plain
+    DeltaNet) + the Pallas core."""
     def f(x):
-        kw = x["k"] if phase1_impl is None else phase1(phase1_impl, apf=apf)(x)[0]
+        kw = x["k"] if phase1_impl is None else phase1(phase1_impl, apf=apf,
+                                                       options=options)(x)[0]
         return pla.delta_rule(x["q"], x["k"], x["v"], x["beta"], write_key=kw, impl="pallas")
     return f
 
@@ -164,8 +174,9 @@ def main():
         x = {**x, "q": (q / jnp.linalg.norm(q, axis=-1, keepdims=True)).astype(jnp.bfloat16),
              "v": jax.random.normal(qv[1], x["k"].shape, jnp.bfloat16)}
         jobs += [("DeltaNet core (k̃ = k)", osdn(None, False)),
-                 ("OSDN (pallas phase 1 + core)", osdn("pallas", False)),
-                 ("OSDN-APF (pallas phase 1 + core)", osdn("pallas", True))]
+                 (f"OSDN (pallas[{names[0]}] phase 1 + core)", osdn("pallas", False, variants[0])),
+                 (f"OSDN-APF (pallas[{names[0]}] phase 1 + core)",
+                  osdn("pallas", True, variants[0]))]
     if "time" in a.sections:
         jobs += [(f"phase 1 pallas[{v}] APF", phase1("pallas", options=o))
                  for v, o in zip(names[1:], variants[1:])]

@@ -23,13 +23,19 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
+from pallas_kernels.osgm_sweep_triton import osgm_sweep
 from pallas_kernels.osgm_triton import AUX, BETA, DOC, FIRST, LAST, RET, osgm_bwd, osgm_fwd
 from pallas_kernels.partition import match_types, sharded_call
 from pallas_kernels.triton_common import (
     MAX_HEAD_DIM, aux_rows, doc_columns, interpret_default, pad_last, pow2_dim, vary_alike)
+from precond_linattn.chunked.osgm_picard import picard_iterate
 from precond_linattn.numerics import f32
 from precond_linattn.varlen import segments
+
+
+PICARD_TOL = 1e-6  # relative change of the coupling at which the Picard sweeps stop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,16 +48,24 @@ class Options:
     group: fwd / fwd+bwd 0.65 / 1.49 ms vs 1.15 / 3.02 for one token per iteration).
     ``bwd_unroll``: the backward kernel's own tokens per iteration (None: ``unroll``); the SASS
     analysis of session 7 (benchmarks/NOTES.md) puts a forward at 16 tokens ~15 % faster, while
-    the backward at 16 holds 255 registers."""
+    the backward at 16 holds 255 registers. ``picard_iters`` > 0: the forward by Picard sweeps
+    (``osgm_sweep_triton``, programs over blocks of ``picard_block_k`` coordinates, no reduction
+    on the per-token chain) until the coupling ⟨d_t, s_t⟩ settles, at most that many, then the
+    token loop (exact either way; ``precond_linattn.chunked.osgm_picard`` has the algorithm and
+    its convergence); 0 (the default until measured on the device): the token loop."""
 
     prefetch: int = 2
     num_warps: int = 1
     unroll: int = 8
     scalar_aux: bool = False
     bwd_unroll: int | None = None
+    picard_iters: int = 0
+    picard_block_k: int = 32
 
     def __post_init__(self):
-        for name in ("prefetch", "num_warps", "unroll") + (
+        if not isinstance(self.picard_iters, int) or self.picard_iters < 0:
+            raise ValueError(f"Options.picard_iters must be an int >= 0, got {self.picard_iters!r}")
+        for name in ("prefetch", "num_warps", "unroll", "picard_block_k") + (
                 ("bwd_unroll",) if self.bwd_unroll is not None else ()):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -88,8 +102,43 @@ def _call(cfg, kernel, args, in_axes, out_axes, **static):
 
 
 def _forward(cfg, k, aux, init, emit_d):
+    if cfg.options.picard_iters:
+        return _picard_forward(cfg, k, aux, init, emit_d)
+    return _token_forward(cfg, k, aux, init, emit_d)
+
+
+def _token_forward(cfg, k, aux, init, emit_d):
     return _call(cfg, osgm_fwd, [k, aux, init], ["b t h k", "b t h a", "n h k"],
                  ["b t h k", "n h k"], emit_d=emit_d)
+
+
+def _picard_forward(cfg, k, aux, init, emit_d):
+    """Sweeps with u_t = w_t (1 − g_t a_t) from the last sweep's a_t = ⟨d_t, s_t⟩ (the first from
+    d frozen at its initial state) until a changes by at most PICARD_TOL (relative), then one
+    sweep that emits; the token loop if ``Options.picard_iters`` sweeps do not get there."""
+    eta, _, _, eps = cfg.hyper
+    H = k.shape[2]
+    s = jnp.square(k.astype(jnp.float32))
+    g = aux[..., BETA] if cfg.beta_aware else 1.0
+    w = eta * g / jnp.maximum(jnp.sum(s, -1), eps)
+    if cfg.packed:  # each token's document's initial state
+        start = init[aux[..., DOC].astype(jnp.int32), jnp.arange(H)]
+    else:
+        start = init[:, None]
+
+    def sweep(a, emit):
+        coef = aux.at[..., BETA].set(w * (1.0 - g * a))
+        return _call(cfg, osgm_sweep, [k, coef, init], ["b t h k", "b t h a", "n h k"],
+                     ["b h j t"] + (["b t h k", "n h k"] if emit else []), emit=emit,
+                     emit_d=emit_d, block_k=cfg.options.picard_block_k)
+
+    def step(a):
+        return jnp.sum(sweep(a, False)[0], 2).transpose(0, 2, 1), None
+
+    a, _, ok, _ = picard_iterate(step, jnp.sum(start * s, -1), PICARD_TOL,
+                                 cfg.options.picard_iters)
+    return lax.cond(ok, lambda: tuple(sweep(a, True)[1:]),
+                    lambda: _token_forward(cfg, k, aux, init, emit_d))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

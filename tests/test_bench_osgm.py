@@ -10,12 +10,14 @@ from pallas_kernels.osgm_precond import Options
     ("4/1", Options(prefetch=4, num_warps=1)),
     ("2/1/4/scalar", Options(prefetch=2, num_warps=1, unroll=4, scalar_aux=True)),
     ("2/1/16/8", Options(prefetch=2, num_warps=1, unroll=16, bwd_unroll=8)),
+    ("2/1/8/p8/bk64", Options(prefetch=2, num_warps=1, unroll=8, picard_iters=8,
+                              picard_block_k=64)),
 ])
 def test_variant_strings(text, options):
     assert variant(text) == options
 
 
-@pytest.mark.parametrize("text", ["2", "2/1/8/8/8", "2/x/8", "2/1/0"])
+@pytest.mark.parametrize("text", ["2", "2/1/8/8/8", "2/x/8", "2/1/0", "2/1/p8/8", "2/1/q4"])
 def test_bad_variant_strings_raise(text):
     with pytest.raises(ValueError):
         variant(text)

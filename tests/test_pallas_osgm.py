@@ -7,8 +7,9 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
 import precond_linattn as pla
-from pallas_kernels import REGISTRY
+from pallas_kernels import REGISTRY, osgm_precond
 from pallas_kernels.osgm_precond import Options, osgm_pallas
+from pallas_kernels.osgm_sweep_triton import osgm_sweep
 from conftest import (assert_close, assert_repeats_bitwise, assert_runs_match,
                       assert_vmap_matches_loop, fixed_loss_run)
 
@@ -204,15 +205,57 @@ def test_unrolled_matches_reference(case, options):
     assert_runs_match(got, run("reference", x, **kw), 2e-5, grads)
 
 
+PICARD = Options(picard_iters=16, picard_block_k=8)  # K = 24 padded to 32: 4 coordinate blocks
+
+
+def poisoned(f):
+    """``f`` with every float result replaced by NaN (to show which branch of a cond ran)."""
+    def g(*args, **kw):
+        return jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), f(*args, **kw))
+    return g
+
+
+@pytest.mark.parametrize("case", ["dense", "beta-free", "packed"])
+def test_picard_sweeps_match_reference(case, monkeypatch):
+    """The forward by Picard sweeps (4 programs a head), the token loop poisoned so that only the
+    sweeps can give finite results: with the clip active (η = 2) k̃, the final d and all
+    gradients within 2e-5 of the reference; at the paper's η = 0.003 k̃ and the final d."""
+    monkeypatch.setattr(osgm_precond, "_token_forward", poisoned(osgm_precond._token_forward))
+    x, kw = unrolled_case(case, 37)
+    grads = ("k", "beta", "initial_state") + (("retention",) if kw.get("retention", True) else ())
+    assert_runs_match(run(PICARD, x, **kw), run("reference", x, **kw), 2e-5, grads)
+    kw["eta"] = 0.003
+    got = jax.jit(lambda x: precondition(PICARD, x, **kw))(x)
+    for a, b, name in zip(got, precondition("reference", x, **kw), ("k_write", "final")):
+        assert_close(a, b, 2e-5, name)
+
+
+def test_picard_sweeps_fall_back_to_the_token_loop(monkeypatch):
+    """One sweep allowed at η = 2 (not enough), the emitting sweep poisoned: the token loop's
+    results, bit for bit."""
+    def sweep(*args, emit, **kw):
+        out = osgm_sweep(*args, emit=emit, **kw)
+        return out[:1] + poisoned(lambda: out[1:])() if emit else out
+
+    monkeypatch.setattr(osgm_precond, "osgm_sweep", sweep)
+    x, kw = unrolled_case("dense", 37)
+    got, want = (jax.jit(lambda x, o=o: precondition(o, x, **kw))(x)
+                 for o in (Options(picard_iters=1), Options()))
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("field, value", [("unroll", 0), ("unroll", 2.0), ("prefetch", 0),
-                                          ("scalar_aux", 1), ("bwd_unroll", 0)])
+                                          ("scalar_aux", 1), ("bwd_unroll", 0),
+                                          ("picard_iters", -1), ("picard_block_k", 0)])
 def test_bad_options_raise(field, value):
     with pytest.raises(ValueError, match=f"Options.{field}"):
         Options(**{field: value})
 
 
 @pytest.mark.parametrize("options", [ONE_TOKEN, Options(), Options(unroll=4),
-                                     Options(unroll=3, scalar_aux=True)])
+                                     Options(unroll=3, scalar_aux=True),
+                                     Options(picard_iters=4)])
 @pytest.mark.parametrize("packed", [False, True])
 def test_lowers_for_cuda(options, packed):
     """Forward and backward kernels go through the Triton lowering for CUDA (no GPU needed: an
@@ -234,4 +277,5 @@ def test_lowers_for_cuda(options, packed):
     with jax.sharding.use_abstract_mesh(mesh):
         lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(*args).lower(
             lowering_platforms=("cuda",))
-    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 2
+    # forward and backward; with Picard sweeps also the sweep and the emitting sweep
+    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 2 + 2 * bool(options.picard_iters)

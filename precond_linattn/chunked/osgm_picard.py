@@ -79,7 +79,7 @@ def _sweep(a, s, g, w, r, first, start, d_min, d_max):
     return jnp.sum(d * s, -1), d, c
 
 
-def _picard(step, x0, tol, max_iters):
+def picard_iterate(step, x0, tol, max_iters):
     """Iterate ``x, aux = step(x)`` from x0 until max |Δx| <= tol max(|x|, 1) or ``max_iters``
     steps: (x, aux, converged, steps)."""
     def body(state):
@@ -115,7 +115,7 @@ def _forward(hyper, k, beta, retention, init, cu_seqlens):
         a_new, d, c = _sweep(a, s, g, w, r, seg.first, start, d_min, d_max)
         return a_new, (d, c)
 
-    _, (d, c), ok, steps = _picard(step, jnp.sum(start * s, -1), tol, max_iters)
+    _, (d, c), ok, steps = picard_iterate(step, jnp.sum(start * s, -1), tol, max_iters)
     d, c = lax.cond(ok, lambda: (d, c), lambda: _token_scan(
         k, beta, retention, eta, d_min, d_max, beta_aware, eps, init, seg))
     last = jnp.where(seg.last[..., None, None], c, 0.0).reshape(B * T, H, K)
@@ -160,7 +160,7 @@ def _osgm_bwd(hyper, res, cts):
                             jnp.concatenate([D[:, 1:], jnp.zeros_like(D[:, :1])], axis=1))
         return jnp.sum(m * lam * s, -1), (D, lam)
 
-    gamma, (D, lam), ok, _ = _picard(sweep, jnp.zeros_like(a), tol, max_iters)
+    gamma, (D, lam), ok, _ = picard_iterate(sweep, jnp.zeros_like(a), tol, max_iters)
 
     def picard_grads():
         mu = m * lam

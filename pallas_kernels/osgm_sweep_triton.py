@@ -1,0 +1,95 @@
+"""One Picard sweep of the OSGM d scan (``precond_linattn.chunked.osgm_picard``) as a Pallas
+Triton-lowered kernel: the d recurrence for a GIVEN update u_t, so no reduction is on its chain.
+
+One program per (batch row, head, block of ``block_k`` coordinates) walks the tokens in order:
+
+    d_t = initial[doc] at a document's first token (packed), else the carried d
+    a_ref[t] = Σ_{block} d_t ⊙ s_t            (s_t = k_t ⊙ k_t; the block's share of ⟨d_t, s_t⟩)
+    d ← clip(r_t d_t + u_t s_t, d_min, d_max)   (one FMA and the clip: the whole chain)
+
+With ``emit`` it also writes k̃_t = d_t ⊙ k_t (or d_t itself with ``emit_d``) and the final d (per
+document if ``packed``), as ``osgm_triton.osgm_fwd`` does. The per-token scalars travel in
+``osgm_triton``'s aux rows with u_t in the β column (r in RET, the document columns as there); the
+token loop (groups of ``unroll`` tokens, rows ``prefetch`` groups ahead) is ``osgm_triton``'s.
+"""
+
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltr
+
+from pallas_kernels.osgm_triton import (
+    BETA, DOC, FIRST, LAST, RET, _aux_columns, _load_aux, _scalars, _token_loop)
+from pallas_kernels.triton_common import out_struct
+from precond_linattn.reference.osgm import clip_box
+
+U = BETA  # the aux column that carries u_t in a sweep
+
+
+def _kernel(k_ref, aux_ref, init_ref, a_ref, *out, bounds, packed, emit, emit_d, prefetch,
+            unroll, scalar_aux):
+    """The module docstring's sweep over this program's tokens and coordinates."""
+    d_min, d_max = bounds
+    out_ref, final_ref = out if emit else (None, None)
+    columns = _aux_columns(True, packed)
+
+    def loads(t):
+        return k_ref[t].astype(jnp.float32), _load_aux(aux_ref, t, columns, scalar_aux)
+
+    def group(t0, rows, d):
+        scalars = [_scalars(aux, columns, scalar_aux) for _, aux in rows]
+        for i, ((k, _), sc) in enumerate(zip(rows, scalars)):
+            if packed:
+                doc = sc[DOC].astype(jnp.int32)
+                d = lax.cond(sc[FIRST] != 0, lambda: init_ref[doc], lambda: d)
+            s = k * k
+            a_ref[t0 + i] = jnp.sum(d * s)
+            if emit:
+                out_ref[t0 + i] = d if emit_d else (d * k).astype(out_ref.dtype)
+            d = clip_box(sc[RET] * d + sc[U] * s, d_min, d_max)
+            if packed and emit:
+                @pl.when(sc[LAST] != 0)
+                def _():
+                    final_ref[doc] = d
+        return d
+
+    d0 = jnp.ones(k_ref.shape[-1:], jnp.float32) if packed else init_ref[...]
+    d = _token_loop(k_ref.shape[0], False, unroll, prefetch, loads, group, d0)
+    if emit and not packed:
+        final_ref[...] = d
+
+
+def osgm_sweep(k, aux, initial_state, *, hyper, beta_aware, packed, emit, emit_d, block_k,
+               prefetch, num_warps, unroll, scalar_aux, interpret):
+    """k [B, T, H, K]; aux [B, T, H, AUX] float32 (u_t in the β column); initial_state [N, H, K]
+    float32 (N = B unless ``packed``); hyper (η, d_min, d_max, ε): the bounds are used (η, ε and
+    ``beta_aware`` are folded into u). Returns [the block shares of ⟨d_t, s_t⟩ [B, H, K /
+    block_k, T] float32] and with ``emit`` also k̃ (k's dtype; every d_t float32 if
+    ``emit_d``) and the final d [N, H, K]."""
+    del beta_aware
+    bounds = hyper[1:3]
+    B, T, H, K = k.shape
+    N, bk = initial_state.shape[0], min(block_k, K)
+    seq_k = pl.BlockSpec((None, T, None, bk), lambda b, h, j: (b, 0, h, j))
+    seq_aux = pl.BlockSpec((None, T, None, aux.shape[-1]), lambda b, h, j: (b, 0, h, 0))
+    if packed:
+        state = pl.BlockSpec((N, None, bk), lambda b, h, j: (0, h, j))
+    else:
+        state = pl.BlockSpec((None, None, bk), lambda b, h, j: (b, h, j))
+    shares = pl.BlockSpec((None, None, None, T), lambda b, h, j: (b, h, j, 0))
+    args = (k, aux, initial_state)
+    out_specs, out_shape = [shares], [out_struct((B, H, K // bk, T), jnp.float32, *args)]
+    if emit:
+        out_specs += [seq_k, state]
+        out_shape += [out_struct(k.shape, jnp.float32 if emit_d else k.dtype, *args),
+                      out_struct((N, H, K), jnp.float32, *args)]
+    kernel = functools.partial(_kernel, bounds=bounds, packed=packed, emit=emit, emit_d=emit_d,
+                               prefetch=prefetch, unroll=unroll, scalar_aux=scalar_aux)
+    return pl.pallas_call(
+        kernel, grid=(B, H, K // bk), in_specs=[seq_k, seq_aux, state], out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret, name="osgm_sweep",
+    )(*args)
