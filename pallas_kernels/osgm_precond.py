@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.osgm_sweep_triton import osgm_sweep
+from pallas_kernels.osgm_sweep_triton import C, U_BWD, osgm_sweep, osgm_sweep_bwd
 from pallas_kernels.osgm_triton import AUX, BETA, DOC, FIRST, LAST, RET, osgm_bwd, osgm_fwd
 from pallas_kernels.partition import match_types, sharded_call
 from pallas_kernels.triton_common import (
@@ -48,11 +48,12 @@ class Options:
     group: fwd / fwd+bwd 0.65 / 1.49 ms vs 1.15 / 3.02 for one token per iteration).
     ``bwd_unroll``: the backward kernel's own tokens per iteration (None: ``unroll``); the SASS
     analysis of session 7 (benchmarks/NOTES.md) puts a forward at 16 tokens ~15 % faster, while
-    the backward at 16 holds 255 registers. ``picard_iters`` > 0: the forward by Picard sweeps
-    (``osgm_sweep_triton``, programs over blocks of ``picard_block_k`` coordinates, no reduction
-    on the per-token chain) until the coupling ⟨d_t, s_t⟩ settles, at most that many, then the
-    token loop (exact either way; ``precond_linattn.chunked.osgm_picard`` has the algorithm and
-    its convergence); 0 (the default until measured on the device): the token loop."""
+    the backward at 16 holds 255 registers. ``picard_iters`` > 0: the forward and the backward
+    by Picard sweeps (``osgm_sweep_triton``, programs over blocks of ``picard_block_k``
+    coordinates, no reduction on the per-token chain) until the coupling ⟨d_t, s_t⟩ (the
+    adjoint's ⟨μ_t, s_t⟩) settles, at most that many, then the token loops (exact either way;
+    ``precond_linattn.chunked.osgm_picard`` has the algorithm and its convergence); 0 (the
+    default until measured on the device): the token loops."""
 
     prefetch: int = 2
     num_warps: int = 1
@@ -90,10 +91,10 @@ def supports(*, K: int, dtype) -> bool:
 
 
 def _call(cfg, kernel, args, in_axes, out_axes, **static):
-    """``kernel(*args, **static)`` through ``sharded_call`` (the backward kernel at
+    """``kernel(*args, **static)`` through ``sharded_call`` (the backward kernels at
     ``Options.bwd_unroll``)."""
     o = cfg.options
-    unroll = (o.bwd_unroll or o.unroll) if kernel is osgm_bwd else o.unroll
+    unroll = (o.bwd_unroll or o.unroll) if kernel in (osgm_bwd, osgm_sweep_bwd) else o.unroll
     fn = functools.partial(kernel, hyper=cfg.hyper, beta_aware=cfg.beta_aware, packed=cfg.packed,
                            prefetch=o.prefetch, num_warps=o.num_warps, unroll=unroll,
                            scalar_aux=o.scalar_aux, interpret=cfg.interpret, **static)
@@ -156,11 +157,59 @@ def _scan_fwd(cfg, k, aux, init):
 
 def _scan_bwd(cfg, res, cts):
     k, aux, d, init = res
-    dkw, dfinal = cts
-    dk, daux, dinit = _call(cfg, osgm_bwd, [k, aux, d, dkw, dfinal],
-                            ["b t h k", "b t h a", "b t h k", "b t h k", "n h k"],
-                            ["b t h k", "b t h a", "n h k"])
+    backward = _picard_backward if cfg.options.picard_iters else _token_backward
+    dk, daux, dinit = backward(cfg, k, aux, d, *cts)
     return match_types((dk.astype(k.dtype), daux, dinit), (k, aux, init))
+
+
+_SEQ = ["b t h k", "b t h a", "b t h k", "b t h k", "n h k"]  # k, aux, d, dk̃, dfinal
+
+
+def _token_backward(cfg, k, aux, d, dkw, dfinal):
+    return _call(cfg, osgm_bwd, [k, aux, d, dkw, dfinal], _SEQ, ["b t h k", "b t h a", "n h k"])
+
+
+def _picard_backward(cfg, k, aux, d, dkw, dfinal):
+    """The adjoint by reverse sweeps (``osgm_sweep_bwd``) with c_t = −w_t g_t γ_t from the last
+    sweep's γ_t = ⟨μ_t, s_t⟩ (the first with γ = 0) until γ settles, then one sweep that emits
+    μ_t and dinit, the other cotangents elementwise (``osgm_triton``'s formulas); the token
+    loop's reverse kernel if ``Options.picard_iters`` sweeps do not get there."""
+    eta, _, _, eps = cfg.hyper
+    kf = k.astype(jnp.float32)
+    s = kf * kf
+    ss = jnp.sum(s, -1)
+    n = jnp.maximum(ss, eps)
+    g = aux[..., BETA] if cfg.beta_aware else 1.0
+    w = eta * g / n
+    a = jnp.sum(d * s, -1)
+    v = 1.0 - g * a
+    base = aux.at[..., U_BWD].set(w * v)
+
+    def sweep(gamma, emit):
+        coef = base.at[..., C].set(-w * g * gamma)
+        return _call(cfg, osgm_sweep_bwd, [k, coef, d, dkw, dfinal], _SEQ,
+                     ["b h j t"] + (["b t h k", "n h k"] if emit else []), emit=emit,
+                     block_k=cfg.options.picard_block_k)
+
+    def step(gamma):
+        return jnp.sum(sweep(gamma, False)[0], 2).transpose(0, 2, 1), None
+
+    gamma, _, ok, _ = picard_iterate(step, jnp.zeros_like(a), PICARD_TOL,
+                                     cfg.options.picard_iters)
+
+    def cotangents():
+        shares, mu, dinit = sweep(gamma, True)
+        gu = jnp.sum(shares, 2).transpose(0, 2, 1)  # ⟨μ_t, s_t⟩
+        ga = -gu * w * g
+        gn = jnp.where(ss > eps, -gu * v * w / n, 0.0)
+        ds = (w * v)[..., None] * mu + ga[..., None] * d + gn[..., None]
+        dk = 2.0 * kf * ds + dkw.astype(jnp.float32) * d
+        dbeta = -gu * w * a + gu * v * eta / n if cfg.beta_aware else jnp.zeros_like(a)
+        daux = jnp.zeros_like(aux).at[..., BETA].set(dbeta).at[..., RET].set(
+            jnp.sum(mu * d, -1))
+        return dk, daux, dinit
+
+    return lax.cond(ok, cotangents, lambda: _token_backward(cfg, k, aux, d, dkw, dfinal))
 
 
 _scan.defvjp(_scan_fwd, _scan_bwd)

@@ -9,7 +9,6 @@ from jax.sharding import AbstractDevice, AbstractMesh
 import precond_linattn as pla
 from pallas_kernels import REGISTRY, osgm_precond
 from pallas_kernels.osgm_precond import Options, osgm_pallas
-from pallas_kernels.osgm_sweep_triton import osgm_sweep
 from conftest import (assert_close, assert_repeats_bitwise, assert_runs_match,
                       assert_vmap_matches_loop, fixed_loss_run)
 
@@ -217,10 +216,11 @@ def poisoned(f):
 
 @pytest.mark.parametrize("case", ["dense", "beta-free", "packed"])
 def test_picard_sweeps_match_reference(case, monkeypatch):
-    """The forward by Picard sweeps (4 programs a head), the token loop poisoned so that only the
-    sweeps can give finite results: with the clip active (η = 2) k̃, the final d and all
-    gradients within 2e-5 of the reference; at the paper's η = 0.003 k̃ and the final d."""
-    monkeypatch.setattr(osgm_precond, "_token_forward", poisoned(osgm_precond._token_forward))
+    """The forward and backward by Picard sweeps (4 programs a head), the token loops poisoned so
+    that only the sweeps can give finite results: with the clip active (η = 2) k̃, the final d
+    and all gradients within 2e-5 of the reference; at the paper's η = 0.003 k̃ and the final d."""
+    for name in ("_token_forward", "_token_backward"):
+        monkeypatch.setattr(osgm_precond, name, poisoned(getattr(osgm_precond, name)))
     x, kw = unrolled_case(case, 37)
     grads = ("k", "beta", "initial_state") + (("retention",) if kw.get("retention", True) else ())
     assert_runs_match(run(PICARD, x, **kw), run("reference", x, **kw), 2e-5, grads)
@@ -231,17 +231,19 @@ def test_picard_sweeps_match_reference(case, monkeypatch):
 
 
 def test_picard_sweeps_fall_back_to_the_token_loop(monkeypatch):
-    """One sweep allowed at η = 2 (not enough), the emitting sweep poisoned: the token loop's
-    results, bit for bit."""
-    def sweep(*args, emit, **kw):
-        out = osgm_sweep(*args, emit=emit, **kw)
-        return out[:1] + poisoned(lambda: out[1:])() if emit else out
+    """One sweep allowed at η = 2 (not enough), the emitting sweeps poisoned: the token loops'
+    results and gradients, bit for bit."""
+    def emits_poison(kernel):
+        def sweep(*args, emit, **kw):
+            out = kernel(*args, emit=emit, **kw)
+            return out[:1] + poisoned(lambda: out[1:])() if emit else out
+        return sweep
 
-    monkeypatch.setattr(osgm_precond, "osgm_sweep", sweep)
+    for name in ("osgm_sweep", "osgm_sweep_bwd"):
+        monkeypatch.setattr(osgm_precond, name, emits_poison(getattr(osgm_precond, name)))
     x, kw = unrolled_case("dense", 37)
-    got, want = (jax.jit(lambda x, o=o: precondition(o, x, **kw))(x)
-                 for o in (Options(picard_iters=1), Options()))
-    for a, b in zip(got, want):
+    got, want = (run(o, x, **kw) for o in (Options(picard_iters=1), Options()))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(a, b)
 
 
@@ -277,5 +279,5 @@ def test_lowers_for_cuda(options, packed):
     with jax.sharding.use_abstract_mesh(mesh):
         lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(*args).lower(
             lowering_platforms=("cuda",))
-    # forward and backward; with Picard sweeps also the sweep and the emitting sweep
-    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 2 + 2 * bool(options.picard_iters)
+    # forward and backward; with Picard sweeps also a sweep and an emitting one each way
+    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 2 + 4 * bool(options.picard_iters)
