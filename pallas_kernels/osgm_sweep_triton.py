@@ -26,12 +26,12 @@ token loop (groups of ``unroll`` tokens, rows ``prefetch`` groups ahead) is ``os
 import functools
 
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.osgm_triton import (
-    BETA, DOC, FIRST, LAST, RET, _aux_columns, _load_aux, _scalars, _token_loop)
+    BETA, DOC, FIRST, LAST, RET, _at_boundary, _aux_columns, _load_aux, _scalars, _store_at,
+    _token_loop)
 from pallas_kernels.triton_common import out_struct
 from precond_linattn.reference.osgm import clip_box
 
@@ -53,23 +53,47 @@ def _kernel(k_ref, aux_ref, init_ref, a_ref, *out, bounds, packed, emit, emit_d,
         scalars = [_scalars(aux, columns, scalar_aux) for _, aux in rows]
         for i, ((k, _), sc) in enumerate(zip(rows, scalars)):
             if packed:
-                doc = sc[DOC].astype(jnp.int32)
-                d = lax.cond(sc[FIRST] != 0, lambda: init_ref[doc], lambda: d)
+                doc, d = _at_boundary(sc, FIRST, init_ref, d)
             s = k * k
             a_ref[t0 + i] = jnp.sum(d * s)
             if emit:
                 out_ref[t0 + i] = d if emit_d else (d * k).astype(out_ref.dtype)
             d = clip_box(sc[RET] * d + sc[U] * s, d_min, d_max)
             if packed and emit:
-                @pl.when(sc[LAST] != 0)
-                def _():
-                    final_ref[doc] = d
+                _store_at(sc, LAST, final_ref, doc, d)
         return d
 
     d0 = jnp.ones(k_ref.shape[-1:], jnp.float32) if packed else init_ref[...]
     d = _token_loop(k_ref.shape[0], False, unroll, prefetch, loads, group, d0)
     if emit and not packed:
         final_ref[...] = d
+
+
+def _call(kernel, name, args, *, packed, block_k, emit, emit_dtype, num_warps, interpret):
+    """``kernel`` over (row, head, block of ``block_k`` coordinates); ``args``: [B, T, H, ·]
+    sequences (k first, the aux rows second) and last the [N, H, K] states. Results: the block
+    shares [B, H, K / block_k, T] and, with ``emit``, a sequence in ``emit_dtype`` and states."""
+    k, aux, state = args[0], args[1], args[-1]
+    B, T, H, K = k.shape
+    N, bk = state.shape[0], min(block_k, K)
+    seq_k = pl.BlockSpec((None, T, None, bk), lambda b, h, j: (b, 0, h, j))
+    seq_aux = pl.BlockSpec((None, T, None, aux.shape[-1]), lambda b, h, j: (b, 0, h, 0))
+    if packed:
+        states = pl.BlockSpec((N, None, bk), lambda b, h, j: (0, h, j))
+    else:
+        states = pl.BlockSpec((None, None, bk), lambda b, h, j: (b, h, j))
+    shares = pl.BlockSpec((None, None, None, T), lambda b, h, j: (b, h, j, 0))
+    out_specs, out_shape = [shares], [out_struct((B, H, K // bk, T), jnp.float32, *args)]
+    if emit:
+        out_specs += [seq_k, states]
+        out_shape += [out_struct(k.shape, emit_dtype, *args),
+                      out_struct((N, H, K), jnp.float32, *args)]
+    return pl.pallas_call(
+        kernel, grid=(B, H, K // bk), in_specs=[seq_k, seq_aux] + [seq_k] * (len(args) - 3)
+        + [states], out_specs=out_specs, out_shape=out_shape,
+        compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret, name=name,
+    )(*args)
 
 
 def osgm_sweep(k, aux, initial_state, *, hyper, beta_aware, packed, emit, emit_d, block_k,
@@ -80,30 +104,12 @@ def osgm_sweep(k, aux, initial_state, *, hyper, beta_aware, packed, emit, emit_d
     block_k, T] float32] and with ``emit`` also k̃ (k's dtype; every d_t float32 if
     ``emit_d``) and the final d [N, H, K]."""
     del beta_aware
-    bounds = hyper[1:3]
-    B, T, H, K = k.shape
-    N, bk = initial_state.shape[0], min(block_k, K)
-    seq_k = pl.BlockSpec((None, T, None, bk), lambda b, h, j: (b, 0, h, j))
-    seq_aux = pl.BlockSpec((None, T, None, aux.shape[-1]), lambda b, h, j: (b, 0, h, 0))
-    if packed:
-        state = pl.BlockSpec((N, None, bk), lambda b, h, j: (0, h, j))
-    else:
-        state = pl.BlockSpec((None, None, bk), lambda b, h, j: (b, h, j))
-    shares = pl.BlockSpec((None, None, None, T), lambda b, h, j: (b, h, j, 0))
-    args = (k, aux, initial_state)
-    out_specs, out_shape = [shares], [out_struct((B, H, K // bk, T), jnp.float32, *args)]
-    if emit:
-        out_specs += [seq_k, state]
-        out_shape += [out_struct(k.shape, jnp.float32 if emit_d else k.dtype, *args),
-                      out_struct((N, H, K), jnp.float32, *args)]
-    kernel = functools.partial(_kernel, bounds=bounds, packed=packed, emit=emit, emit_d=emit_d,
-                               prefetch=prefetch, unroll=unroll, scalar_aux=scalar_aux)
-    return pl.pallas_call(
-        kernel, grid=(B, H, K // bk), in_specs=[seq_k, seq_aux, state], out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=interpret, name="osgm_sweep",
-    )(*args)
+    kernel = functools.partial(_kernel, bounds=hyper[1:3], packed=packed, emit=emit,
+                               emit_d=emit_d, prefetch=prefetch, unroll=unroll,
+                               scalar_aux=scalar_aux)
+    return _call(kernel, "osgm_sweep", (k, aux, initial_state), packed=packed, block_k=block_k,
+                 emit=emit, emit_dtype=jnp.float32 if emit_d else k.dtype, num_warps=num_warps,
+                 interpret=interpret)
 
 
 def _bwd_kernel(k_ref, aux_ref, d_ref, dkw_ref, dfinal_ref, g_ref, *out, bounds, packed, emit,
@@ -124,17 +130,14 @@ def _bwd_kernel(k_ref, aux_ref, d_ref, dkw_ref, dfinal_ref, g_ref, *out, bounds,
             s = k * k
             p = sc[RET] * d + sc[U_BWD] * s
             if packed:
-                doc = sc[DOC].astype(jnp.int32)
-                D = lax.cond(sc[LAST] != 0, lambda: dfinal_ref[doc], lambda: D)
+                doc, D = _at_boundary(sc, LAST, dfinal_ref, D)
             mu = jnp.where((p > d_min) & (p < d_max), D, 0.0)
             g_ref[t0 + i] = jnp.sum(mu * s)
             if emit:
                 mu_ref[t0 + i] = mu
             D = sc[RET] * mu + sc[C] * s + dkw * k
             if packed and emit:
-                @pl.when(sc[FIRST] != 0)
-                def _():
-                    dinit_ref[doc] = D
+                _store_at(sc, FIRST, dinit_ref, doc, D)
         return D
 
     D0 = jnp.zeros(k_ref.shape[-1:], jnp.float32) if packed else dfinal_ref[...]
@@ -150,26 +153,8 @@ def osgm_sweep_bwd(k, aux, d, dkw, dfinal, *, hyper, beta_aware, packed, emit, b
     Returns [the block shares of γ_t [B, H, K / block_k, T] float32] and with ``emit`` also every
     μ_t [B, T, H, K] and dinit [N, H, K], float32."""
     del beta_aware
-    B, T, H, K = k.shape
-    N, bk = dfinal.shape[0], min(block_k, K)
-    seq_k = pl.BlockSpec((None, T, None, bk), lambda b, h, j: (b, 0, h, j))
-    seq_aux = pl.BlockSpec((None, T, None, aux.shape[-1]), lambda b, h, j: (b, 0, h, 0))
-    if packed:
-        state = pl.BlockSpec((N, None, bk), lambda b, h, j: (0, h, j))
-    else:
-        state = pl.BlockSpec((None, None, bk), lambda b, h, j: (b, h, j))
-    shares = pl.BlockSpec((None, None, None, T), lambda b, h, j: (b, h, j, 0))
-    args = (k, aux, d, dkw, dfinal)
-    out_specs, out_shape = [shares], [out_struct((B, H, K // bk, T), jnp.float32, *args)]
-    if emit:
-        out_specs += [seq_k, state]
-        out_shape += [out_struct(k.shape, jnp.float32, *args),
-                      out_struct((N, H, K), jnp.float32, *args)]
     kernel = functools.partial(_bwd_kernel, bounds=hyper[1:3], packed=packed, emit=emit,
                                prefetch=prefetch, unroll=unroll, scalar_aux=scalar_aux)
-    return pl.pallas_call(
-        kernel, grid=(B, H, K // bk), in_specs=[seq_k, seq_aux, seq_k, seq_k, state],
-        out_specs=out_specs, out_shape=out_shape,
-        compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=interpret, name="osgm_sweep_bwd",
-    )(*args)
+    return _call(kernel, "osgm_sweep_bwd", (k, aux, d, dkw, dfinal), packed=packed,
+                 block_k=block_k, emit=emit, emit_dtype=jnp.float32, num_warps=num_warps,
+                 interpret=interpret)

@@ -68,6 +68,20 @@ def _coefficients(k, sc, eta, eps, beta_aware):
     return s, ss, n, g, eta * g / n, sc[RET]
 
 
+def _at_boundary(sc, flag, ref, value):
+    """(doc, ref[doc]) if the token's ``flag`` column is set, else (doc, value): a document's
+    state entering (packed token loops)."""
+    doc = sc[DOC].astype(jnp.int32)
+    return doc, lax.cond(sc[flag] != 0, lambda: ref[doc], lambda: value)
+
+
+def _store_at(sc, flag, ref, doc, value):
+    """ref[doc] = value if the token's ``flag`` column is set: a document's state leaving."""
+    @pl.when(sc[flag] != 0)
+    def _():
+        ref[doc] = value
+
+
 def _token_loop(T, reverse, unroll, prefetch, loads, group, carry):
     """``group(t0, rows, carry) -> carry`` over the tokens [0, T) in groups of ``unroll``
     consecutive tokens [t0, t0 + len(rows)), the groups in order (descending if ``reverse``),
@@ -104,14 +118,11 @@ def _fwd_kernel(k_ref, aux_ref, init_ref, out_ref, final_ref, *, hyper, beta_awa
         coefs = [_coefficients(k, sc, eta, eps, beta_aware) for (k, _), sc in zip(rows, scalars)]
         for u, ((k, _), sc, (s, _, _, g, w, r)) in enumerate(zip(rows, scalars, coefs)):
             if packed:
-                doc = sc[DOC].astype(jnp.int32)
-                d = lax.cond(sc[FIRST] != 0, lambda: init_ref[doc], lambda: d)
+                doc, d = _at_boundary(sc, FIRST, init_ref, d)
             out_ref[t0 + u] = d if emit_d else (d * k).astype(out_ref.dtype)
             d = clip_box(r * d + w * (1.0 - g * jnp.sum(d * s)) * s, d_min, d_max)
             if packed:
-                @pl.when(sc[LAST] != 0)
-                def _():
-                    final_ref[doc] = d
+                _store_at(sc, LAST, final_ref, doc, d)
         return d
 
     d0 = jnp.ones(k_ref.shape[-1:], jnp.float32) if packed else init_ref[...]
@@ -148,8 +159,7 @@ def _bwd_kernel(k_ref, aux_ref, d_ref, dkw_ref, dfinal_ref, dk_ref, daux_ref, di
             k, _, d, dkw = rows[i]
             sc, s, ss, n, g, w, r, a, v, u, free = prepared[i]
             if packed:
-                doc = sc[DOC].astype(jnp.int32)
-                lam = lax.cond(sc[LAST] != 0, lambda: dfinal_ref[doc], lambda: lam)
+                doc, lam = _at_boundary(sc, LAST, dfinal_ref, lam)
             mu = jnp.where(free, lam, 0.0)
             gu = jnp.sum(mu * s)
             ga = -gu * w * g
@@ -160,9 +170,7 @@ def _bwd_kernel(k_ref, aux_ref, d_ref, dkw_ref, dfinal_ref, dk_ref, daux_ref, di
                                          jnp.where(col == RET, jnp.sum(mu * d), 0.0))
             lam = r * mu + ga * s + dkw * k
             if packed:
-                @pl.when(sc[FIRST] != 0)
-                def _():
-                    dinit_ref[doc] = lam
+                _store_at(sc, FIRST, dinit_ref, doc, lam)
         return lam
 
     lam0 = jnp.zeros(k_ref.shape[-1:], jnp.float32) if packed else dfinal_ref[...]
