@@ -24,6 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_batching import custom_vmap
 
 from pallas_kernels.osgm_sweep_triton import C, U_BWD, osgm_sweep, osgm_sweep_bwd
 from pallas_kernels.osgm_triton import AUX, BETA, DOC, FIRST, LAST, RET, osgm_bwd, osgm_fwd
@@ -104,19 +105,42 @@ def _call(cfg, kernel, args, in_axes, out_axes, **static):
 
 def _forward(cfg, k, aux, init, emit_d):
     if cfg.options.picard_iters:
-        return _picard_forward(cfg, k, aux, init, emit_d)
-    return _token_forward(cfg, k, aux, init, emit_d)
+        return _or_else(functools.partial(_picard_forward, cfg, emit_d=emit_d),
+                        functools.partial(_token_forward, cfg, emit_d=emit_d), k, aux, init)
+    return _token_forward(cfg, k, aux, init, emit_d=emit_d)
 
 
-def _token_forward(cfg, k, aux, init, emit_d):
+def _or_else(attempt, fallback, *args):
+    """``attempt(*args)`` = (result, converged): the result if converged, else
+    ``fallback(*args)``, by one ``lax.cond``. Under ``vmap`` the predicate is that every row
+    converged (a batched predicate would make the cond a select: both branches would run)."""
+    @custom_vmap
+    def run(*args):
+        out, ok = attempt(*args)
+        return lax.cond(ok, lambda: out, lambda: fallback(*args))
+
+    @run.def_vmap
+    def _vmapped(axis_size, in_batched, *args):
+        del axis_size
+        axes = tuple(0 if b else None for b in in_batched)
+        out, ok = jax.vmap(attempt, in_axes=axes)(*args)
+        out = lax.cond(jnp.all(ok), lambda: out,
+                       lambda: jax.vmap(fallback, in_axes=axes)(*args))
+        return out, jax.tree.map(lambda _: True, out)
+
+    return run(*args)
+
+
+def _token_forward(cfg, k, aux, init, *, emit_d):
     return _call(cfg, osgm_fwd, [k, aux, init], ["b t h k", "b t h a", "n h k"],
                  ["b t h k", "n h k"], emit_d=emit_d)
 
 
-def _picard_forward(cfg, k, aux, init, emit_d):
+def _picard_forward(cfg, k, aux, init, *, emit_d):
     """Sweeps with u_t = w_t (1 − g_t a_t) from the last sweep's a_t = ⟨d_t, s_t⟩ (the first from
     d frozen at its initial state) until a changes by at most PICARD_TOL (relative), then one
-    sweep that emits; the token loop if ``Options.picard_iters`` sweeps do not get there."""
+    sweep that emits: ((k̃ or every d_t, final), converged) (``_or_else`` falls back to the
+    token loop where ``Options.picard_iters`` sweeps do not get there)."""
     eta, _, _, eps = cfg.hyper
     H = k.shape[2]
     s = jnp.square(k.astype(jnp.float32))
@@ -138,8 +162,7 @@ def _picard_forward(cfg, k, aux, init, emit_d):
 
     a, _, ok, _ = picard_iterate(step, jnp.sum(start * s, -1), PICARD_TOL,
                                  cfg.options.picard_iters)
-    return lax.cond(ok, lambda: tuple(sweep(a, True)[1:]),
-                    lambda: _token_forward(cfg, k, aux, init, emit_d))
+    return tuple(sweep(a, True)[1:]), ok
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -157,8 +180,11 @@ def _scan_fwd(cfg, k, aux, init):
 
 def _scan_bwd(cfg, res, cts):
     k, aux, d, init = res
-    backward = _picard_backward if cfg.options.picard_iters else _token_backward
-    dk, daux, dinit = backward(cfg, k, aux, d, *cts)
+    if cfg.options.picard_iters:
+        dk, daux, dinit = _or_else(functools.partial(_picard_backward, cfg),
+                                   functools.partial(_token_backward, cfg), k, aux, d, *cts)
+    else:
+        dk, daux, dinit = _token_backward(cfg, k, aux, d, *cts)
     return match_types((dk.astype(k.dtype), daux, dinit), (k, aux, init))
 
 
@@ -172,8 +198,8 @@ def _token_backward(cfg, k, aux, d, dkw, dfinal):
 def _picard_backward(cfg, k, aux, d, dkw, dfinal):
     """The adjoint by reverse sweeps (``osgm_sweep_bwd``) with c_t = −w_t g_t γ_t from the last
     sweep's γ_t = ⟨μ_t, s_t⟩ (the first with γ = 0) until γ settles, then one sweep that emits
-    μ_t and dinit, the other cotangents elementwise (``osgm_triton``'s formulas); the token
-    loop's reverse kernel if ``Options.picard_iters`` sweeps do not get there."""
+    μ_t and dinit, the other cotangents elementwise (``osgm_triton``'s formulas): (cotangents,
+    converged) (``_or_else`` falls back to the token loop's reverse kernel)."""
     eta, _, _, eps = cfg.hyper
     kf = k.astype(jnp.float32)
     s = kf * kf
@@ -209,7 +235,7 @@ def _picard_backward(cfg, k, aux, d, dkw, dfinal):
             jnp.sum(mu * d, -1))
         return dk, daux, dinit
 
-    return lax.cond(ok, cotangents, lambda: _token_backward(cfg, k, aux, d, dkw, dfinal))
+    return cotangents(), ok
 
 
 _scan.defvjp(_scan_fwd, _scan_bwd)

@@ -230,6 +230,30 @@ def test_picard_sweeps_match_reference(case, monkeypatch):
         assert_close(a, b, 2e-5, name)
 
 
+def test_picard_sweeps_under_vmap_skip_the_token_loops(monkeypatch):
+    """vmap over rows (as the train step maps packed rows): the rows' results and gradients as
+    the batch's, and the token loops never run (under vmap the fallback's predicate is that
+    every row converged; a batched one would turn the cond into a select running both)."""
+    ran = []
+
+    def counted(f):
+        def g(*args, **kw):
+            jax.debug.callback(lambda: ran.append(f.__name__))
+            return f(*args, **kw)
+        return g
+
+    for name in ("_token_forward", "_token_backward"):
+        monkeypatch.setattr(osgm_precond, name, counted(getattr(osgm_precond, name)))
+    x, kw = unrolled_case("dense", 37)
+    rows = {n: a[:, None] for n, a in x.items()}  # two rows of batch 1
+    per_row = jax.jit(jax.vmap(lambda x: run(PICARD, x, **kw)))(rows)
+    batch = run(PICARD, x, **kw)
+    jax.block_until_ready(per_row)
+    assert not ran
+    for a, b in zip(jax.tree.leaves(per_row), jax.tree.leaves(batch)):
+        np.testing.assert_allclose(a.reshape(b.shape), b, rtol=1e-5, atol=1e-6)
+
+
 def test_picard_sweeps_fall_back_to_the_token_loop(monkeypatch):
     """One sweep allowed at η = 2 (not enough), the emitting sweeps poisoned: the token loops'
     results and gradients, bit for bit."""
