@@ -54,7 +54,9 @@ class Options:
     coordinates, no reduction on the per-token chain) until the coupling ⟨d_t, s_t⟩ (the
     adjoint's ⟨μ_t, s_t⟩) settles, at most that many, then the token loops (exact either way;
     ``precond_linattn.chunked.osgm_picard`` has the algorithm and its convergence); 0 (the
-    default until measured on the device): the token loops."""
+    default until measured on the device): the token loops. ``picard_early_exit``: stop the
+    sweeps once settled (a ``while_loop``: the GPU's host reads its predicate every sweep), or
+    run exactly ``picard_iters`` of them unrolled and test once."""
 
     prefetch: int = 2
     num_warps: int = 1
@@ -63,6 +65,7 @@ class Options:
     bwd_unroll: int | None = None
     picard_iters: int = 0
     picard_block_k: int = 32
+    picard_early_exit: bool = True
 
     def __post_init__(self):
         if not isinstance(self.picard_iters, int) or self.picard_iters < 0:
@@ -72,8 +75,9 @@ class Options:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Options.{name} must be a positive int, got {value!r}")
-        if not isinstance(self.scalar_aux, bool):
-            raise ValueError(f"Options.scalar_aux must be a bool, got {self.scalar_aux!r}")
+        for name in ("scalar_aux", "picard_early_exit"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Options.{name} must be a bool, got {getattr(self, name)!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +165,7 @@ def _picard_forward(cfg, k, aux, init, *, emit_d):
         return jnp.sum(sweep(a, False)[0], 2).transpose(0, 2, 1), None
 
     a, _, ok, _ = picard_iterate(step, jnp.sum(start * s, -1), PICARD_TOL,
-                                 cfg.options.picard_iters)
+                                 cfg.options.picard_iters, cfg.options.picard_early_exit)
     return tuple(sweep(a, True)[1:]), ok
 
 
@@ -221,7 +225,7 @@ def _picard_backward(cfg, k, aux, d, dkw, dfinal):
         return jnp.sum(sweep(gamma, False)[0], 2).transpose(0, 2, 1), None
 
     gamma, _, ok, _ = picard_iterate(step, jnp.zeros_like(a), PICARD_TOL,
-                                     cfg.options.picard_iters)
+                                     cfg.options.picard_iters, cfg.options.picard_early_exit)
 
     def cotangents():
         shares, mu, dinit = sweep(gamma, True)

@@ -12,6 +12,8 @@ from pallas_kernels.osgm_precond import Options
     ("2/1/16/8", Options(prefetch=2, num_warps=1, unroll=16, bwd_unroll=8)),
     ("2/1/8/p8/bk64", Options(prefetch=2, num_warps=1, unroll=8, picard_iters=8,
                               picard_block_k=64)),
+    ("2/1/8/scalar/p6/fixed", Options(prefetch=2, num_warps=1, unroll=8, scalar_aux=True,
+                                      picard_iters=6, picard_early_exit=False)),
 ])
 def test_variant_strings(text, options):
     assert variant(text) == options

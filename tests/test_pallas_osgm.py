@@ -214,18 +214,21 @@ def poisoned(f):
     return g
 
 
-@pytest.mark.parametrize("case", ["dense", "beta-free", "packed"])
-def test_picard_sweeps_match_reference(case, monkeypatch):
+@pytest.mark.parametrize("case, options", [
+    ("dense", PICARD), ("beta-free", PICARD), ("packed", PICARD),
+    ("dense", Options(picard_iters=8, picard_early_exit=False, scalar_aux=True))])
+def test_picard_sweeps_match_reference(case, options, monkeypatch):
     """The forward and backward by Picard sweeps (4 programs a head), the token loops poisoned so
     that only the sweeps can give finite results: with the clip active (η = 2) k̃, the final d
-    and all gradients within 2e-5 of the reference; at the paper's η = 0.003 k̃ and the final d."""
+    and all gradients within 2e-5 of the reference; at the paper's η = 0.003 k̃ and the final d.
+    Also exactly 8 sweeps each way without early exit, with scalar aux loads."""
     for name in ("_token_forward", "_token_backward"):
         monkeypatch.setattr(osgm_precond, name, poisoned(getattr(osgm_precond, name)))
     x, kw = unrolled_case(case, 37)
     grads = ("k", "beta", "initial_state") + (("retention",) if kw.get("retention", True) else ())
-    assert_runs_match(run(PICARD, x, **kw), run("reference", x, **kw), 2e-5, grads)
+    assert_runs_match(run(options, x, **kw), run("reference", x, **kw), 2e-5, grads)
     kw["eta"] = 0.003
-    got = jax.jit(lambda x: precondition(PICARD, x, **kw))(x)
+    got = jax.jit(lambda x: precondition(options, x, **kw))(x)
     for a, b, name in zip(got, precondition("reference", x, **kw), ("k_write", "final")):
         assert_close(a, b, 2e-5, name)
 
@@ -273,7 +276,8 @@ def test_picard_sweeps_fall_back_to_the_token_loop(monkeypatch):
 
 @pytest.mark.parametrize("field, value", [("unroll", 0), ("unroll", 2.0), ("prefetch", 0),
                                           ("scalar_aux", 1), ("bwd_unroll", 0),
-                                          ("picard_iters", -1), ("picard_block_k", 0)])
+                                          ("picard_iters", -1), ("picard_block_k", 0),
+                                          ("picard_early_exit", 1)])
 def test_bad_options_raise(field, value):
     with pytest.raises(ValueError, match=f"Options.{field}"):
         Options(**{field: value})
