@@ -31,7 +31,7 @@ from pallas_kernels.osgm_triton import AUX, BETA, DOC, FIRST, LAST, RET, osgm_bw
 from pallas_kernels.partition import match_types, sharded_call
 from pallas_kernels.triton_common import (
     MAX_HEAD_DIM, aux_rows, doc_columns, interpret_default, pad_last, pow2_dim, vary_alike)
-from precond_linattn.chunked.osgm_picard import picard_iterate
+from precond_linattn.chunked.osgm_picard import coefficients, cotangents, picard_iterate
 from precond_linattn.numerics import f32
 from precond_linattn.varlen import segments
 
@@ -135,6 +135,13 @@ def _or_else(attempt, fallback, *args):
     return run(*args)
 
 
+def _coefficients(cfg, k, aux):
+    """(s, n̄, g, w, r) of ``osgm_picard.coefficients`` from the kernels' inputs."""
+    eta, _, _, eps = cfg.hyper
+    return coefficients(k.astype(jnp.float32), aux[..., BETA], aux[..., RET], eta,
+                        cfg.beta_aware, eps)
+
+
 def _token_forward(cfg, k, aux, init, *, emit_d):
     return _call(cfg, osgm_fwd, [k, aux, init], ["b t h k", "b t h a", "n h k"],
                  ["b t h k", "n h k"], emit_d=emit_d)
@@ -145,11 +152,8 @@ def _picard_forward(cfg, k, aux, init, *, emit_d):
     d frozen at its initial state) until a changes by at most PICARD_TOL (relative), then one
     sweep that emits: ((k̃ or every d_t, final), converged) (``_or_else`` falls back to the
     token loop where ``Options.picard_iters`` sweeps do not get there)."""
-    eta, _, _, eps = cfg.hyper
     H = k.shape[2]
-    s = jnp.square(k.astype(jnp.float32))
-    g = aux[..., BETA] if cfg.beta_aware else 1.0
-    w = eta * g / jnp.maximum(jnp.sum(s, -1), eps)
+    s, _, g, w, _ = _coefficients(cfg, k, aux)
     if cfg.packed:  # each token's document's initial state
         start = init[aux[..., DOC].astype(jnp.int32), jnp.arange(H)]
     else:
@@ -204,16 +208,9 @@ def _picard_backward(cfg, k, aux, d, dkw, dfinal):
     sweep's γ_t = ⟨μ_t, s_t⟩ (the first with γ = 0) until γ settles, then one sweep that emits
     μ_t and dinit, the other cotangents elementwise (``osgm_triton``'s formulas): (cotangents,
     converged) (``_or_else`` falls back to the token loop's reverse kernel)."""
-    eta, _, _, eps = cfg.hyper
-    kf = k.astype(jnp.float32)
-    s = kf * kf
-    ss = jnp.sum(s, -1)
-    n = jnp.maximum(ss, eps)
-    g = aux[..., BETA] if cfg.beta_aware else 1.0
-    w = eta * g / n
-    a = jnp.sum(d * s, -1)
-    v = 1.0 - g * a
-    base = aux.at[..., U_BWD].set(w * v)
+    coefs = _coefficients(cfg, k, aux)
+    s, _, g, w, _ = coefs
+    base = aux.at[..., U_BWD].set(w * (1.0 - g * jnp.sum(d * s, -1)))
 
     def sweep(gamma, emit):
         coef = base.at[..., C].set(-w * g * gamma)
@@ -224,22 +221,15 @@ def _picard_backward(cfg, k, aux, d, dkw, dfinal):
     def step(gamma):
         return jnp.sum(sweep(gamma, False)[0], 2).transpose(0, 2, 1), None
 
-    gamma, _, ok, _ = picard_iterate(step, jnp.zeros_like(a), PICARD_TOL,
+    gamma, _, ok, _ = picard_iterate(step, jnp.zeros_like(w), PICARD_TOL,
                                      cfg.options.picard_iters, cfg.options.picard_early_exit)
 
-    def cotangents():
-        shares, mu, dinit = sweep(gamma, True)
-        gu = jnp.sum(shares, 2).transpose(0, 2, 1)  # ⟨μ_t, s_t⟩
-        ga = -gu * w * g
-        gn = jnp.where(ss > eps, -gu * v * w / n, 0.0)
-        ds = (w * v)[..., None] * mu + ga[..., None] * d + gn[..., None]
-        dk = 2.0 * kf * ds + dkw.astype(jnp.float32) * d
-        dbeta = -gu * w * a + gu * v * eta / n if cfg.beta_aware else jnp.zeros_like(a)
-        daux = jnp.zeros_like(aux).at[..., BETA].set(dbeta).at[..., RET].set(
-            jnp.sum(mu * d, -1))
-        return dk, daux, dinit
-
-    return cotangents(), ok
+    shares, mu, dinit = sweep(gamma, True)
+    eta, _, _, eps = cfg.hyper
+    dk, dbeta, dr = cotangents(k.astype(jnp.float32), d, dkw.astype(jnp.float32), mu,
+                               jnp.sum(shares, 2).transpose(0, 2, 1), coefs, eta, eps,
+                               cfg.beta_aware)
+    return (dk, jnp.zeros_like(aux).at[..., BETA].set(dbeta).at[..., RET].set(dr), dinit), ok
 
 
 _scan.defvjp(_scan_fwd, _scan_bwd)

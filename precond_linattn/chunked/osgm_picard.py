@@ -55,13 +55,29 @@ def _compose_linear(f, g):
     return g[0] * f[0], g[0] * f[1] + g[1]
 
 
-def _coefficients(k, beta, retention, eta, beta_aware, eps):
-    """(s, n̄, g, w, r) [B, T, H(, K)] of SPEC 3.1."""
+def coefficients(k, beta, retention, eta, beta_aware, eps):
+    """(s, n̄, g, w, r) [B, T, H(, K)] of SPEC 3.1 (k float32; retention None: r ≡ 1)."""
     s = k * k
     n = jnp.maximum(jnp.sum(s, -1), eps)
     g = beta if beta_aware else jnp.ones_like(beta)
     r = jnp.ones_like(beta) if retention is None else retention
     return s, n, g, eta * g / n, r
+
+
+def cotangents(k, d, dkw, mu, gamma, coefs, eta, eps, beta_aware):
+    """(∂k [B, T, H, K], ∂β, ∂r [B, T, H]) token by token, from d_t, ∂k̃_t, μ_t = m_t ⊙ Λ_t
+    and γ_t = ⟨μ_t, s_t⟩ (``coefs``: ``coefficients``'s): with a = ⟨d, s⟩, v = 1 − g a,
+    u = w v, γ_a = −γ w g and γ_n = −γ v w / n̄ (0 where n̄ is the floor ε),
+
+        ∂s = u μ + γ_a d + γ_n,   ∂k = 2 k ⊙ ∂s + ∂k̃ ⊙ d,   ∂r = ⟨μ, d⟩,
+        ∂β = −γ w a + γ v η / n̄  (beta-aware; 0 beta-free)."""
+    s, n, g, w, _ = coefs
+    a = jnp.sum(d * s, -1)
+    v = 1.0 - g * a
+    gn = jnp.where(n > eps, -gamma * v * w / n, 0.0)
+    ds = (w * v)[..., None] * mu + (-gamma * w * g)[..., None] * d + gn[..., None]
+    dbeta = -gamma * w * a + gamma * v * eta / n if beta_aware else jnp.zeros_like(a)
+    return 2.0 * k * ds + dkw * d, dbeta, jnp.sum(mu * d, -1)
 
 
 def _sweep(a, s, g, w, r, first, start, d_min, d_max):
@@ -117,7 +133,7 @@ def _forward(hyper, k, beta, retention, init, cu_seqlens):
     B, T, H, K = k.shape
     seg = segments(B, T, cu_seqlens)
     start = init[seg.doc]
-    s, _, g, w, r = _coefficients(k, beta, retention, eta, beta_aware, eps)
+    s, _, g, w, r = coefficients(k, beta, retention, eta, beta_aware, eps)
     def step(a):
         a_new, d, c = _sweep(a, s, g, w, r, seg.first, start, d_min, d_max)
         return a_new, (d, c)
@@ -148,10 +164,9 @@ def _osgm_bwd(hyper, res, cts):
     dkw, dfinal = cts
     B, T, H, K = k.shape
     seg = segments(B, T, cu_seqlens)
-    s, n, g, w, r = _coefficients(k, beta, retention, eta, beta_aware, eps)
-    a = jnp.sum(d * s, -1)
-    v = 1.0 - g * a
-    u = w * v
+    coefs = coefficients(k, beta, retention, eta, beta_aware, eps)
+    s, _, g, w, r = coefs
+    u = w * (1.0 - g * jnp.sum(d * s, -1))
     p = r[..., None] * d + u[..., None] * s
     m = ((p > d_min) & (p < d_max)).astype(jnp.float32)
     first, last = seg.first[:, :, None, None], seg.last[:, :, None, None]
@@ -167,16 +182,11 @@ def _osgm_bwd(hyper, res, cts):
                             jnp.concatenate([D[:, 1:], jnp.zeros_like(D[:, :1])], axis=1))
         return jnp.sum(m * lam * s, -1), (D, lam)
 
-    gamma, (D, lam), ok, _ = picard_iterate(sweep, jnp.zeros_like(a), tol, max_iters)
+    gamma, (D, lam), ok, _ = picard_iterate(sweep, jnp.zeros_like(u), tol, max_iters)
 
     def picard_grads():
-        mu = m * lam
-        ga = -gamma * w * g
-        gn = jnp.where(jnp.sum(s, -1) > eps, -gamma * v * w / n, 0.0)
-        ds = u[..., None] * mu + ga[..., None] * d + gn[..., None]
-        dk = 2.0 * k * ds + dkw * d
-        dbeta = (-gamma * w * a + gamma * v * eta / n) if beta_aware else jnp.zeros_like(beta)
-        dr = None if retention is None else jnp.sum(mu * d, -1)
+        dk, dbeta, dr = cotangents(k, d, dkw, m * lam, gamma, coefs, eta, eps, beta_aware)
+        dr = None if retention is None else dr
         dstart = jnp.where(first, D, 0.0).reshape(B * T, H, K)
         dinit = jax.ops.segment_sum(dstart, seg.doc.reshape(-1), seg.num_docs)
         return dk, dbeta, dr, dinit
