@@ -75,7 +75,7 @@ def variant(text):
     if (not 2 <= len(numbers) <= 4 or known != len(flags)
             or parts[:len(numbers)] != numbers):
         raise ValueError("--variants entries are prefetch/num_warps[/unroll[/bwd_unroll]]"
-                         f"[/scalar][/pN[/bkM]], got {text!r}")
+                         f"[/scalar][/pN[/bkM][/fixed]], got {text!r}")
     numbers = list(map(int, numbers))
     return Options(*numbers[:3], scalar_aux="scalar" in flags,
                    bwd_unroll=numbers[3] if len(numbers) == 4 else None,
@@ -140,28 +140,26 @@ def main():
     cases = [("paper APF fp32", jnp.float32, {}), ("paper APF bf16", jnp.bfloat16, {}),
              ("clip eta=1 beta-free fp32", jnp.float32, dict(eta=1.0, beta_aware=False))]
 
-    def checks(which, options=None, label=""):
-        """The checks ``cases[n]`` for n in ``which`` of ``options``' kernels (None: default)."""
+    def checks(which, options=None, label="", impl="pallas"):
+        """The checks ``cases[n]`` for n in ``which`` of ``impl`` (``options``' kernels; None:
+        default); the Picard form also prints its iteration count."""
         for n in which if "checks" in a.sections else ():
             name, dtype, hyper = cases[n]
 
             def one(n=n, name=name, dtype=dtype, hyper=hyper):
                 x, kc = make_inputs(jax.random.fold_in(key, n), B, T, H, K, dtype,
                                     skewed="eta" in hyper)
-                return check(name + label, phase1("pallas", options=options, **hyper),
+                if impl == "picard":
+                    its = osgm_picard_steps(x["k"], x["beta"], x["r"], hyper.get("eta", 0.003),
+                                            0.5, 2.0, hyper.get("beta_aware", True), 1e-6,
+                                            x["d0"], None)
+                    print(json.dumps(dict(picard_iterations=int(its), case=name)), flush=True)
+                return check(name + label, phase1(impl, options=options, **hyper),
                              phase1("reference", **hyper), x, kc, dtype)
             results.append(guarded(f"check {name}{label}", one))
 
     checks(range(len(cases)))
-    for n in (0, 2) if "checks" in a.sections else ():  # the Picard form: iterations, errors
-        name, dtype, hyper = cases[n]
-        x, kc = make_inputs(jax.random.fold_in(key, n), B, T, H, K, dtype, skewed="eta" in hyper)
-        its = osgm_picard_steps(x["k"], x["beta"], x["r"], hyper.get("eta", 0.003), 0.5, 2.0,
-                                hyper.get("beta_aware", True), 1e-6, x["d0"], None)
-        print(json.dumps(dict(picard_iterations=int(its), case=name)), flush=True)
-        results.append(guarded(f"check {name} picard", lambda name=name, x=x, kc=kc, hyper=hyper:
-                               check(name + " picard", phase1("picard", **hyper),
-                                     phase1("reference", **hyper), x, kc, dtype)))
+    checks((0, 2), label=" picard", impl="picard")
     x, _ = make_inputs(jax.random.fold_in(key, 9), B, T, H, K, jnp.bfloat16)
     jobs = []
     if "time" in a.sections:  # the first variant, the chunked form; other variants after osdn

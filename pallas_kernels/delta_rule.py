@@ -115,7 +115,7 @@ class Options:
     block_k: int = 64  # key columns per tile of the chunk-parallel WY kernels and chunk_grads
     serial_block_v: int | None = None  # the serial state passes' V tile (None: block_v)
     state_dtype: str | None = None  # split: per-chunk states, R, dR, dO products kept in HBM
-    wy_dtype: str | None = None  # split: W, U, K̃', Q', P kept in HBM (None: float32)
+    wy_dtype: str | None = None  # split: W, U, K̃', Q', P kept in HBM (None: see above)
     serial_precision: str | None = None  # split: the serial state passes' dots (None: precision)
     output_in_serial: bool | None = None  # split: outputs formed in the forward state pass
     dout_in_serial: bool | None = None  # split: dO products formed in the backward state pass
@@ -467,7 +467,8 @@ def delta_rule_pallas(q, k, kw, v, beta, log_decay, scale, initial_state, cu_seq
                                                          K=Kp, V=Vp))
     if options.serial_backend == "mosaic":
         state_mosaic.check_shapes(chunk=chunk_size, K=Kp, V=Vp)
-    options = dataclasses.replace(options, sequence_pieces=_pieces(options, B * H * Vp // 64, nc,
+    programs = B * H * Vp // state_mosaic.BV  # CTAs of a Mosaic serial pass
+    options = dataclasses.replace(options, sequence_pieces=_pieces(options, programs, nc,
                                                                    cu_seqlens is None))
     cfg = _Config(chunk_size, decay, float(scale),
                   None if cu_seqlens is None else layout.num_docs, options,

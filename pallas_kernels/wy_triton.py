@@ -225,10 +225,11 @@ def wy_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *, chunk
                          f"gamma {'None' if gamma is None else 'given'}, "
                          f"P {'None' if P is None else 'given'}")
     args = [x for x in (q, k, kw, v, beta, gamma) if x is not None]
-    saved, saved_specs = [T] + ([P] if P is not None else []), wy_specs[-1:] + wy_specs[4:5]
+    saved = [T] + ([P] if P is not None else [])  # T's spec is the last, P's the fifth
+    saved_specs = wy_specs[-1:] + wy_specs[4:5] * (P is not None)
     cts = [dW, dU, dkw_t, dq_dec, dP, dgc]
     out_shape = [out_struct(x.shape, jnp.float32, *args, *saved, *cts) for x in args]
     kernel = functools.partial(_bwd_kernel, dots=dots, block_v=block_v, block_k=block_k,
                                has_decay=gamma is not None)
-    return call(kernel, "wy_bwd", grid, in_specs + saved_specs[:len(saved)] + wy_specs[:-1],
-                in_specs, out_shape, args + saved + cts, dots, num_warps, num_stages)
+    return call(kernel, "wy_bwd", grid, in_specs + saved_specs + wy_specs[:-1], in_specs,
+                out_shape, args + saved + cts, dots, num_warps, num_stages)
