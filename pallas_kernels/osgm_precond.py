@@ -68,7 +68,8 @@ class Options:
     picard_early_exit: bool = True
 
     def __post_init__(self):
-        if not isinstance(self.picard_iters, int) or self.picard_iters < 0:
+        if (not isinstance(self.picard_iters, int) or isinstance(self.picard_iters, bool)
+                or self.picard_iters < 0):
             raise ValueError(f"Options.picard_iters must be an int >= 0, got {self.picard_iters!r}")
         for name in ("prefetch", "num_warps", "unroll", "picard_block_k") + (
                 ("bwd_unroll",) if self.bwd_unroll is not None else ()):

@@ -276,7 +276,8 @@ def test_picard_sweeps_fall_back_to_the_token_loop(monkeypatch):
 
 @pytest.mark.parametrize("field, value", [("unroll", 0), ("unroll", 2.0), ("prefetch", 0),
                                           ("scalar_aux", 1), ("bwd_unroll", 0),
-                                          ("picard_iters", -1), ("picard_block_k", 0),
+                                          ("picard_iters", -1), ("picard_iters", True),
+                                          ("picard_block_k", 0),
                                           ("picard_early_exit", 1)])
 def test_bad_options_raise(field, value):
     with pytest.raises(ValueError, match=f"Options.{field}"):
