@@ -11,8 +11,14 @@ rows, Γ = exp γ, e_ij = exp(γ_i − γ_j) [K]):
 exp(γ_i − γ_j) overflows over a whole chunk for i < j, so the grams are formed by 16-row blocks
 as ``gram.decayed_gram`` does: for blocks I > J, r the first row of I,
 A[I, J] = (K_I ⊙ exp(γ_I − γ_r))(K̃_J ⊙ exp(γ_r − γ_J))ᵀ (both exponents <= 0; one masked [C, C]
-dot per block I); the blocks I = J are summed over 16 steps, step t adding the column
-c(i) = 16⌊i/16⌋ + t of every row i >= c(i) (its k̃ and γ rows loaded from the refs).
+dot per block I). The blocks I = J: where every |γ_i − γ_m(i)| <= DIAG_BOUND in a key tile (m(i)
+= 16⌊i/16⌋ + 8, the middle row of i's block), all four at once by one more masked dot,
+(K ⊙ exp(γ − γ_m))(K̃ ⊙ exp(γ_m − γ))ᵀ (every factor and product of two finite); else summed
+over 16 steps, step t adding the column c(i) = 16⌊i/16⌋ + t of every row i >= c(i) (its k̃ and
+γ rows loaded from the refs). Before both: where every |γ_i − γ_{C/2}| <= DIAG_BOUND in the key
+tile (a chunk that decays by at most ~40 per channel), the whole gram is one factored dot
+through the chunk's middle row, as with a scalar decay. ``lax.cond`` per key tile chooses; the
+pullback makes the same choices.
 
 Pullback (cotangents dW, dU, dK̃', dQ', dP, dΓ_C [K]): with dT, dL as in ``wy_triton``,
 G_K = Diag(β) dL, G_Q = tril(dP) and the grams' pullback through the same blocks,
@@ -38,6 +44,7 @@ from pallas_kernels.wy_triton import call, layout, tiles, u_bwd, u_fwd, wy_shape
 from precond_linattn.chunked.gram import SUB_BLOCK as SUB
 
 f32 = jnp.float32
+DIAG_BOUND = 20.0  # |γ_i − γ_ref| up to which a gram factors through row ref (products <= e^40)
 
 
 def _row_ids(C, K):
@@ -90,6 +97,58 @@ def _tile(refs, cols):
     return [r[:, cols].astype(f32) for r in refs]
 
 
+def _diag_blocks(g, g_ref, cols):
+    """(x, M): x = γ − γ_m(i) [C, BK] for the key columns ``cols`` (g = γ there; m(i) = 16⌊i/16⌋
+    + 8) and M [C, C] the entries of the diagonal blocks on and below the diagonal."""
+    C = g.shape[0]
+    (gm,) = _block_rows(SUB // 2, (g_ref,), cols, C)
+    i, j = iota2(C)
+    return g - gm, (i // SUB == j // SUB) & (i >= j)
+
+
+def _factorable(x):
+    """Whether every |x| <= DIAG_BOUND (reduced one axis at a time, as the lowering takes it)."""
+    return jnp.max(jnp.max(jnp.abs(x), axis=1)) <= DIAG_BOUND
+
+
+def _gram_blocks(grams, rows, kw, ex, ey, M, dots):
+    """grams + the entries M of (Z ⊙ ex)(K̃ ⊙ ey)ᵀ for each left factor Z in ``rows``."""
+    Y = kw * ey
+    return tuple(X + jnp.where(M, dots.nt(Z * ex, Y), 0.0) for X, Z in zip(grams, rows))
+
+
+def _tile_grams(grams, rows, kw, g, g_ref, kw_ref, cols, dots):
+    """grams + one key tile's share (``_grams``): the whole chunk by one factored dot through its
+    middle row where the tile allows (``_factorable``), else the 16-row blocks."""
+    C = g.shape[0]
+    x = g - g_ref[C // 2, cols].astype(f32)[None, :]
+    i, j = iota2(C)
+
+    def whole(grams):
+        return _gram_blocks(grams, rows, kw, jnp.exp(x), jnp.exp(-x), i >= j, dots)
+
+    def blocked(grams):
+        for ex, ey, M in _off_blocks(g, g_ref, cols):
+            grams = _gram_blocks(grams, rows, kw, ex, ey, M, dots)
+        xd, Md = _diag_blocks(g, g_ref, cols)
+
+        def factored(grams):
+            return _gram_blocks(grams, rows, kw, jnp.exp(xd), jnp.exp(-xd), Md, dots)
+
+        def looped(grams):
+            def step(t, grams):
+                kc, _, e, sel = _diag_step(t, g, g_ref, kw_ref, cols)
+                F = kc * e
+                return tuple(X + jnp.where(sel, jnp.sum(Z * F, axis=1)[:, None], 0.0)
+                             for X, Z in zip(grams, rows))
+
+            return lax.fori_loop(0, SUB, step, grams)
+
+        return lax.cond(_factorable(xd), factored, looped, grams)
+
+    return lax.cond(_factorable(x), whole, blocked, grams)
+
+
 def _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, with_p=True):
     """(A, P) [C, C] (module docstring; zero above the diagonal), summed over the key tiles;
     without ``with_p`` only (A,)."""
@@ -97,51 +156,65 @@ def _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, with_p=True):
     grams = (jnp.zeros((C, C), f32),) * (2 if with_p else 1)
     for cols in key_tiles:
         q, k, kw, g = _tile((q_ref, k_ref, kw_ref, g_ref), cols)
-        rows = (k, q)[:len(grams)]  # the left factors of A (and P)
-        for ex, ey, M in _off_blocks(g, g_ref, cols):
-            Y = kw * ey
-            grams = tuple(X + jnp.where(M, dots.nt(Z * ex, Y), 0.0) for X, Z in zip(grams, rows))
-
-        def step(t, grams, rows=rows, g=g, cols=cols):
-            kc, _, e, sel = _diag_step(t, g, g_ref, kw_ref, cols)
-            F = kc * e
-            return tuple(X + jnp.where(sel, jnp.sum(Z * F, axis=1)[:, None], 0.0)
-                         for X, Z in zip(grams, rows))
-
-        grams = lax.fori_loop(0, SUB, step, grams)
+        grams = _tile_grams(grams, (k, q)[:len(grams)], kw, g, g_ref, kw_ref, cols, dots)
     return grams
+
+
+def _blocks_vjp(GK, GQ, M, q, k, kw, ex, ey, dots):
+    """The pullback of ``_gram_blocks``'s entries M along (G_K, G_Q): (dK, dQ, dK̃) [C, BK]."""
+    GKm, GQm = jnp.where(M, GK, 0.0), jnp.where(M, GQ, 0.0)
+    Y = kw * ey
+    return (dots.nn(GKm, Y) * ex, dots.nn(GQm, Y) * ex,
+            (dots.tn(GKm, k * ex) + dots.tn(GQm, q * ex)) * ey)
 
 
 def _grams_vjp(GK, GQ, q, k, kw, g, refs, cols, dots):
     """(dK_A, dQ_P, dK̃_AP) [C, BK] for the key columns ``cols`` (q, k, kw, g their tiles; refs =
     (q_ref, k_ref, kw_ref, g_ref)): the pullback of (A, P) = ``_grams`` along (G_K, G_Q) in K, Q
-    and K̃ (module docstring). In the diagonal blocks, step t adds to row i of dK, dQ the terms of
-    column c(i) and to row j of dK̃ those of row c(j) (both 16⌊·/16⌋ + t), reading G at (c(j), j)
-    from Gᵀ: every reduction runs along a row."""
+    and K̃ (module docstring), by the same choices as there. Looped, step t adds to row i of dK,
+    dQ the terms of column c(i) and to row j of dK̃ those of row c(j) (both 16⌊·/16⌋ + t),
+    reading G at (c(j), j) from Gᵀ: every reduction runs along a row."""
     q_ref, k_ref, kw_ref, g_ref = refs
     C, BK = k.shape
-    dk = dq = dkw = jnp.zeros((C, BK), f32)
-    for ex, ey, M in _off_blocks(g, g_ref, cols):
-        GKm, GQm = jnp.where(M, GK, 0.0), jnp.where(M, GQ, 0.0)
-        Y = kw * ey
-        dk = dk + dots.nn(GKm, Y) * ex
-        dq = dq + dots.nn(GQm, Y) * ex
-        dkw = dkw + (dots.tn(GKm, k * ex) + dots.tn(GQm, q * ex)) * ey
-    GKt, GQt = GK.T, GQ.T
-    row = _row_ids(C, BK)
+    x = g - g_ref[C // 2, cols].astype(f32)[None, :]
+    i, j = iota2(C)
 
-    def step(t, acc):
-        dk, dq, dkw = acc
-        kc, gc, e, sel = _diag_step(t, g, g_ref, kw_ref, cols)
-        gk = jnp.sum(jnp.where(sel, GK, 0.0), axis=1)[:, None]  # G[i, c(i)]
-        gq = jnp.sum(jnp.where(sel, GQ, 0.0), axis=1)[:, None]
-        gkt = jnp.sum(jnp.where(sel, GKt, 0.0), axis=1)[:, None]  # G[c(j), j]
-        gqt = jnp.sum(jnp.where(sel, GQt, 0.0), axis=1)[:, None]
-        kr, qr = _block_rows(t, (k_ref, q_ref), cols, C)
-        et = jnp.exp(jnp.where(row % SUB <= t, gc - g, -jnp.inf))  # exp(γ_c(j) − γ_j), c(j) >= j
-        return dk + gk * kc * e, dq + gq * kc * e, dkw + (gkt * kr + gqt * qr) * et
+    def whole():
+        return _blocks_vjp(GK, GQ, i >= j, q, k, kw, jnp.exp(x), jnp.exp(-x), dots)
 
-    return lax.fori_loop(0, SUB, step, (dk, dq, dkw))
+    def blocked():
+        acc = (jnp.zeros((C, BK), f32),) * 3
+        for ex, ey, M in _off_blocks(g, g_ref, cols):
+            acc = _add(acc, _blocks_vjp(GK, GQ, M, q, k, kw, ex, ey, dots))
+        xd, Md = _diag_blocks(g, g_ref, cols)
+
+        def factored(acc):
+            return _add(acc, _blocks_vjp(GK, GQ, Md, q, k, kw, jnp.exp(xd), jnp.exp(-xd), dots))
+
+        def looped(acc):
+            GKt, GQt = GK.T, GQ.T
+            row = _row_ids(C, BK)
+
+            def step(t, acc):
+                dk, dq, dkw = acc
+                kc, gc, e, sel = _diag_step(t, g, g_ref, kw_ref, cols)
+                gk = jnp.sum(jnp.where(sel, GK, 0.0), axis=1)[:, None]  # G[i, c(i)]
+                gq = jnp.sum(jnp.where(sel, GQ, 0.0), axis=1)[:, None]
+                gkt = jnp.sum(jnp.where(sel, GKt, 0.0), axis=1)[:, None]  # G[c(j), j]
+                gqt = jnp.sum(jnp.where(sel, GQt, 0.0), axis=1)[:, None]
+                kr, qr = _block_rows(t, (k_ref, q_ref), cols, C)
+                et = jnp.exp(jnp.where(row % SUB <= t, gc - g, -jnp.inf))  # exp(γ_c(j) − γ_j)
+                return dk + gk * kc * e, dq + gq * kc * e, dkw + (gkt * kr + gqt * qr) * et
+
+            return lax.fori_loop(0, SUB, step, acc)
+
+        return lax.cond(_factorable(xd), factored, looped, acc)
+
+    return lax.cond(_factorable(x), whole, blocked)
+
+
+def _add(xs, ys):
+    return tuple(x + y for x, y in zip(xs, ys))
 
 
 def _fwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, W_ref, U_ref, kwt_ref, qd_ref,
