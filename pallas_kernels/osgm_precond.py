@@ -45,23 +45,23 @@ class Options:
     many loop iterations ahead rows are loaded, warps per program, tokens per loop iteration
     (``unroll``: their d-independent work issued before their serial steps), and ``scalar_aux``:
     the per-token scalars (β, r, document flags) by scalar loads instead of an aux row and masked
-    sums. Defaults from RESULTS run 16 (APF phase 1 at 8x2048x8x128: 2 groups ahead, 8 tokens per
-    group: fwd / fwd+bwd 0.65 / 1.49 ms vs 1.15 / 3.02 for one token per iteration).
-    ``bwd_unroll``: the backward kernel's own tokens per iteration (None: ``unroll``); the SASS
-    analysis of session 7 (benchmarks/NOTES.md) puts a forward at 16 tokens ~15 % faster, while
-    the backward at 16 holds 255 registers. ``picard_iters`` > 0: the forward and the backward
+    sums. ``bwd_unroll``: the backward kernel's own tokens per iteration (None: ``unroll`` up to
+    8: at 16 the backward holds 255 registers). Defaults from RESULTS run 39 (APF phase 1 at
+    8x2048x8x128, same process: 2 groups ahead, 16 tokens a forward iteration, 8 a backward one,
+    scalar loads: fwd / fwd+bwd 0.70 / 1.38 ms against 0.87 / 1.49 at run 16's 2/1/8).
+    ``picard_iters`` > 0: the forward and the backward
     by Picard sweeps (``osgm_sweep_triton``, programs over blocks of ``picard_block_k``
     coordinates, no reduction on the per-token chain) until the coupling ⟨d_t, s_t⟩ (the
     adjoint's ⟨μ_t, s_t⟩) settles, at most that many, then the token loops (exact either way;
     ``precond_linattn.chunked.osgm_picard`` has the algorithm and its convergence); 0 (the
-    default until measured on the device): the token loops. ``picard_early_exit``: stop the
+    default: measured slower, RESULTS runs 35-36): the token loops. ``picard_early_exit``: stop the
     sweeps once settled (a ``while_loop``: the GPU's host reads its predicate every sweep), or
     run exactly ``picard_iters`` of them unrolled and test once."""
 
     prefetch: int = 2
     num_warps: int = 1
-    unroll: int = 8
-    scalar_aux: bool = False
+    unroll: int = 16
+    scalar_aux: bool = True
     bwd_unroll: int | None = None
     picard_iters: int = 0
     picard_block_k: int = 32
@@ -100,7 +100,9 @@ def _call(cfg, kernel, args, in_axes, out_axes, **static):
     """``kernel(*args, **static)`` through ``sharded_call`` (the backward kernels at
     ``Options.bwd_unroll``)."""
     o = cfg.options
-    unroll = (o.bwd_unroll or o.unroll) if kernel in (osgm_bwd, osgm_sweep_bwd) else o.unroll
+    unroll = o.unroll
+    if kernel in (osgm_bwd, osgm_sweep_bwd):
+        unroll = o.bwd_unroll or min(o.unroll, 8)
     fn = functools.partial(kernel, hyper=cfg.hyper, beta_aware=cfg.beta_aware, packed=cfg.packed,
                            prefetch=o.prefetch, num_warps=o.num_warps, unroll=unroll,
                            scalar_aux=o.scalar_aux, interpret=cfg.interpret, **static)
