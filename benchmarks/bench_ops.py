@@ -9,6 +9,8 @@ preconditioner (none, OSGM, OSGM with APF retention, ATK), phase 1 then the delt
     PYTHONPATH=. python3 benchmarks/bench_ops.py [--shape B T H D] [--models osdn,pgdn,...]
         [--sections checks,time] [--impl auto] [--budget-s 300]
 
+``phase`` times the ATK phase alone (``atk_precondition`` on its Pallas kernels) for each
+``--atk-pieces`` count (``atk_precond.Options.sequence_pieces``; "auto": ``auto_pieces``).
 Timings run first, then checks (one time budget for both). Checks: ``--impl`` against
 ``impl="chunked"`` on the same fresh inputs at ``--check-shape`` (bf16; bars of bench_delta:
 outputs 6e-3, gradients of every input 8e-3). Timings: forward and
@@ -64,12 +66,23 @@ def composed(precond, impl):
     return f
 
 
+def atk_phase(pieces):
+    """(inputs) -> (k̃, final A) of the ATK phase on its kernels, cut into ``pieces``."""
+    from pallas_kernels.atk_precond import Options, atk_pallas
+    options = Options(sequence_pieces=None if pieces == "auto" else int(pieces))
+
+    def f(x):
+        return atk_pallas(x["k"], x["gp"], x["bp"], x["c"], 1.5, 1e-6, None, None, 64, options)
+    return f
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", type=int, nargs=4, default=(8, 2048, 8, 128))
     p.add_argument("--check-shape", type=int, nargs=4, default=(2, 1000, 4, 128))
     p.add_argument("--models", default=",".join(NAMES.values()))
-    p.add_argument("--sections", default="checks,time")
+    p.add_argument("--sections", default="checks,time", help="checks, time, phase")
+    p.add_argument("--atk-pieces", default="1,auto", help="sequence pieces of the phase rows")
     p.add_argument("--impl", default="auto")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--budget-s", type=float, default=300)
@@ -87,6 +100,13 @@ def main():
         x = inputs(jax.random.fold_in(key, 7), *a.shape, backbone, jnp.bfloat16)
         times[name] = guarded(f"time {name}", lambda: time_op(name, composed(precond, a.impl), x,
                                                               a.reps))
+    if "phase" in a.sections:
+        x = inputs(jax.random.fold_in(key, 8), *a.shape, "deltanet", jnp.bfloat16)
+        x = {n: x[n] for n in ("k", "gp", "bp", "c")}
+        for pieces in a.atk_pieces.split(","):
+            label = f"atk phase pieces={pieces}"
+            times[label] = guarded(f"time {label}", lambda pieces=pieces, label=label: time_op(
+                label, atk_phase(pieces), x, a.reps))
     for i, (backbone, precond, name) in enumerate(models if "checks" in a.sections else ()):
         def one(backbone=backbone, precond=precond, name=name, i=i):
             x = inputs(jax.random.fold_in(key, i), *a.check_shape, backbone, jnp.bfloat16)
@@ -101,6 +121,10 @@ def main():
               f"{r['err_grad_max']:9.2e}")
     print(f"\n{'op (' + a.impl + '), bf16 ' + 'x'.join(map(str, a.shape)):32s} {'fwd ms':>8s} "
           f"{'fwd+bwd ms':>10s} {'MiB':>6s} {'fwd/core':>8s} {'f+b/core':>8s}")
+    for label, r in times.items():
+        if label.startswith("atk phase") and r is not None:
+            print(f"{label:32s} {r['fwd_ms']:8.3f} {r['fwdbwd_ms']:10.3f} "
+                  f"{str(r['fwdbwd_mib']):>6s}")
     for (backbone, precond), name in NAMES.items():
         r, base = times.get(name), times.get(NAMES[backbone, "none"])
         if r is None:

@@ -8,6 +8,16 @@ of the forward, 1/U of the A_t themselves) and emits the cotangents of k, gain, 
 and the centre's sum over batch rows and tokens are partials the kernel writes and XLA adds up
 here (deterministic, no atomics).
 
+Sequence pieces (``Options.sequence_pieces``, dense rows only): the recurrence is linear in the
+state it carries, A_out = D ⊙ A_in + E over a piece (D the product of the piece's decays, E its
+state from zero), so a row of T tokens runs as p rows of T / p (a reshape): one pass of the
+recurrence alone from zero gives each piece's E, a chain of p multiply-adds in XLA the states
+entering the pieces, and the full pass from those gives k̃, the block-start states and the final
+state. The backward likewise: λ at a piece's start is D ⊙ λ at its end plus its own part (the
+reverse recurrence alone from zero), the chain runs from the last piece down, then the full
+reverse pass. p times the programs for twice the token loops: a one-warp program's token loop is
+latency-bound, so few programs leave the GPU idle (RESULTS run 38 for OSGM's loops).
+
 Packed documents (``cu_seqlens``) need no chunk layout: the kernels restart A at each document's
 first token. K is padded to a power of two >= 16 (keys and initial state zero: padded
 channels give A = 0, k̃ = 0), T to a multiple of U (k = 0, gain = 0, g = 0: A passes unchanged).
@@ -24,24 +34,49 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from pallas_kernels.atk_triton import AUX, CENTER, DECAY, DOC, FIRST, GAIN, LAST, atk_bwd, atk_fwd
 from pallas_kernels.partition import match_types, sharded_call
+from pallas_kernels.sequence_split import SMS
 from pallas_kernels.triton_common import (
     MAX_HEAD_DIM, aux_rows, doc_columns, interpret_default, pad_last, pow2_dim, vary_alike)
 from precond_linattn.numerics import f32
 from precond_linattn.varlen import segments
 
 
+TARGET_PROGRAMS = 8 * SMS  # one-warp programs the auto split aims at (8 an SM)
+MIN_PIECE = 128  # tokens a piece keeps at least under the auto split
+
+
 @dataclasses.dataclass(frozen=True)
 class Options:
     """Kernel tuning (static): tokens per unrolled block, channels per program (a power of two
-    >= 16, capped at the padded K), blocks loaded ahead, warps per program."""
+    >= 16, capped at the padded K), blocks loaded ahead, warps per program, and the pieces each
+    dense row's sequence is cut into (module docstring; None: ``auto_pieces``; 1, the default
+    until measured on the device: no split; packed documents never split)."""
 
     block_t: int = 16
     block_k: int = 32
     prefetch: int = 2
     num_warps: int = 1
+    sequence_pieces: int | None = 1
+
+    def __post_init__(self):
+        bk, p = self.block_k, self.sequence_pieces
+        if bk < 16 or bk & (bk - 1) or self.block_t < 1 or self.prefetch < 1:
+            raise ValueError(f"options: block_k must be a power of two >= 16 and block_t, "
+                             f"prefetch >= 1, got {self}")
+        if p is not None and (not isinstance(p, int) or isinstance(p, bool) or p < 1):
+            raise ValueError(f"Options.sequence_pieces must be None or an int >= 1, got {p!r}")
+
+
+def auto_pieces(*, programs: int, T: int) -> int:
+    """The largest power of two p with programs p <= TARGET_PROGRAMS and T / p >= MIN_PIECE."""
+    p = 1
+    while 2 * programs * p <= TARGET_PROGRAMS and T // (2 * p) >= MIN_PIECE:
+        p *= 2
+    return p
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +86,7 @@ class _Config:
     block_k: int
     options: Options
     interpret: bool
+    pieces: int = 1  # sequence pieces of each dense row
 
 
 def supports(*, K: int, dtype, decay: int = 3) -> bool:
@@ -60,20 +96,60 @@ def supports(*, K: int, dtype, decay: int = 3) -> bool:
     return pow2_dim(K) <= MAX_HEAD_DIM
 
 
-def _call(cfg, kernel, args, in_axes, out_axes):
+def _call(cfg, kernel, args, in_axes, out_axes, emit=True):
     """``kernel(*args)`` through ``sharded_call``; None arguments (no per-channel decay) stay None."""
     o = cfg.options
     fn = functools.partial(kernel, hyper=cfg.hyper, packed=cfg.packed, block_t=o.block_t,
                            block_k=cfg.block_k, prefetch=o.prefetch, num_warps=o.num_warps,
-                           interpret=cfg.interpret)
+                           interpret=cfg.interpret, emit=emit)
     return sharded_call(lambda *xs: tuple(fn(*xs)), args, in_axes, out_axes,
                         shard_batch=not cfg.packed)
 
 
+def _rows(x, p):
+    """[B, n, ...] -> [B p, n / p, ...] (row b, piece i -> row b p + i); None stays None."""
+    return None if x is None else x.reshape(x.shape[0] * p, x.shape[1] // p, *x.shape[2:])
+
+
+def _unrows(x, p):
+    """``_rows``' inverse."""
+    return x.reshape(x.shape[0] // p, x.shape[1] * p, *x.shape[2:])
+
+
+def _piece_decay(aux, g, p):
+    """D [B, p, H, K or 1]: the product of each piece's decays, exp of the summed log decay."""
+    log_decay = aux[..., DECAY, None] if g is None else g
+    B, T = log_decay.shape[:2]
+    return jnp.exp(jnp.sum(log_decay.reshape(B, p, T // p, *log_decay.shape[2:]), axis=2))
+
+
+def _chain(D, E, start, reverse=False):
+    """States entering each piece [B, p, H, K]: S_0 = start, S_{i+1} = D_i S_i + E_i (reverse:
+    from the last piece down, S_{p−1} = start, S_{i−1} = D_i S_i + E_i)."""
+    def step(S, de):
+        return de[0] * S + de[1], S
+
+    _, states = lax.scan(step, start, (jnp.moveaxis(D, 1, 0), jnp.moveaxis(E, 1, 0)),
+                         reverse=reverse)
+    return jnp.moveaxis(states, 0, 1)
+
+
+_FWD_IN = ["b t h k", "b t h a", "b t h k", "n h k"]
+
+
 def _forward(cfg, k, aux, g, init):
     """(k̃, final A, block-start states); g None for per-head decay (in aux)."""
-    return _call(cfg, atk_fwd, [k, aux, g, init], ["b t h k", "b t h a", "b t h k", "n h k"],
-                 ["b t h k", "n h k", "b s h k"])
+    p = cfg.pieces
+    if p == 1:
+        return _call(cfg, atk_fwd, [k, aux, g, init], _FWD_IN, ["b t h k", "n h k", "b s h k"])
+    B, _, H, K = k.shape
+    pk, paux, pg = _rows(k, p), _rows(aux, p), _rows(g, p)
+    (E,) = _call(cfg, atk_fwd, [pk, paux, pg, jnp.zeros((B * p, H, K), jnp.float32)], _FWD_IN,
+                 ["n h k"], emit=False)
+    entering = _chain(_piece_decay(aux, g, p), E.reshape(B, p, H, K), init)
+    k_write, finals, starts = _call(cfg, atk_fwd, [pk, paux, pg, entering.reshape(B * p, H, K)],
+                                    _FWD_IN, ["b t h k", "n h k", "b s h k"])
+    return _unrows(k_write, p), finals.reshape(B, p, H, K)[:, -1], _unrows(starts, p)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -86,12 +162,30 @@ def _scan_fwd(cfg, k, aux, g, init):
     return (k_write, final), (k, aux, g, init, starts)
 
 
+_BWD_IN = ["b t h k", "b t h a", "b t h k", "n h k", "b s h k", "b t h k", "n h k"]
+
+
+def _backward(cfg, k, aux, g, init, starts, dkw, dfinal):
+    """atk_bwd's outputs (dk, daux, [dg], dinit), over sequence pieces when ``cfg.pieces`` > 1."""
+    out_axes = ["b t h k", "b t h q"] + ([] if g is None else ["b t h k"]) + ["n h k"]
+    p = cfg.pieces
+    if p == 1:
+        return _call(cfg, atk_bwd, [k, aux, g, init, starts, dkw, dfinal], _BWD_IN, out_axes)
+    B, _, H, K = k.shape
+    pieces = [_rows(x, p) for x in (k, aux, g)]
+    zeros = jnp.zeros((B * p, H, K), jnp.float32)  # the initial-state slot (unused: dense rows)
+    rest = [_rows(starts, p), _rows(dkw, p)]
+    (own,) = _call(cfg, atk_bwd, pieces + [zeros] + rest + [zeros], _BWD_IN, ["n h k"],
+                   emit=False)
+    leaving = _chain(_piece_decay(aux, g, p), own.reshape(B, p, H, K), dfinal, reverse=True)
+    out = _call(cfg, atk_bwd, pieces + [zeros] + rest + [leaving.reshape(B * p, H, K)], _BWD_IN,
+                out_axes)
+    return [_unrows(x, p) for x in out[:-1]] + [out[-1].reshape(B, p, H, K)[:, 0]]
+
+
 def _scan_bwd(cfg, res, cts):
     k, aux, g, init, starts = res
-    dkw, dfinal = cts
-    out = _call(cfg, atk_bwd, [k, aux, g, init, starts, dkw, dfinal],
-                ["b t h k", "b t h a", "b t h k", "n h k", "b s h k", "b t h k", "n h k"],
-                ["b t h k", "b t h q"] + ([] if g is None else ["b t h k"]) + ["n h k"])
+    out = _backward(cfg, k, aux, g, init, starts, *cts)
     dk, daux, dinit = out[0], out[1], out[-1]
     B, T, H, _ = k.shape
     daux = jnp.sum(daux.reshape(B, T, H, -1, AUX), axis=3)
@@ -117,24 +211,22 @@ def atk_pallas(k, log_decay, gain, center, x, eps, initial_state, cu_seqlens, ch
     if any(isinstance(v, jax.core.Tracer) for v in (x, eps)):
         raise ValueError("impl='pallas' compiles x and eps into the kernels: pass numbers, not "
                          "traced values (or use impl='chunked')")
-    bk = options.block_k
-    if bk < 16 or bk & (bk - 1) or options.block_t < 1 or options.prefetch < 1:
-        raise ValueError(f"options: block_k must be a power of two >= 16 and block_t, prefetch "
-                         f">= 1, got {options}")
     seg = segments(B, T, cu_seqlens)
     gain = f32(gain)
     per_head = log_decay.ndim == 3
     columns = {GAIN: gain, CENTER: f32(center)} | ({DECAY: f32(log_decay)} if per_head else {})
     aux = aux_rows(columns | doc_columns(seg, DOC, FIRST, LAST), AUX, gain)
     Kp = pow2_dim(K)
-    U = options.block_t
+    bk = min(options.block_k, Kp)
+    pieces = 1 if cu_seqlens is not None else options.sequence_pieces or auto_pieces(
+        programs=B * H * (Kp // bk), T=T)
+    U = options.block_t * pieces  # T padded to whole blocks in every piece
     pad_t = [(0, 0), (0, -T % U), (0, 0), (0, 0)]
     g = None if per_head else jnp.pad(pad_last(log_decay, Kp), pad_t)
     init = (jnp.zeros((seg.num_docs, H, Kp), jnp.float32) if initial_state is None
             else pad_last(f32(initial_state), Kp))
-    cfg = _Config((math.log(float(x)), float(eps)), cu_seqlens is not None,
-                  min(bk, Kp), options,
-                  interpret_default() if interpret is None else interpret)
+    cfg = _Config((math.log(float(x)), float(eps)), cu_seqlens is not None, bk, options,
+                  interpret_default() if interpret is None else interpret, pieces)
     k_write, final = _scan(cfg, *vary_alike(jnp.pad(pad_last(k, Kp), pad_t), jnp.pad(aux, pad_t),
                                             g, init))
     return k_write[:, :T, :, :K], final[..., :K]

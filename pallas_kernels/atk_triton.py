@@ -80,19 +80,22 @@ def _split(refs, has_g, n_out):
     return ins, outs
 
 
-def _fwd_kernel(*refs, hyper, packed, block_t, prefetch, has_g):
-    (k_ref, aux_ref, g_ref, init_ref), (out_ref, final_ref, starts_ref) = _split(refs, has_g, 3)
+def _fwd_kernel(*refs, hyper, packed, block_t, prefetch, has_g, emit):
+    (k_ref, aux_ref, g_ref, init_ref), outs = _split(refs, has_g, 3 if emit else 1)
+    out_ref, final_ref, starts_ref = outs if emit else (None, outs[0], None)
     U = block_t
 
     def loads(i):
         return tuple(_token_rows(i * U + u, k_ref, aux_ref, g_ref) for u in range(U))
 
     def body(i, rows, A):
-        starts_ref[i] = A
+        if emit:
+            starts_ref[i] = A
         for u in range(U):
             _, A = _advance(A, rows[u], init_ref, packed)
             k, aux, _ = rows[u]
-            out_ref[i * U + u] = (_squash(A, k, aux, hyper)[0] * k).astype(out_ref.dtype)
+            if emit:
+                out_ref[i * U + u] = (_squash(A, k, aux, hyper)[0] * k).astype(out_ref.dtype)
             if packed:
                 @pl.when(column(aux, LAST) != 0)
                 def _():
@@ -105,11 +108,11 @@ def _fwd_kernel(*refs, hyper, packed, block_t, prefetch, has_g):
         final_ref[...] = A
 
 
-def _bwd_kernel(*refs, hyper, packed, block_t, prefetch, has_g):
-    outs = 4 if has_g else 3
+def _bwd_kernel(*refs, hyper, packed, block_t, prefetch, has_g, emit):
+    outs = (4 if has_g else 3) if emit else 1
     (k_ref, aux_ref, g_ref, init_ref, starts_ref, dkw_ref, dfinal_ref), out = _split(
         refs, has_g, outs)
-    dk_ref, daux_ref, dinit_ref = out[0], out[1], out[-1]
+    dk_ref, daux_ref, dinit_ref = (out[0], out[1], out[-1]) if emit else (None, None, out[0])
     log_x, eps = hyper
     U = block_t
     col = lax.broadcasted_iota(jnp.int32, (AUX,), 0)
@@ -135,14 +138,14 @@ def _bwd_kernel(*refs, hyper, packed, block_t, prefetch, has_g):
             q = -log_x * dkws[u] * k * Bt / (den * den)
             lam = lam + q / (states[u] + eps)
             alpha = _alpha(aux, g)
-            gain = column(aux, GAIN)
-            dk_ref[t] = dkws[u] * Bt + 2.0 * gain * k * lam
-            dg = lam * alpha * prev[u]
-            if has_g:
-                out[2][t] = dg
-            ddecay = 0.0 if has_g else jnp.sum(dg)
-            daux_ref[t] = jnp.where(col == GAIN, jnp.sum(lam * k * k), jnp.where(
-                col == CENTER, -jnp.sum(q), jnp.where(col == DECAY, ddecay, 0.0)))
+            if emit:
+                dk_ref[t] = dkws[u] * Bt + 2.0 * column(aux, GAIN) * k * lam
+                dg = lam * alpha * prev[u]
+                if has_g:
+                    out[2][t] = dg
+                ddecay = 0.0 if has_g else jnp.sum(dg)
+                daux_ref[t] = jnp.where(col == GAIN, jnp.sum(lam * k * k), jnp.where(
+                    col == CENTER, -jnp.sum(q), jnp.where(col == DECAY, ddecay, 0.0)))
             lam = alpha * lam
             if packed:
                 @pl.when(column(aux, FIRST) != 0)
@@ -177,31 +180,36 @@ def _pallas(kernel, name, args, in_specs, out_specs, out_shape, grid, num_warps,
 
 
 def atk_fwd(k, aux, g, initial_state, *, hyper, packed, block_t, block_k, prefetch, num_warps,
-            interpret):
+            interpret, emit=True):
     """k [B, T, H, K]; aux [B, T, H, AUX] float32; g [B, T, H, K] (per-channel decay) or None;
     initial_state [N, H, K] float32 (N = B unless ``packed``); T a multiple of ``block_t``, K of
     ``block_k``; hyper = (log x, ε). Returns (k̃ in k's dtype, final A [N, H, K], the state
-    entering each block of tokens [B, T / block_t, H, K], both float32)."""
+    entering each block of tokens [B, T / block_t, H, K], both float32); without ``emit`` only
+    (final A,): the recurrence alone, no squash."""
     B, T, H, K = k.shape
     N = initial_state.shape[0]
     seq_k, seq_aux, starts, state = _specs(T, block_k, N, block_t, packed)
     has_g = g is not None
     kernel = functools.partial(_fwd_kernel, hyper=hyper, packed=packed, block_t=block_t,
-                               prefetch=prefetch, has_g=has_g)
+                               prefetch=prefetch, has_g=has_g, emit=emit)
     args = [k, aux] + ([g] if has_g else []) + [initial_state]
     in_specs = [seq_k, seq_aux] + ([seq_k] if has_g else []) + [state]
-    out_shape = [out_struct(k.shape, k.dtype, *args),
-                 out_struct((N, H, K), jnp.float32, *args),
+    final = out_struct((N, H, K), jnp.float32, *args)
+    if not emit:
+        return _pallas(kernel, "atk_fwd_final", args, in_specs, [state], [final],
+                       (B, H, K // block_k), num_warps, interpret)
+    out_shape = [out_struct(k.shape, k.dtype, *args), final,
                  out_struct((B, T // block_t, H, K), jnp.float32, *args)]
     return _pallas(kernel, "atk_fwd", args, in_specs, [seq_k, state, starts], out_shape,
                    (B, H, K // block_k), num_warps, interpret)
 
 
 def atk_bwd(k, aux, g, initial_state, starts, dkw, dfinal, *, hyper, packed, block_t, block_k,
-            prefetch, num_warps, interpret):
+            prefetch, num_warps, interpret, emit=True):
     """Cotangents from dk̃ and dfinal, all float32: dk [B, T, H, K]; daux [B, T, H, (K / block_k)
     AUX] (per K tile: the gain, per-head decay and centre columns, to be summed over tiles);
-    dg [B, T, H, K] (only with per-channel g); dinit [N, H, K]. ``starts`` from ``atk_fwd``."""
+    dg [B, T, H, K] (only with per-channel g); dinit [N, H, K]. ``starts`` from ``atk_fwd``.
+    Without ``emit`` only (dinit,): the reverse recurrence alone."""
     B, T, H, K = k.shape
     N = initial_state.shape[0]
     nk = K // block_k
@@ -209,11 +217,14 @@ def atk_bwd(k, aux, g, initial_state, starts, dkw, dfinal, *, hyper, packed, blo
     daux_spec = pl.BlockSpec((None, T, None, AUX), lambda b, h, j: (b, 0, h, j))
     has_g = g is not None
     kernel = functools.partial(_bwd_kernel, hyper=hyper, packed=packed, block_t=block_t,
-                               prefetch=prefetch, has_g=has_g)
+                               prefetch=prefetch, has_g=has_g, emit=emit)
     args = [k, aux] + ([g] if has_g else []) + [initial_state, starts, dkw, dfinal]
     in_specs = ([seq_k, seq_aux] + ([seq_k] if has_g else [])
                 + [state, starts_spec, seq_k, state])
     f32 = lambda shape: out_struct(shape, jnp.float32, *args)  # noqa: E731
+    if not emit:
+        return _pallas(kernel, "atk_bwd_initial", args, in_specs, [state], [f32((N, H, K))],
+                       (B, H, nk), num_warps, interpret)
     out_shape = [f32(k.shape), f32((B, T, H, nk * AUX))] + ([f32(k.shape)] if has_g else []) + [
         f32((N, H, K))]
     out_specs = [seq_k, daux_spec] + ([seq_k] if has_g else []) + [state]

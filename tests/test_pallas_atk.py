@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AbstractDevice, AbstractMesh
 
 import precond_linattn as pla
 from pallas_kernels import REGISTRY
@@ -149,3 +150,66 @@ def test_unsupported_calls_raise():
     with pytest.raises(ValueError, match="options"):
         atk_pallas(y["k"], y["log_decay"], y["gain"], y["center"], 1.5, 1e-6, None, None, 64,
                    Options(block_k=24))
+
+
+@pytest.mark.parametrize("decay", ["head", "channel"])
+@pytest.mark.parametrize("pieces, initial", [(2, True), (4, False)])
+def test_sequence_pieces(monkeypatch, decay, pieces, initial):
+    """Dense rows cut into pieces (T = 37 padded to whole 4-token blocks in every piece): the
+    pass from zero, the chain of piece states (forward, and backward from the last piece down)
+    and the full pass give the reference's k̃, final state and gradients. The chain ran once
+    each way; packed documents are never split."""
+    from pallas_kernels import atk_precond
+    chains = []
+    real = atk_precond._chain
+    monkeypatch.setattr(atk_precond, "_chain",
+                        lambda *a, **kw: chains.append(kw.get("reverse", False)) or real(*a, **kw))
+    options = Options(block_t=4, sequence_pieces=pieces)
+    inp = make_inputs(9, decay=decay)
+    names = NAMES if initial else NAMES[:-1]
+    assert_runs_match(run("pallas", inp, initial=initial, options=options),
+                      run("reference", inp, initial=initial), 1e-5, names)
+    assert sorted(chains) == [False, True]
+    cu = jnp.asarray([0, 9, 37], jnp.int32)
+    inp1 = make_inputs(9, b=1, n_init=2, decay=decay)
+    assert_runs_match(run("pallas", inp1, cu_seqlens=cu, options=options),
+                      run("reference", inp1, cu_seqlens=cu), 1e-5)
+    assert len(chains) == 2
+
+
+def test_auto_pieces_and_bad_pieces():
+    """auto_pieces: a power of two, programs x pieces within TARGET_PROGRAMS, pieces of at least
+    MIN_PIECE tokens; a bad count is a ValueError naming it."""
+    from pallas_kernels.atk_precond import MIN_PIECE, TARGET_PROGRAMS, auto_pieces
+    for programs, T in [(256, 2048), (32, 2048), (8, 32768), (2048, 2048), (32, 100)]:
+        p = auto_pieces(programs=programs, T=T)
+        assert p & (p - 1) == 0 and (p == 1 or (programs * p <= TARGET_PROGRAMS
+                                                and T // p >= MIN_PIECE))
+        assert 2 * programs * p > TARGET_PROGRAMS or T // (2 * p) < MIN_PIECE
+    assert auto_pieces(programs=32, T=2048) == 16 and auto_pieces(programs=2048, T=2048) == 1
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match="sequence_pieces"):
+            Options(sequence_pieces=bad)
+
+
+@pytest.mark.parametrize("decay", ["head", "channel"])
+def test_sequence_pieces_lower_for_cuda(decay):
+    """The split's four kernels (the recurrence alone and the full pass, each way) go through the
+    Triton lowering for CUDA (no GPU needed: an abstract H100 mesh); K = 128, bf16, T = 300."""
+    b, t = 2, 300
+    g_shape = (b, t, H) if decay == "head" else (b, t, H, 128)
+    args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in (
+        ((b, t, H, 128), jnp.bfloat16), (g_shape, jnp.float32), ((b, t, H), jnp.bfloat16),
+        ((H,), jnp.float32))]
+
+    def loss(k, g, gain, c):
+        kw, final = atk_pallas(k, g, gain, c, 1.5, 1e-6, None, None, 64,
+                               Options(sequence_pieces=2), interpret=False)
+        return jnp.sum(kw.astype(jnp.float32) ** 2) + jnp.sum(final)
+
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+        device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132))
+    with jax.sharding.use_abstract_mesh(mesh):
+        lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(*args).lower(
+            lowering_platforms=("cuda",))
+    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 4
