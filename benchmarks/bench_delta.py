@@ -32,6 +32,7 @@ import numpy as np
 
 import precond_linattn as pla
 from pallas_kernels.delta_rule import Options, delta_rule_pallas
+from precond_linattn.layers.init import a_log_init, dt_bias_init
 
 DECAYS = {"deltanet": None, "gdn": 3, "kda": 4}
 BARS = {"bfloat16": (6e-3, 8e-3), "float32": (1e-4, 1e-4)}
@@ -42,8 +43,11 @@ def elapsed():
     return time.perf_counter() - START
 
 
-def make_inputs(key, B, T, H, D, decay, dtype, n_docs=None):
-    """Layer-like inputs: unit q, k; k̃ = d ⊙ k, d in [0.5, 2]; β = σ(x); g = log σ(x + 4)."""
+def make_inputs(key, B, T, H, D, decay, dtype, n_docs=None, gates="mild"):
+    """Layer-like inputs: unit q, k; k̃ = d ⊙ k, d in [0.5, 2]; β = σ(x); g = log σ(x + 4)
+    (``gates="mild"``, ~−0.02 a token) or as the layers at init (``"layer"``: −exp(A_log)
+    softplus(x + dt_bias) with A_log, dt_bias from ``layers.init``, x ~ N(0, 1): down to ~−10 a
+    token, so some KDA chunks take the WY kernels' unfactored paths)."""
     ks = jax.random.split(key, 9)
     unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
     k = unit(jax.random.normal(ks[1], (B, T, H, D)))
@@ -53,7 +57,13 @@ def make_inputs(key, B, T, H, D, decay, dtype, n_docs=None):
              beta=jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H))))
     if decay is not None:
         shape = (B, T, H) if decay == 3 else (B, T, H, D)
-        x["g"] = jax.nn.log_sigmoid(jax.random.normal(ks[5], shape) + 4.0)
+        if gates == "mild":
+            x["g"] = jax.nn.log_sigmoid(jax.random.normal(ks[5], shape) + 4.0)
+        else:
+            ka, kd = jax.random.split(ks[8])
+            A_log = a_log_init(0.0 if decay == 3 else 1.0)(ka, (H,) + (1,) * (decay - 3))
+            dt_bias = dt_bias_init(kd, shape[2:])
+            x["g"] = -jnp.exp(A_log) * jax.nn.softplus(jax.random.normal(ks[5], shape) + dt_bias)
     x = {n: a if n == "g" else a.astype(dtype) for n, a in x.items()}  # gates stay float32
     if n_docs is not None:
         x["s0"] = jax.random.normal(ks[6], (n_docs, H, D, D), jnp.float32)
@@ -333,6 +343,8 @@ def main():
     p.add_argument("--budget-s", type=float, default=420,
                    help="start no new item after this many seconds from process start")
     p.add_argument("--poison-gib", type=float, default=4.0)
+    p.add_argument("--gates", choices=["mild", "layer"], default="mild",
+                   help="decay distribution of the inputs (make_inputs)")
     a = p.parse_args()
     POISON_GIB[0] = a.poison_gib
     B, T, H, D = a.shape
@@ -351,7 +363,8 @@ def main():
     variants = [variant(v) for v in a.variants.split(",")]
     names = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
     check_dtypes = [names[d] for d in a.check_dtypes.split(",")]
-    inputs = {core: make_inputs(jax.random.fold_in(key, 7), B, T, H, D, decay, jnp.bfloat16)[0]
+    inputs = {core: make_inputs(jax.random.fold_in(key, 7), B, T, H, D, decay, jnp.bfloat16,
+                                gates=a.gates)[0]
               for core, decay in DECAYS.items()} if "time" in sections else {}
     for n_variant, opt in enumerate(variants):
         tag = variant_tag(opt)
@@ -360,7 +373,8 @@ def main():
             for core in DECAYS:
                 def one(dtype=dtype, core=core):
                     k1, k2 = jax.random.split(jax.random.fold_in(key, len(results)))
-                    x, kc = make_inputs(k1, B, T, H, D, DECAYS[core], dtype, n_docs=B)
+                    x, kc = make_inputs(k1, B, T, H, D, DECAYS[core], dtype, n_docs=B,
+                                        gates=a.gates)
                     name = f"{core} {jnp.dtype(dtype).name} {tag}"
                     return check(name, op("pallas", opt), op("chunked"), x, kc, dtype)
                 results.append(guarded(f"check {tag} {core}", one))
@@ -385,7 +399,8 @@ def main():
                 label, jla_ops()[f] if isinstance(f, str) else f, inputs[core], a.reps)))
     for opt in variants if "breakdown" in sections else ():
         for core in a.breakdown_cores.split(","):
-            x, _ = make_inputs(jax.random.fold_in(key, 8), B, T, H, D, DECAYS[core], jnp.bfloat16)
+            x, _ = make_inputs(jax.random.fold_in(key, 8), B, T, H, D, DECAYS[core], jnp.bfloat16,
+                               gates=a.gates)
             guarded(f"breakdown {core}", lambda: breakdown(core, x, a.reps, opt))
 
     print(f"\n{'check':40s} {'ok':>5s} {'err_o':>9s} {'err_final':>9s} {'err_grad':>9s}")

@@ -8,17 +8,19 @@ rows, Γ = exp γ, e_ij = exp(γ_i − γ_j) [K]):
     L = strict_tril(Diag(β) A)    T = (I + L)^-1                  (doubling product)
     W = T Diag(β)(K ⊙ Γ)    U = T Diag(β) V    K̃' = K̃ ⊙ Γ_C/Γ    Q' = Q ⊙ Γ    Γ_C = exp γ_C [K]
 
-exp(γ_i − γ_j) overflows over a whole chunk for i < j, so the grams are formed by 16-row blocks
-as ``gram.decayed_gram`` does: for blocks I > J, r the first row of I,
-A[I, J] = (K_I ⊙ exp(γ_I − γ_r))(K̃_J ⊙ exp(γ_r − γ_J))ᵀ (both exponents <= 0; one masked [C, C]
-dot per block I). The blocks I = J: where every |γ_i − γ_m(i)| <= DIAG_BOUND in a key tile (m(i)
-= 16⌊i/16⌋ + 8, the middle row of i's block), all four at once by one more masked dot,
-(K ⊙ exp(γ − γ_m))(K̃ ⊙ exp(γ_m − γ))ᵀ (every factor and product of two finite); else summed
-over 16 steps, step t adding the column c(i) = 16⌊i/16⌋ + t of every row i >= c(i) (its k̃ and
-γ rows loaded from the refs). Before both: where every |γ_i − γ_{C/2}| <= DIAG_BOUND in the key
-tile (a chunk that decays by at most ~40 per channel), the whole gram is one factored dot
-through the chunk's middle row, as with a scalar decay. ``lax.cond`` per key tile chooses; the
-pullback makes the same choices.
+exp(γ_i − γ_j) overflows over a whole chunk for i < j. Where every |γ_i − γ_{C/2}| <= DIAG_BOUND
+in a key tile (a chunk that decays by at most ~40 per channel) the gram is one factored dot
+through the chunk's middle row, (K ⊙ exp(γ − γ_{C/2}))(K̃ ⊙ exp(γ_{C/2} − γ))ᵀ, masked to i >= j
+(every factor and product of two finite), as with a scalar decay. Otherwise, for any decay, by
+halving: at level h = C/2, C/4, ..., 1 the rows fall into blocks of 2h, each an upper and a lower
+half, and with r(i) = 2h⌊i/2h⌋ + h (the first row of i's lower half) the entries (i in a lower
+half, j in the upper half of the same block) are
+
+    A_ij = Σ_k (k_ik exp(γ_ik − γ_r,k)) (k̃_jk exp(γ_r,k − γ_jk))     (both exponents <= 0)
+
+one masked [C, C] dot a level (log2 C of them) covering every entry below the diagonal once;
+the diagonal is Σ_k k_ik k̃_ik. ``lax.cond`` per key tile chooses; the pullback makes the same
+choice.
 
 Pullback (cotangents dW, dU, dK̃', dQ', dP, dΓ_C [K]): with dT, dL as in ``wy_triton``,
 G_K = Diag(β) dL, G_Q = tril(dP) and the grams' pullback through the same blocks,
@@ -31,7 +33,7 @@ G_K = Diag(β) dL, G_Q = tril(dP) and the grams' pullback through the same block
          + δ_{i,C−1} (colsum(dK̃' ⊙ K̃') + Γ_C ⊙ dΓ_C)
 
 (A and P depend on γ only through γ_i − γ_j, so their part of dγ is the first three terms; the
-blocks' reference rows get none.) This is the exact pullback of ``delta_rule.prepare``.
+reference rows get none.) This is the exact pullback of ``delta_rule.prepare``.
 """
 
 import functools
@@ -41,10 +43,8 @@ from jax import lax
 
 from pallas_kernels.triton_common import Dots, iota2, out_struct, unit_lower_inverse
 from pallas_kernels.wy_triton import call, layout, tiles, u_bwd, u_fwd, wy_shapes
-from precond_linattn.chunked.gram import SUB_BLOCK as SUB
-
 f32 = jnp.float32
-DIAG_BOUND = 20.0  # |γ_i − γ_ref| up to which a gram factors through row ref (products <= e^40)
+DIAG_BOUND = 20.0  # |γ_i − γ_{C/2}| up to which a gram factors whole (products <= e^40)
 
 
 def _row_ids(C, K):
@@ -52,58 +52,23 @@ def _row_ids(C, K):
     return lax.broadcasted_iota(jnp.int32, (C, K), 0)
 
 
-def _off_blocks(g, g_ref, cols):
-    """For each 16-row block I >= 1 (r = 16 I): (ex, ey, M) with ex = exp(γ − γ_r) on rows >= r,
-    ey = exp(γ_r − γ) on rows < r (0 elsewhere) [C, BK] for the key columns ``cols`` (g = γ
-    there), and M [C, C] the entries (i in I, j < r), those of the gram blocks below the diagonal
-    that (X ⊙ ex)(Y ⊙ ey)ᵀ gives."""
+def _levels(g, g_ref, cols):
+    """For each level h = C/2, ..., 1 of the module docstring: (ex, ey, M) with ex = exp(γ − γ_r)
+    on lower-half rows, ey = exp(γ_r − γ) on upper-half rows (0 elsewhere) [C, BK] for the key
+    columns ``cols`` (g = γ there; γ_r gathered row by row from ``g_ref``), and M [C, C] the
+    level's entries, those that (X ⊙ ex)(Y ⊙ ey)ᵀ gives."""
     C, BK = g.shape
     row = _row_ids(C, BK)
+    rows = lax.broadcasted_iota(jnp.int32, (C,), 0)
     i, j = iota2(C)
-    for blk in range(1, C // SUB):
-        r = blk * SUB
-        gr = g_ref[r, cols].astype(f32)[None, :]
-        ex = jnp.exp(jnp.where(row >= r, g - gr, -jnp.inf))
-        ey = jnp.exp(jnp.where(row < r, gr - g, -jnp.inf))
-        yield ex, ey, (i // SUB == blk) & (j < r)
-
-
-def _block_rows(t, refs, cols, C):
-    """For each ref, the [C, BK] tile of its key columns ``cols`` whose row i is the ref's row
-    16⌊i/16⌋ + t (row t of i's 16-row block), float32."""
-    out = []
-    for ref in refs:
-        x = None
-        for blk in range(C // SUB):
-            r = ref[blk * SUB + t, cols].astype(f32)[None, :]
-            x = r if x is None else jnp.where(_row_ids(C, r.shape[1]) // SUB == blk, r, x)
-        out.append(x)
-    return out
-
-
-def _diag_step(t, g, g_ref, kw_ref, cols):
-    """Step t of the diagonal blocks, key columns ``cols``: (k̃_c, γ_c, e, sel) with k̃_c, γ_c
-    [C, BK] row i = k̃, γ of row c(i) = 16⌊i/16⌋ + t, e = exp(γ_i − γ_c(i)) for i >= c(i) (0 else),
-    sel [C, C] the entries (i, c(i))."""
-    C, BK = g.shape
-    kc, gc = _block_rows(t, (kw_ref, g_ref), cols, C)
-    e = jnp.exp(jnp.where(_row_ids(C, BK) % SUB >= t, g - gc, -jnp.inf))
-    i, j = iota2(C)
-    return kc, gc, e, j == (i // SUB) * SUB + t
-
-
-def _tile(refs, cols):
-    """The key columns ``cols`` of each ref, float32 [C, BK]."""
-    return [r[:, cols].astype(f32) for r in refs]
-
-
-def _diag_blocks(g, g_ref, cols):
-    """(x, M): x = γ − γ_m(i) [C, BK] for the key columns ``cols`` (g = γ there; m(i) = 16⌊i/16⌋
-    + 8) and M [C, C] the entries of the diagonal blocks on and below the diagonal."""
-    C = g.shape[0]
-    (gm,) = _block_rows(SUB // 2, (g_ref,), cols, C)
-    i, j = iota2(C)
-    return g - gm, (i // SUB == j // SUB) & (i >= j)
+    h = C // 2
+    while h >= 1:
+        gr = g_ref[rows // (2 * h) * (2 * h) + h, cols].astype(f32)
+        low = row % (2 * h) >= h
+        ex = jnp.exp(jnp.where(low, g - gr, -jnp.inf))
+        ey = jnp.exp(jnp.where(low, -jnp.inf, gr - g))
+        yield ex, ey, (i // (2 * h) == j // (2 * h)) & (i % (2 * h) >= h) & (j % (2 * h) < h)
+        h //= 2
 
 
 def _factorable(x):
@@ -117,36 +82,31 @@ def _gram_blocks(grams, rows, kw, ex, ey, M, dots):
     return tuple(X + jnp.where(M, dots.nt(Z * ex, Y), 0.0) for X, Z in zip(grams, rows))
 
 
-def _tile_grams(grams, rows, kw, g, g_ref, kw_ref, cols, dots):
-    """grams + one key tile's share (``_grams``): the whole chunk by one factored dot through its
-    middle row where the tile allows (``_factorable``), else the 16-row blocks."""
-    C = g.shape[0]
-    x = g - g_ref[C // 2, cols].astype(f32)[None, :]
-    i, j = iota2(C)
+def _tile(refs, cols):
+    """The key columns ``cols`` of each ref, float32 [C, BK]."""
+    return [r[:, cols].astype(f32) for r in refs]
+
+
+def _to_middle(g, g_ref, cols):
+    """γ − γ_{C/2} [C, BK] for the key columns ``cols`` (g = γ there)."""
+    return g - g_ref[g.shape[0] // 2, cols].astype(f32)[None, :]
+
+
+def _tile_grams(grams, rows, kw, g, g_ref, cols, dots):
+    """grams + one key tile's share (``_grams``): whole or by halving (module docstring)."""
+    x = _to_middle(g, g_ref, cols)
+    i, j = iota2(g.shape[0])
 
     def whole(grams):
         return _gram_blocks(grams, rows, kw, jnp.exp(x), jnp.exp(-x), i >= j, dots)
 
-    def blocked(grams):
-        for ex, ey, M in _off_blocks(g, g_ref, cols):
+    def halving(grams):
+        for ex, ey, M in _levels(g, g_ref, cols):
             grams = _gram_blocks(grams, rows, kw, ex, ey, M, dots)
-        xd, Md = _diag_blocks(g, g_ref, cols)
+        return tuple(X + jnp.where(i == j, jnp.sum(Z * kw, axis=1)[:, None], 0.0)
+                     for X, Z in zip(grams, rows))
 
-        def factored(grams):
-            return _gram_blocks(grams, rows, kw, jnp.exp(xd), jnp.exp(-xd), Md, dots)
-
-        def looped(grams):
-            def step(t, grams):
-                kc, _, e, sel = _diag_step(t, g, g_ref, kw_ref, cols)
-                F = kc * e
-                return tuple(X + jnp.where(sel, jnp.sum(Z * F, axis=1)[:, None], 0.0)
-                             for X, Z in zip(grams, rows))
-
-            return lax.fori_loop(0, SUB, step, grams)
-
-        return lax.cond(_factorable(xd), factored, looped, grams)
-
-    return lax.cond(_factorable(x), whole, blocked, grams)
+    return lax.cond(_factorable(x), whole, halving, grams)
 
 
 def _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, with_p=True):
@@ -156,7 +116,7 @@ def _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, with_p=True):
     grams = (jnp.zeros((C, C), f32),) * (2 if with_p else 1)
     for cols in key_tiles:
         q, k, kw, g = _tile((q_ref, k_ref, kw_ref, g_ref), cols)
-        grams = _tile_grams(grams, (k, q)[:len(grams)], kw, g, g_ref, kw_ref, cols, dots)
+        grams = _tile_grams(grams, (k, q)[:len(grams)], kw, g, g_ref, cols, dots)
     return grams
 
 
@@ -168,53 +128,29 @@ def _blocks_vjp(GK, GQ, M, q, k, kw, ex, ey, dots):
             (dots.tn(GKm, k * ex) + dots.tn(GQm, q * ex)) * ey)
 
 
-def _grams_vjp(GK, GQ, q, k, kw, g, refs, cols, dots):
-    """(dK_A, dQ_P, dK̃_AP) [C, BK] for the key columns ``cols`` (q, k, kw, g their tiles; refs =
-    (q_ref, k_ref, kw_ref, g_ref)): the pullback of (A, P) = ``_grams`` along (G_K, G_Q) in K, Q
-    and K̃ (module docstring), by the same choices as there. Looped, step t adds to row i of dK,
-    dQ the terms of column c(i) and to row j of dK̃ those of row c(j) (both 16⌊·/16⌋ + t),
-    reading G at (c(j), j) from Gᵀ: every reduction runs along a row."""
-    q_ref, k_ref, kw_ref, g_ref = refs
-    C, BK = k.shape
-    x = g - g_ref[C // 2, cols].astype(f32)[None, :]
-    i, j = iota2(C)
+def _add(xs, ys):
+    return tuple(x + y for x, y in zip(xs, ys))
+
+
+def _grams_vjp(GK, GQ, q, k, kw, g, g_ref, cols, dots):
+    """(dK_A, dQ_P, dK̃_AP) [C, BK] for the key columns ``cols`` (q, k, kw, g their tiles): the
+    pullback of (A, P) = ``_grams`` along (G_K, G_Q) in K, Q and K̃ (module docstring), by the
+    same choice as there."""
+    x = _to_middle(g, g_ref, cols)
+    i, j = iota2(g.shape[0])
 
     def whole():
         return _blocks_vjp(GK, GQ, i >= j, q, k, kw, jnp.exp(x), jnp.exp(-x), dots)
 
-    def blocked():
-        acc = (jnp.zeros((C, BK), f32),) * 3
-        for ex, ey, M in _off_blocks(g, g_ref, cols):
+    def halving():
+        gk = jnp.sum(jnp.where(i == j, GK, 0.0), axis=1)[:, None]  # the diagonal's G_ii
+        gq = jnp.sum(jnp.where(i == j, GQ, 0.0), axis=1)[:, None]
+        acc = (gk * kw, gq * kw, gk * k + gq * q)
+        for ex, ey, M in _levels(g, g_ref, cols):
             acc = _add(acc, _blocks_vjp(GK, GQ, M, q, k, kw, ex, ey, dots))
-        xd, Md = _diag_blocks(g, g_ref, cols)
+        return acc
 
-        def factored(acc):
-            return _add(acc, _blocks_vjp(GK, GQ, Md, q, k, kw, jnp.exp(xd), jnp.exp(-xd), dots))
-
-        def looped(acc):
-            GKt, GQt = GK.T, GQ.T
-            row = _row_ids(C, BK)
-
-            def step(t, acc):
-                dk, dq, dkw = acc
-                kc, gc, e, sel = _diag_step(t, g, g_ref, kw_ref, cols)
-                gk = jnp.sum(jnp.where(sel, GK, 0.0), axis=1)[:, None]  # G[i, c(i)]
-                gq = jnp.sum(jnp.where(sel, GQ, 0.0), axis=1)[:, None]
-                gkt = jnp.sum(jnp.where(sel, GKt, 0.0), axis=1)[:, None]  # G[c(j), j]
-                gqt = jnp.sum(jnp.where(sel, GQt, 0.0), axis=1)[:, None]
-                kr, qr = _block_rows(t, (k_ref, q_ref), cols, C)
-                et = jnp.exp(jnp.where(row % SUB <= t, gc - g, -jnp.inf))  # exp(γ_c(j) − γ_j)
-                return dk + gk * kc * e, dq + gq * kc * e, dkw + (gkt * kr + gqt * qr) * et
-
-            return lax.fori_loop(0, SUB, step, acc)
-
-        return lax.cond(_factorable(xd), factored, looped, acc)
-
-    return lax.cond(_factorable(x), whole, blocked)
-
-
-def _add(xs, ys):
-    return tuple(x + y for x, y in zip(xs, ys))
+    return lax.cond(_factorable(x), whole, halving)
 
 
 def _fwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, W_ref, U_ref, kwt_ref, qd_ref,
@@ -268,8 +204,7 @@ def _bwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, T_ref, dW_ref, dU_
     # sweep 2: the grams' pullback, Q' = Q ⊙ Γ, K̃' = K̃ ⊙ Γ_C/Γ, Γ_C
     for cols in key_tiles:
         q, k, kw, g = _tile((q_ref, k_ref, kw_ref, g_ref), cols)
-        dkA, dqP, dkwAP = _grams_vjp(GK, GQ, q, k, kw, g, (q_ref, k_ref, kw_ref, g_ref), cols,
-                                     dots)
+        dkA, dqP, dkwAP = _grams_vjp(GK, GQ, q, k, kw, g, g_ref, cols, dots)
         g_last = g_ref[C - 1, cols].astype(f32)
         Gam = jnp.exp(g)
         dKg = dots.tn(T, dW_ref[:, cols])

@@ -140,49 +140,41 @@ def vector_case(rand, c, k_dim, dtype, block_k, decays):
     (32, 16, jnp.bfloat16, 64), (32, 32, jnp.float32, 16)])
 def test_vector_decay_matches_prepare(rand, c, k_dim, dtype, block_k):
     """Per-channel decay: outputs and every cotangent against ``prepare``. Decays down to −20 per
-    token (exp(γ_i − γ_j) over a chunk would overflow; Γ underflows to 0 in places, and neither
-    the chunk nor its diagonal blocks can factor: they are summed column by column). K = 32 with
-    block_k 16: the grams summed over two key tiles, the pullback tile by tile."""
+    token (exp(γ_i − γ_j) over a chunk would overflow; Γ underflows to 0 in places; the grams
+    by halving). K = 32 with block_k 16: the grams summed over two key tiles, the pullback tile
+    by tile."""
     (got_wy, got_grads), (want_wy, want_grads) = vector_case(rand, c, k_dim, dtype, block_k,
                                                              [(0.01, 20.0)])
     check(got_wy, want_wy, 2e-6, WY)
     check(got_grads, want_grads, 2e-6, GRADS)
 
 
-@pytest.mark.parametrize("decays, block_k, poisoned, exact", [
-    ([(0.01, 0.5)], 64, ("_diag_step", "_off_blocks"), True),
-    ([(1.5, 2.4)], 64, ("_diag_step",), True),
-    ([(0.01, 0.5), (1.5, 2.4)], 16, ("_off_blocks", "_diag_step"), False),
-    ([(0.01, 0.5), (1.5, 2.4)], 16, ("_diag_step",), True),
-    ([(0.01, 20.0)], 64, ("_diag_step",), False)],
-    ids=["whole_chunk", "diagonal_blocks", "tile_blocked", "tiles_whole_and_diagonal", "looped"])
-def test_vector_decay_factored_paths(rand, monkeypatch, decays, block_k, poisoned, exact):
+@pytest.mark.parametrize("decays, block_k, exact", [
+    ([(0.01, 0.5)], 64, True), ([(0.01, 0.5), (1.5, 2.4)], 16, False), ([(1.5, 2.4)], 64, False)],
+    ids=["whole_chunk", "one_tile_each", "halving"])
+def test_vector_decay_paths(rand, monkeypatch, decays, block_k, exact):
     """Which path each key tile takes (C = 32, K = 32): a chunk whose decay stays within
-    DIAG_BOUND of its middle row (<= 0.5 a token) as one factored dot; one that decays 24-38 but
-    at most 19.2 over half a 16-row block by the blocks with factored diagonal blocks; one that
-    decays up to 20 a token by the column steps. Pieces are poisoned (their results moved): where
-    a poisoned piece runs the results are wrong, so "exact" shows it did not run in the forward
-    or the pullback, and not exact that it did (block_k 16: a mild tile and a moderate one)."""
+    DIAG_BOUND of its middle row (<= 0.5 a token) as one factored dot, one that decays 24-38 by
+    halving. The halving levels are poisoned (their results moved): where they run the results
+    are wrong, so "exact" shows they did not run in the forward or the pullback, and not exact
+    that they did (block_k 16: a mild tile and a moderate one); unpoisoned, both are exact."""
     from pallas_kernels import wy_vector_triton as wv
-    real_step, real_off = wv._diag_step, wv._off_blocks
+    real = wv._levels
 
-    def diag_step(*args):
-        kc, gc, e, sel = real_step(*args)
-        return kc + 1.0, gc, e, sel
-
-    def off_blocks(*args):
-        for ex, ey, M in real_off(*args):
+    def poisoned(*args):
+        for ex, ey, M in real(*args):
             yield ex + 1.0, ey, M
 
-    for name in poisoned:
-        monkeypatch.setattr(wv, name, dict(_diag_step=diag_step, _off_blocks=off_blocks)[name])
+    monkeypatch.setattr(wv, "_levels", poisoned)
     (got_wy, got_grads), (want_wy, want_grads) = vector_case(rand, 32, 32, jnp.float32, block_k,
                                                              decays)
-    if exact:
-        check(got_wy, want_wy, 2e-6, WY)
-        check(got_grads, want_grads, 2e-6, GRADS)
-    else:
-        assert max(rel_err(a, b) for a, b in zip([*got_wy, *got_grads], [*want_wy, *want_grads])) > 1e-2
+    errs = [rel_err(a, b) for a, b in zip([*got_wy, *got_grads], [*want_wy, *want_grads])]
+    assert max(errs) <= 2e-6 if exact else max(errs) > 1e-2
+    monkeypatch.setattr(wv, "_levels", real)
+    (got_wy, got_grads), (want_wy, want_grads) = vector_case(rand, 32, 32, jnp.float32, block_k,
+                                                             decays)
+    check(got_wy, want_wy, 2e-6, WY)
+    check(got_grads, want_grads, 2e-6, GRADS)
 
 
 def test_vector_gamma_shape_is_checked(rand):
