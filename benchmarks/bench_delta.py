@@ -251,10 +251,10 @@ def breakdown(core, x, reps, options):
 
 
 def variant(v):
-    """Options from precision/block_v/num_warps[/num_stages][/fused][/recompute][/vxla][/pP]
+    """Options from precision/block_v/num_warps[/num_stages][/fused][/recompute][/vxla|/vhalving][/pP]
     [/kN][/bwN][/sN][/hbf16|/h32][/wbf16][/qP][/oserial|/okernel][/dserial|/dkernel]
-    [/mosaic|/triton][/cpN] (vxla:
-    ``Options.vector_wy`` = "xla"; pP: ``Options.parallel_precision`` = P, e.g. ptf32, pbf16;
+    [/mosaic|/triton][/cpN] (vxla / vhalving:
+    ``Options.vector_wy`` = "xla" / "halving"; pP: ``Options.parallel_precision`` = P, e.g. ptf32, pbf16;
     kN: ``Options.block_k`` = N; bwN: ``Options.pullback_warps`` = N; sN:
     ``Options.serial_block_v`` = N; hbf16 / h32:
     ``Options.state_dtype`` = "bfloat16" / "float32"; wbf16: ``Options.wy_dtype`` =
@@ -276,7 +276,8 @@ def variant(v):
     return Options(precision=None if f[0] == "auto" else f[0], block_v=int(f[1]),
                    num_warps=int(f[2]), num_stages=stages, split="fused" not in flags,
                    save_wy="recompute" not in flags,
-                   vector_wy="xla" if "vxla" in flags else "kernel",
+                   vector_wy="xla" if "vxla" in flags else "halving" if "vhalving" in flags
+                   else "kernel",
                    parallel_precision=parallel[0] if parallel else None,
                    block_k=block_k[0] if block_k else Options().block_k,
                    pullback_warps=pullback[0] if pullback else None,
@@ -296,7 +297,7 @@ def variant_tag(opt):
     """The variant string of Options ``opt`` (``variant``'s inverse, num_stages always shown)."""
     return (f"{opt.precision or 'auto'}/{opt.block_v}/{opt.num_warps}/{opt.num_stages}"
             + ("" if opt.split else "/fused") + ("" if opt.save_wy else "/recompute")
-            + ("/vxla" if opt.vector_wy == "xla" else "")
+            + ("" if opt.vector_wy == "kernel" else f"/v{opt.vector_wy}")
             + (f"/p{opt.parallel_precision}" if opt.parallel_precision else "")
             + (f"/k{opt.block_k}" if opt.block_k != Options().block_k else "")
             + (f"/bw{opt.pullback_warps}" if opt.pullback_warps else "")

@@ -68,7 +68,8 @@ class Options:
     ``vector_wy``: with a per-channel decay, the split pipeline's WY tensors and their pullback
     come from ``prepare`` and its ``jax.vjp`` in plain JAX ("xla") or from the chunk-parallel
     kernels of ``wy_vector_triton`` ("kernel", the default: KDA fwd+bwd 11.9 -> 7.4 ms and 3.2 ->
-    0.7 GiB, RESULTS run 19; then ``save_wy`` applies too).
+    0.7 GiB, RESULTS run 19; then ``save_wy`` applies too; "halving": those kernels with every
+    key tile by halving, never one factored dot: an ablation for measuring, exact).
     ``parallel_precision``: that of the dots in the split pipeline's chunk-parallel kernels whose
     results do not feed the state recurrence (outputs, dO products, per-chunk cotangents, the WY
     pullback); None picks "bf16" when ``precision`` is None and q, k, k̃, v are all 16-bit
@@ -124,13 +125,14 @@ class Options:
     num_stages: int = 2  # software pipelining of the serial loops' loads (RESULTS run 13)
     split: bool = True  # the split kernels (state_*_triton) instead of the fused delta_fwd/bwd
     save_wy: bool = True  # split: keep the WY tensors for the backward (not with vector_wy="xla")
-    vector_wy: str = "kernel"  # "kernel" | "xla": the per-channel-decay WY step
+    vector_wy: str = "kernel"  # "kernel" | "halving" | "xla": the per-channel-decay WY step
     serial_backend: str | None = None  # split: "triton" | "mosaic" serial state passes
     sequence_pieces: int | None = None  # mosaic: the serial passes over pieces run in parallel
 
     def __post_init__(self):
-        if self.vector_wy not in ("xla", "kernel"):
-            raise ValueError(f"Options.vector_wy must be 'xla' or 'kernel', got {self.vector_wy!r}")
+        if self.vector_wy not in ("xla", "kernel", "halving"):
+            raise ValueError("Options.vector_wy must be 'xla', 'kernel' or 'halving', got "
+                             f"{self.vector_wy!r}")
         if self.state_dtype not in (None, "float32", "bfloat16"):
             raise ValueError("Options.state_dtype must be None, 'float32' or 'bfloat16', got "
                              f"{self.state_dtype!r}")
@@ -261,10 +263,12 @@ def _wy_kernel(cfg, kernel, ins, cts=None):
         axes |= _WY_OUT
         out_axes = tuple(a for a, x in zip(in_axes.values(), ins[:6]) if x is not None)
         dots, warps = cfg.pdots, o.pullback_warps or (8 if cfg.decay == "scalar" else o.num_warps)
+    static = {} if cts is not None else dict(out_dtype=jnp.dtype(o.wy_dtype))
+    if cfg.decay == "vector":
+        static["whole_first"] = o.vector_wy == "kernel"
     outs = _kernel_call(cfg, kernel, args, axes, out_axes, chunk=cfg.chunk, block_v=o.block_v,
                         block_k=o.block_k, dots=dots, num_warps=warps,
-                        num_stages=o.num_stages,
-                        **({} if cts is not None else dict(out_dtype=jnp.dtype(o.wy_dtype))))
+                        num_stages=o.num_stages, **static)
     if cts is None:
         return outs
     outs = iter(outs)
@@ -343,7 +347,7 @@ def _core(cfg, q, k, kw, v, beta, gamma, init, doc, first, last):
 
 def _core_fwd(cfg, q, k, kw, v, beta, gamma, init, doc, first, last):
     opts = cfg.options
-    save = opts.split and opts.save_wy and (cfg.decay != "vector" or opts.vector_wy == "kernel")
+    save = opts.split and opts.save_wy and (cfg.decay != "vector" or opts.vector_wy != "xla")
     wy, extra = _wy(cfg, (q, k, kw, v, beta, gamma)) if save else (None, None)
     o, final, *saved = _forward(cfg, q, k, kw, v, beta, gamma, init, doc, first, last, True, wy)
     return (o, final), (q, k, kw, v, beta, gamma, init, doc, first, last, saved, wy, extra)

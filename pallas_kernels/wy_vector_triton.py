@@ -92,8 +92,9 @@ def _to_middle(g, g_ref, cols):
     return g - g_ref[g.shape[0] // 2, cols].astype(f32)[None, :]
 
 
-def _tile_grams(grams, rows, kw, g, g_ref, cols, dots):
-    """grams + one key tile's share (``_grams``): whole or by halving (module docstring)."""
+def _tile_grams(grams, rows, kw, g, g_ref, cols, dots, whole_first):
+    """grams + one key tile's share (``_grams``): whole or by halving (module docstring; by
+    halving only without ``whole_first``)."""
     x = _to_middle(g, g_ref, cols)
     i, j = iota2(g.shape[0])
 
@@ -106,17 +107,17 @@ def _tile_grams(grams, rows, kw, g, g_ref, cols, dots):
         return tuple(X + jnp.where(i == j, jnp.sum(Z * kw, axis=1)[:, None], 0.0)
                      for X, Z in zip(grams, rows))
 
-    return lax.cond(_factorable(x), whole, halving, grams)
+    return lax.cond(_factorable(x), whole, halving, grams) if whole_first else halving(grams)
 
 
-def _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, with_p=True):
+def _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, whole_first, with_p=True):
     """(A, P) [C, C] (module docstring; zero above the diagonal), summed over the key tiles;
     without ``with_p`` only (A,)."""
     C = k_ref.shape[0]
     grams = (jnp.zeros((C, C), f32),) * (2 if with_p else 1)
     for cols in key_tiles:
         q, k, kw, g = _tile((q_ref, k_ref, kw_ref, g_ref), cols)
-        grams = _tile_grams(grams, (k, q)[:len(grams)], kw, g, g_ref, cols, dots)
+        grams = _tile_grams(grams, (k, q)[:len(grams)], kw, g, g_ref, cols, dots, whole_first)
     return grams
 
 
@@ -132,7 +133,7 @@ def _add(xs, ys):
     return tuple(x + y for x, y in zip(xs, ys))
 
 
-def _grams_vjp(GK, GQ, q, k, kw, g, g_ref, cols, dots):
+def _grams_vjp(GK, GQ, q, k, kw, g, g_ref, cols, dots, whole_first):
     """(dK_A, dQ_P, dK̃_AP) [C, BK] for the key columns ``cols`` (q, k, kw, g their tiles): the
     pullback of (A, P) = ``_grams`` along (G_K, G_Q) in K, Q and K̃ (module docstring), by the
     same choice as there."""
@@ -150,15 +151,15 @@ def _grams_vjp(GK, GQ, q, k, kw, g, g_ref, cols, dots):
             acc = _add(acc, _blocks_vjp(GK, GQ, M, q, k, kw, ex, ey, dots))
         return acc
 
-    return lax.cond(_factorable(x), whole, halving)
+    return lax.cond(_factorable(x), whole, halving) if whole_first else halving()
 
 
 def _fwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, W_ref, U_ref, kwt_ref, qd_ref,
-                P_ref, gc_ref, T_ref, *, dots, block_v, block_k):
+                P_ref, gc_ref, T_ref, *, dots, block_v, block_k, whole_first):
     """One chunk's W, U, K̃', Q', P, Γ_C and T (module docstring), by key tiles of ``block_k``."""
     C, K = k_ref.shape
     key_tiles = tiles(K, block_k)
-    A, P = _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles)
+    A, P = _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, whole_first)
     beta = beta_ref[...].astype(f32)
     i, j = iota2(C)
     T = unit_lower_inverse(jnp.where(i > j, beta[:, None] * A, 0.0), dots)
@@ -178,13 +179,13 @@ def _fwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, W_ref, U_ref, kwt_
 
 def _bwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, T_ref, dW_ref, dU_ref, dkwt_ref,
                 dqd_ref, dP_ref, dgc_ref, dq_ref, dk_ref, dkw_ref, dv_ref, db_ref, dg_ref, *, dots,
-                block_v, block_k):
+                block_v, block_k, whole_first):
     """One chunk's dQ, dK, dK̃, dV, dβ and dγ (module docstring), T read from the forward, in two
     sweeps over key tiles of ``block_k`` (dT and dβ first; then, after dL, each tile's
     cotangents, Tᵀ dW recomputed per tile)."""
     C, K = k_ref.shape
     key_tiles = tiles(K, block_k)
-    (A,) = _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, with_p=False)
+    (A,) = _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, whole_first, with_p=False)
     T = T_ref[...]
     i, j = iota2(C)
     beta = beta_ref[...].astype(f32)
@@ -204,7 +205,7 @@ def _bwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, T_ref, dW_ref, dU_
     # sweep 2: the grams' pullback, Q' = Q ⊙ Γ, K̃' = K̃ ⊙ Γ_C/Γ, Γ_C
     for cols in key_tiles:
         q, k, kw, g = _tile((q_ref, k_ref, kw_ref, g_ref), cols)
-        dkA, dqP, dkwAP = _grams_vjp(GK, GQ, q, k, kw, g, g_ref, cols, dots)
+        dkA, dqP, dkwAP = _grams_vjp(GK, GQ, q, k, kw, g, g_ref, cols, dots, whole_first)
         g_last = g_ref[C - 1, cols].astype(f32)
         Gam = jnp.exp(g)
         dKg = dots.tn(T, dW_ref[:, cols])
@@ -221,27 +222,30 @@ def _bwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, T_ref, dW_ref, dU_
 
 
 def wy_vector_fwd(q, k, kw, v, beta, gamma, *, chunk, block_v, dots: Dots, num_warps,
-                  num_stages, block_k=64, out_dtype=jnp.float32):
+                  num_stages, block_k=64, out_dtype=jnp.float32, whole_first=True):
     """``wy_triton.wy_fwd`` for a per-channel decay, gamma [B, Tp, H, K] (the in-chunk cumsum):
     W, U, K̃', Q' [B, H, Tp, ·], P [B, H, Tp, C] (in ``out_dtype``) and Γ_C [B, H, NC, K], equal to
     ``delta_rule.prepare``'s outputs (module docstring), and T [B, H, Tp, C] for the pullback;
-    ``block_k``: key columns per tile (the grams are sums over key tiles)."""
+    ``block_k``: key columns per tile (the grams are sums over key tiles); ``whole_first``
+    False: every tile by halving (an ablation: exact, slower where a tile could factor whole)."""
     in_specs, wy_specs, grid = layout(q, v, gamma, chunk, vector=True)
     args = [q, k, kw, v, beta, gamma]
-    kernel = functools.partial(_fwd_kernel, dots=dots, block_v=block_v, block_k=block_k)
+    kernel = functools.partial(_fwd_kernel, dots=dots, block_v=block_v, block_k=block_k,
+                               whole_first=whole_first)
     return call(kernel, "wy_vector_fwd", grid, in_specs, wy_specs,
                 wy_shapes(q, v, grid, chunk, args, out_dtype), args, dots, num_warps, num_stages)
 
 
 def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *, chunk,
-                  block_v, dots: Dots, num_warps, num_stages, block_k=64):
+                  block_v, dots: Dots, num_warps, num_stages, block_k=64, whole_first=True):
     """Cotangents of q, k, kw [B, Tp, H, K], v [B, Tp, H, V], beta [B, Tp, H] and gamma
     [B, Tp, H, K] (float32) from those of ``wy_vector_fwd``'s outputs and its T (module
-    docstring); ``block_k``: key columns per tile."""
+    docstring); ``block_k``: key columns per tile; ``whole_first`` as ``wy_vector_fwd``'s."""
     in_specs, wy_specs, grid = layout(q, v, gamma, chunk, vector=True)
     args = [q, k, kw, v, beta, gamma]
     cts = [T, dW, dU, dkw_t, dq_dec, dP, dgc]
     out_shape = [out_struct(x.shape, f32, *args, *cts) for x in args]
-    kernel = functools.partial(_bwd_kernel, dots=dots, block_v=block_v, block_k=block_k)
+    kernel = functools.partial(_bwd_kernel, dots=dots, block_v=block_v, block_k=block_k,
+                               whole_first=whole_first)
     return call(kernel, "wy_vector_bwd", grid, in_specs + wy_specs[-1:] + wy_specs[:-1],
                 in_specs, out_shape, args + cts, dots, num_warps, num_stages)

@@ -147,12 +147,13 @@ def test_kernel_options_match_reference(decay, opts):
     assert_runs_match(got, run("reference", x), 2e-5)
 
 
-@pytest.mark.parametrize("vector_wy, save_wy", [("kernel", True), ("kernel", False), ("xla", True)],
-                         ids=["kernel_saved_wy", "kernel_recompute_wy", "xla"])
+@pytest.mark.parametrize("vector_wy, save_wy", [("kernel", True), ("kernel", False), ("xla", True),
+                                                ("halving", True)],
+                         ids=["kernel_saved_wy", "kernel_recompute_wy", "xla", "halving"])
 def test_vector_wy_matches_reference(vector_wy, save_wy):
     """The per-channel-decay WY step and its pullback as kernels (``vector_wy="kernel"``, the
-    default) or in plain JAX (``"xla"``), packed documents with initial states, padded head dims
-    (K = 24, V = 20)."""
+    default; ``"halving"``, the ablation) or in plain JAX (``"xla"``), packed documents with
+    initial states, padded head dims (K = 24, V = 20)."""
     cu = jnp.asarray([0, 5, 22, 37], jnp.int32)
     x = make_inputs(8, "vector", b=1, k_dim=24, v_dim=20, n_init=3)
     opts = Options(vector_wy=vector_wy, save_wy=save_wy)
