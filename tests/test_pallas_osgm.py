@@ -216,7 +216,8 @@ def poisoned(f):
 
 @pytest.mark.parametrize("case, options", [
     ("dense", PICARD), ("beta-free", PICARD), ("packed", PICARD),
-    ("dense", Options(picard_iters=8, picard_early_exit=False, scalar_aux=True))])
+    pytest.param("dense", Options(picard_iters=8, picard_early_exit=False, scalar_aux=True),
+                 marks=pytest.mark.heavy)])
 def test_picard_sweeps_match_reference(case, options, monkeypatch):
     """The forward and backward by Picard sweeps (4 programs a head), the token loops poisoned so
     that only the sweeps can give finite results: with the clip active (η = 2) k̃, the final d
