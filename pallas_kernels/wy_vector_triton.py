@@ -18,9 +18,9 @@ half, j in the upper half of the same block) are
 
     A_ij = Σ_k (k_ik exp(γ_ik − γ_r,k)) (k̃_jk exp(γ_r,k − γ_jk))     (both exponents <= 0)
 
-one masked [C, C] dot a level (log2 C of them) covering every entry below the diagonal once;
-the diagonal is Σ_k k_ik k̃_ik. ``lax.cond`` per key tile chooses; the pullback makes the same
-choice.
+one masked [C, C] dot a level (log2 C of them: C is a power of two) covering every entry below
+the diagonal once; the diagonal is Σ_k k_ik k̃_ik. ``lax.cond`` per key tile chooses; the
+pullback makes the same choice.
 
 Pullback (cotangents dW, dU, dK̃', dQ', dP, dΓ_C [K]): with dT, dL as in ``wy_triton``,
 G_K = Diag(β) dL, G_Q = tril(dP) and the grams' pullback through the same blocks,
@@ -43,6 +43,7 @@ from jax import lax
 
 from pallas_kernels.triton_common import Dots, iota2, out_struct, unit_lower_inverse
 from pallas_kernels.wy_triton import call, layout, tiles, u_bwd, u_fwd, wy_shapes
+
 f32 = jnp.float32
 DIAG_BOUND = 20.0  # |γ_i − γ_{C/2}| up to which a gram factors whole (products <= e^40)
 
