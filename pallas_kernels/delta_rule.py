@@ -104,7 +104,9 @@ class Options:
     pullback kernel's own warps; None: 8 with a scalar decay (GDN's pullback 0.99 against 1.26
     ms at 4 in run 15, fwd+bwd 1.85 against 2.01 in run 31), else ``num_warps`` (DeltaNet's
     pullback 0.93 against 0.72 ms at 8 in run 15, fwd+bwd 2.15 against 1.40 in run 31).
-    ``sequence_pieces``: the Mosaic serial passes over the sequence cut into that many pieces run
+    ``wy_warps``: the WY forward kernel's own warps (None: ``num_warps``; the per-channel-decay
+    WY kernels hold more than 255 registers a thread at 4 warps and spill, benchmarks/NOTES.md
+    v8.2). ``sequence_pieces``: the Mosaic serial passes over the sequence cut into that many pieces run
     in parallel (``sequence_split``: an extra pass with K more value columns and a chain of p
     small products buy p times the programs; dense rows, the chunks a multiple of it); None:
     ``sequence_split.auto_pieces`` with the Mosaic passes over dense rows (more than 1 only where
@@ -122,6 +124,7 @@ class Options:
     dout_in_serial: bool | None = None  # split: dO products formed in the backward state pass
     num_warps: int = 4
     pullback_warps: int | None = None  # split: the WY pullback kernel's warps (None: see above)
+    wy_warps: int | None = None  # split: the WY forward kernel's warps (None: num_warps)
     num_stages: int = 2  # software pipelining of the serial loops' loads (RESULTS run 13)
     split: bool = True  # the split kernels (state_*_triton) instead of the fused delta_fwd/bwd
     save_wy: bool = True  # split: keep the WY tensors for the backward (not with vector_wy="xla")
@@ -257,7 +260,7 @@ def _wy_kernel(cfg, kernel, ins, cts=None):
                | (dict(P=_WY_OUT["dP"]) if cfg.decay == "scalar" else {}))
     args, axes = dict(zip(in_axes, ins)), dict(in_axes)
     out_axes = tuple(_WY_OUT.values()) + tuple(_WY_T.values())
-    dots, warps = cfg.dots, o.num_warps
+    dots, warps = cfg.dots, o.wy_warps or o.num_warps
     if cts is not None:
         args |= dict(zip(_WY_OUT, cts))
         axes |= _WY_OUT

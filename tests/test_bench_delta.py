@@ -17,7 +17,7 @@ from pallas_kernels.delta_rule import Options
                                                   num_stages=1, serial_backend="triton",
                                                   output_in_serial=True, block_k=128,
                                                   serial_block_v=32)),
-    ("auto/64/4/vhalving/k32", dict(vector_wy="halving", block_k=32)),
+    ("auto/64/4/vhalving/k32/ww8", dict(vector_wy="halving", block_k=32, wy_warps=8)),
     ("auto/64/4/fused/recompute/vxla/pbf16/hbf16/wbf16/qbf16",
      dict(split=False, save_wy=False, vector_wy="xla", parallel_precision="bf16",
           state_dtype="bfloat16", wy_dtype="bfloat16", serial_precision="bf16")),
