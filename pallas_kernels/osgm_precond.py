@@ -145,6 +145,11 @@ def _coefficients(cfg, k, aux):
                         cfg.beta_aware, eps)
 
 
+def _coupling(shares):
+    """A sweep's block shares [B, H, K / block_k, T] summed into its coupling [B, T, H]."""
+    return jnp.sum(shares, 2).transpose(0, 2, 1)
+
+
 def _token_forward(cfg, k, aux, init, *, emit_d):
     return _call(cfg, osgm_fwd, [k, aux, init], ["b t h k", "b t h a", "n h k"],
                  ["b t h k", "n h k"], emit_d=emit_d)
@@ -169,7 +174,7 @@ def _picard_forward(cfg, k, aux, init, *, emit_d):
                      emit_d=emit_d, block_k=cfg.options.picard_block_k)
 
     def step(a):
-        return jnp.sum(sweep(a, False)[0], 2).transpose(0, 2, 1), None
+        return _coupling(sweep(a, False)[0]), None
 
     a, _, ok, _ = picard_iterate(step, jnp.sum(start * s, -1), PICARD_TOL,
                                  cfg.options.picard_iters, cfg.options.picard_early_exit)
@@ -222,7 +227,7 @@ def _picard_backward(cfg, k, aux, d, dkw, dfinal):
                      block_k=cfg.options.picard_block_k)
 
     def step(gamma):
-        return jnp.sum(sweep(gamma, False)[0], 2).transpose(0, 2, 1), None
+        return _coupling(sweep(gamma, False)[0]), None
 
     gamma, _, ok, _ = picard_iterate(step, jnp.zeros_like(w), PICARD_TOL,
                                      cfg.options.picard_iters, cfg.options.picard_early_exit)
@@ -230,8 +235,7 @@ def _picard_backward(cfg, k, aux, d, dkw, dfinal):
     shares, mu, dinit = sweep(gamma, True)
     eta, _, _, eps = cfg.hyper
     dk, dbeta, dr = cotangents(k.astype(jnp.float32), d, dkw.astype(jnp.float32), mu,
-                               jnp.sum(shares, 2).transpose(0, 2, 1), coefs, eta, eps,
-                               cfg.beta_aware)
+                               _coupling(shares), coefs, eta, eps, cfg.beta_aware)
     return (dk, jnp.zeros_like(aux).at[..., BETA].set(dbeta).at[..., RET].set(dr), dinit), ok
 
 
