@@ -102,11 +102,12 @@ class Options:
     for DeltaNet / GDN in run 31); None: with the Mosaic passes, not with the Triton ones.
     ``serial_block_v``: exact but measured no faster (run 19): off. ``pullback_warps``: the WY
     pullback kernel's own warps; None: 8 with a scalar decay (GDN's pullback 0.99 against 1.26
-    ms at 4 in run 15, fwd+bwd 1.85 against 2.01 in run 31), else ``num_warps`` (DeltaNet's
-    pullback 0.93 against 0.72 ms at 8 in run 15, fwd+bwd 2.15 against 1.40 in run 31).
-    ``wy_warps``: the WY forward kernel's own warps (None: ``num_warps``; the per-channel-decay
-    WY kernels hold more than 255 registers a thread at 4 warps and spill, benchmarks/NOTES.md
-    v8.2). ``sequence_pieces``: the Mosaic serial passes over the sequence cut into that many pieces run
+    ms at 4 in run 15, fwd+bwd 1.85 against 2.01 in run 31) and a vector one (below), else
+    ``num_warps`` (DeltaNet's pullback 0.93 against 0.72 ms at 8 in run 15, fwd+bwd 2.15 against
+    1.40 in run 31). ``wy_warps``: the WY forward kernel's own warps; None: 8 with a vector decay,
+    else ``num_warps`` (the per-channel-decay WY kernels hold more than 255 registers a thread at
+    4 warps and spill; 8 warps for both of them: KDA fwd+bwd 3.98 -> 3.48 ms with mild gates,
+    7.17 -> 6.01 with the layers' gates, run 44-45, benchmarks/NOTES.md v8.2). ``sequence_pieces``: the Mosaic serial passes over the sequence cut into that many pieces run
     in parallel (``sequence_split``: an extra pass with K more value columns and a chain of p
     small products buy p times the programs; dense rows, the chunks a multiple of it); None:
     ``sequence_split.auto_pieces`` with the Mosaic passes over dense rows (more than 1 only where
@@ -260,12 +261,12 @@ def _wy_kernel(cfg, kernel, ins, cts=None):
                | (dict(P=_WY_OUT["dP"]) if cfg.decay == "scalar" else {}))
     args, axes = dict(zip(in_axes, ins)), dict(in_axes)
     out_axes = tuple(_WY_OUT.values()) + tuple(_WY_T.values())
-    dots, warps = cfg.dots, o.wy_warps or o.num_warps
+    dots, warps = cfg.dots, o.wy_warps or (8 if cfg.decay == "vector" else o.num_warps)
     if cts is not None:
         args |= dict(zip(_WY_OUT, cts))
         axes |= _WY_OUT
         out_axes = tuple(a for a, x in zip(in_axes.values(), ins[:6]) if x is not None)
-        dots, warps = cfg.pdots, o.pullback_warps or (8 if cfg.decay == "scalar" else o.num_warps)
+        dots, warps = cfg.pdots, o.pullback_warps or (o.num_warps if cfg.decay == "none" else 8)
     static = {} if cts is not None else dict(out_dtype=jnp.dtype(o.wy_dtype))
     if cfg.decay == "vector":
         static["whole_first"] = o.vector_wy == "kernel"

@@ -136,10 +136,15 @@ def check_sharded(mesh, step, x, spec, out_names, summed):
 
 def atk_main(decay):
     """atk_precondition(impl="pallas") alone (per-head or per-channel decay), batch over data and
-    heads over tensor: the same checks as ``main``."""
+    heads over tensor: the same checks as ``main``. Per channel at T = 256, where the default
+    ``sequence_pieces`` (auto) cuts each row in two: the split's passes and chains run sharded."""
     mesh = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2)
-    fn, x, spec, _, summed = smap_case("atk", decay)
+    from pallas_kernels import atk_precond
+    chains, real = [], atk_precond._chain
+    atk_precond._chain = lambda *a, **kw: chains.append(kw.get("reverse", False)) or real(*a, **kw)
+    fn, x, spec, _, summed = smap_case("atk", decay, t=256 if decay == "channel" else 21)
     check_sharded(mesh, fixed_loss_step(fn), x, spec, ("k", "initial_state"), summed)
+    assert (False in chains and True in chains) == (decay == "channel"), chains
 
 
 def interpret_without_vma():
@@ -164,10 +169,10 @@ def interpret_without_vma():
     mlir.register_lowering(pallas_call.pallas_call_p, lower, platform="cpu")
 
 
-def smap_case(op, atk_decay="head"):
+def smap_case(op, atk_decay="head", t=21):
     """(fn(x) -> (output, final state), inputs, their specs, the output's spec, the names of the
     gradients that are sums over K or across devices) for op = delta | osgm | atk (atk: per-head
-    or per-channel decay)."""
+    or per-channel decay, t tokens)."""
     bthk = P("data", None, "tensor", None)
     if op == "delta":  # dense, scalar decay, write key, initial states
         x = make_inputs(0, "scalar", b=B, n_init=B)
@@ -189,7 +194,7 @@ def smap_case(op, atk_decay="head"):
             return pla.osgm_precondition(x["k"], x["beta"], eta=0.5, retention=x["retention"],
                                          output_final_state=True, impl="pallas")
         return fn, x, spec, bthk, ("beta", "retention", "k")
-    x = atk_inputs(0, b=B, t=21, h=2, n_init=B, decay=atk_decay)  # centres per head only
+    x = atk_inputs(0, b=B, t=t, h=2, n_init=B, decay=atk_decay)  # centres per head only
     spec = dict(k=bthk, log_decay=bthk if atk_decay == "channel" else P("data", None, "tensor"),
                 gain=P("data", None, "tensor"), center=P("tensor"),
                 initial_state=P("data", "tensor", None))
