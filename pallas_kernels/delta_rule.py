@@ -69,7 +69,8 @@ class Options:
     come from ``prepare`` and its ``jax.vjp`` in plain JAX ("xla") or from the chunk-parallel
     kernels of ``wy_vector_triton`` ("kernel", the default: KDA fwd+bwd 11.9 -> 7.4 ms and 3.2 ->
     0.7 GiB, RESULTS run 19; then ``save_wy`` applies too; "halving": those kernels with every
-    key tile by halving, never one factored dot: an ablation for measuring, exact).
+    key tile by halving down to single rows, never a factored block: an ablation for measuring,
+    exact).
     ``parallel_precision``: that of the dots in the split pipeline's chunk-parallel kernels whose
     results do not feed the state recurrence (outputs, dO products, per-chunk cotangents, the WY
     pullback); None picks "bf16" when ``precision`` is None and q, k, k̃, v are all 16-bit
@@ -107,7 +108,8 @@ class Options:
     1.40 in run 31). ``wy_warps``: the WY forward kernel's own warps; None: 8 with a vector decay,
     else ``num_warps`` (the per-channel-decay WY kernels hold more than 255 registers a thread at
     4 warps and spill; 8 warps for both of them: KDA fwd+bwd 3.98 -> 3.48 ms with mild gates,
-    7.17 -> 6.01 with the layers' gates, run 44-45, benchmarks/NOTES.md v8.2). ``sequence_pieces``: the Mosaic serial passes over the sequence cut into that many pieces run
+    7.17 -> 6.01 with the layers' gates, runs 44-45, benchmarks/NOTES.md v8.3).
+    ``sequence_pieces``: the Mosaic serial passes over the sequence cut into that many pieces run
     in parallel (``sequence_split``: an extra pass with K more value columns and a chain of p
     small products buy p times the programs; dense rows, the chunks a multiple of it); None:
     ``sequence_split.auto_pieces`` with the Mosaic passes over dense rows (more than 1 only where

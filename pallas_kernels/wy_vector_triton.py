@@ -8,19 +8,25 @@ rows, Γ = exp γ, e_ij = exp(γ_i − γ_j) [K]):
     L = strict_tril(Diag(β) A)    T = (I + L)^-1                  (doubling product)
     W = T Diag(β)(K ⊙ Γ)    U = T Diag(β) V    K̃' = K̃ ⊙ Γ_C/Γ    Q' = Q ⊙ Γ    Γ_C = exp γ_C [K]
 
-exp(γ_i − γ_j) overflows over a whole chunk for i < j. Where every |γ_i − γ_{C/2}| <= DIAG_BOUND
-in a key tile (a chunk that decays by at most ~40 per channel) the gram is one factored dot
-through the chunk's middle row, (K ⊙ exp(γ − γ_{C/2}))(K̃ ⊙ exp(γ_{C/2} − γ))ᵀ, masked to i >= j
-(every factor and product of two finite), as with a scalar decay. Otherwise, for any decay, by
-halving: at level h = C/2, C/4, ..., 1 the rows fall into blocks of 2h, each an upper and a lower
-half, and with r(i) = 2h⌊i/2h⌋ + h (the first row of i's lower half) the entries (i in a lower
-half, j in the upper half of the same block) are
+exp(γ_i − γ_j) overflows over a whole chunk for i < j. Per key tile, s is the largest power of two
+<= C for which every |γ_i − γ_m(i)| <= DIAG_BOUND, m(i) = s⌊i/s⌋ + s/2 the middle row of i's
+block of s rows (s = 1 always qualifies: m(i) = i). The entries within one s-block are one
+factored dot through the middle rows, masked to i > j (as with a scalar decay):
+
+    A_ij = Σ_k (k_ik exp(γ_ik − γ_m,k)) (k̃_jk exp(γ_m,k − γ_jk))     (every factor <= e^40)
+
+s = C (a chunk that decays by at most ~80 per channel) is the whole gram in one dot. The entries
+across s-blocks by halving: at level h = C/2, C/4, ..., s the rows fall into blocks of 2h, each
+an upper and a lower half, and with r(i) = 2h⌊i/2h⌋ + h (the first row of i's lower half) the
+entries (i in a lower half, j in the upper half of the same block) are
 
     A_ij = Σ_k (k_ik exp(γ_ik − γ_r,k)) (k̃_jk exp(γ_r,k − γ_jk))     (both exponents <= 0)
 
-one masked [C, C] dot a level (log2 C of them: C is a power of two) covering every entry below
-the diagonal once; the diagonal is Σ_k k_ik k̃_ik. ``lax.cond`` per key tile chooses; the
-pullback makes the same choice.
+one masked [C, C] dot a level: log2(C / s) + 1 dots a gram and key tile, each entry below the
+diagonal once, exact for any decay (entries a dot computes outside its mask may overflow; they are
+discarded). The diagonal is Σ_k k_ik k̃_ik, free of γ: through a factored dot its dγ terms would
+cancel only to rounding, which where the neighbours have decayed away is all of dγ. The levels
+below s are skipped by ``lax.cond``; the pullback makes the same choice.
 
 Pullback (cotangents dW, dU, dK̃', dQ', dP, dΓ_C [K]): with dT, dL as in ``wy_triton``,
 G_K = Diag(β) dL, G_Q = tril(dP) and the grams' pullback through the same blocks,
@@ -45,7 +51,7 @@ from pallas_kernels.triton_common import Dots, iota2, out_struct, unit_lower_inv
 from pallas_kernels.wy_triton import call, layout, tiles, u_bwd, u_fwd, wy_shapes
 
 f32 = jnp.float32
-DIAG_BOUND = 20.0  # |γ_i − γ_{C/2}| up to which a gram factors whole (products <= e^40)
+DIAG_BOUND = 40.0  # |γ_i − γ_m| up to which a block factors through its middle row m
 
 
 def _row_ids(C, K):
@@ -53,28 +59,60 @@ def _row_ids(C, K):
     return lax.broadcasted_iota(jnp.int32, (C, K), 0)
 
 
-def _levels(g, g_ref, cols):
-    """For each level h = C/2, ..., 1 of the module docstring: (ex, ey, M) with ex = exp(γ − γ_r)
-    on lower-half rows, ey = exp(γ_r − γ) on upper-half rows (0 elsewhere) [C, BK] for the key
-    columns ``cols`` (g = γ there; γ_r gathered row by row from ``g_ref``), and M [C, C] the
-    level's entries, those that (X ⊙ ex)(Y ⊙ ey)ᵀ gives."""
+def _heights(C):
+    """The halving levels h = C/2, ..., 1 with log2 h."""
+    return [(C >> n, (C >> n).bit_length() - 1) for n in range(1, C.bit_length())]
+
+
+def _level(g, g_ref, cols, h):
+    """(ex, ey, M) of halving level h (module docstring): ex = exp(γ − γ_r) on lower-half rows,
+    ey = exp(γ_r − γ) on upper-half rows (0 elsewhere) [C, BK] for the key columns ``cols`` (g = γ
+    there; γ_r gathered row by row from ``g_ref``), and M [C, C] the level's entries, those that
+    (X ⊙ ex)(Y ⊙ ey)ᵀ gives."""
     C, BK = g.shape
-    row = _row_ids(C, BK)
     rows = lax.broadcasted_iota(jnp.int32, (C,), 0)
     i, j = iota2(C)
-    h = C // 2
-    while h >= 1:
-        gr = g_ref[rows // (2 * h) * (2 * h) + h, cols].astype(f32)
-        low = row % (2 * h) >= h
-        ex = jnp.exp(jnp.where(low, g - gr, -jnp.inf))
-        ey = jnp.exp(jnp.where(low, -jnp.inf, gr - g))
-        yield ex, ey, (i // (2 * h) == j // (2 * h)) & (i % (2 * h) >= h) & (j % (2 * h) < h)
-        h //= 2
+    gr = g_ref[rows // (2 * h) * (2 * h) + h, cols].astype(f32)
+    low = _row_ids(C, BK) % (2 * h) >= h
+    ex = jnp.exp(jnp.where(low, g - gr, -jnp.inf))
+    ey = jnp.exp(jnp.where(low, -jnp.inf, gr - g))
+    return ex, ey, (i // (2 * h) == j // (2 * h)) & (i % (2 * h) >= h) & (j % (2 * h) < h)
+
+
+def _to_middles(g, g_ref, cols, ls):
+    """γ − γ_m(i) [C, BK] for the key columns ``cols`` (g = γ there), m(i) the middle row of i's
+    block of s = 2^ls rows (``ls`` may be traced)."""
+    rows = lax.broadcasted_iota(jnp.int32, (g.shape[0],), 0)
+    middle = ((rows >> ls) << ls) + ((1 << ls) >> 1)
+    return g - g_ref[middle, cols].astype(f32)
 
 
 def _factorable(x):
     """Whether every |x| <= DIAG_BOUND (reduced one axis at a time, as the lowering takes it)."""
     return jnp.max(jnp.max(jnp.abs(x), axis=1)) <= DIAG_BOUND
+
+
+def _block_size(g, g_ref, cols, whole_first):
+    """log2 s (module docstring): from s = C down to the first block size whose blocks all
+    factor; 0 (s = 1: every level by halving) without ``whole_first``."""
+    if not whole_first:
+        return jnp.int32(0)
+    top = jnp.int32(g.shape[0].bit_length() - 1)
+
+    def shrink(carry):
+        ls = carry[0] - 1
+        return ls, _factorable(_to_middles(g, g_ref, cols, ls))
+
+    return lax.while_loop(lambda carry: jnp.logical_not(carry[1]), shrink,
+                          (top, _factorable(_to_middles(g, g_ref, cols, top))))[0]
+
+
+def _block(g, g_ref, cols, ls):
+    """(ex, ey, M) of the factored s-blocks (s = 2^ls): ex = exp(γ − γ_m), ey = exp(γ_m − γ)
+    [C, BK] and M [C, C] the entries i > j within one block."""
+    x = _to_middles(g, g_ref, cols, ls)
+    i, j = iota2(g.shape[0])
+    return jnp.exp(x), jnp.exp(-x), (i > j) & ((i >> ls) == (j >> ls))
 
 
 def _gram_blocks(grams, rows, kw, ex, ey, M, dots):
@@ -88,27 +126,19 @@ def _tile(refs, cols):
     return [r[:, cols].astype(f32) for r in refs]
 
 
-def _to_middle(g, g_ref, cols):
-    """γ − γ_{C/2} [C, BK] for the key columns ``cols`` (g = γ there)."""
-    return g - g_ref[g.shape[0] // 2, cols].astype(f32)[None, :]
-
-
 def _tile_grams(grams, rows, kw, g, g_ref, cols, dots, whole_first):
-    """grams + one key tile's share (``_grams``): whole or by halving (module docstring; by
-    halving only without ``whole_first``)."""
-    x = _to_middle(g, g_ref, cols)
+    """grams + one key tile's share (``_grams``): the halving levels h >= s, then the s-blocks
+    (module docstring; s = 1 without ``whole_first``)."""
+    ls = _block_size(g, g_ref, cols, whole_first)
+    for h, lh in _heights(g.shape[0]):
+        grams = lax.cond(lh >= ls,
+                         lambda gr, h=h: _gram_blocks(gr, rows, kw, *_level(g, g_ref, cols, h),
+                                                      dots),
+                         lambda gr: gr, grams)
     i, j = iota2(g.shape[0])
-
-    def whole(grams):
-        return _gram_blocks(grams, rows, kw, jnp.exp(x), jnp.exp(-x), i >= j, dots)
-
-    def halving(grams):
-        for ex, ey, M in _levels(g, g_ref, cols):
-            grams = _gram_blocks(grams, rows, kw, ex, ey, M, dots)
-        return tuple(X + jnp.where(i == j, jnp.sum(Z * kw, axis=1)[:, None], 0.0)
-                     for X, Z in zip(grams, rows))
-
-    return lax.cond(_factorable(x), whole, halving, grams) if whole_first else halving(grams)
+    grams = tuple(X + jnp.where(i == j, jnp.sum(Z * kw, axis=1)[:, None], 0.0)
+                  for X, Z in zip(grams, rows))
+    return _gram_blocks(grams, rows, kw, *_block(g, g_ref, cols, ls), dots)
 
 
 def _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, whole_first, with_p=True):
@@ -122,7 +152,7 @@ def _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, whole_first, with_p=Tru
     return grams
 
 
-def _blocks_vjp(GK, GQ, M, q, k, kw, ex, ey, dots):
+def _blocks_vjp(GK, GQ, q, k, kw, ex, ey, M, dots):
     """The pullback of ``_gram_blocks``'s entries M along (G_K, G_Q): (dK, dQ, dK̃) [C, BK]."""
     GKm, GQm = jnp.where(M, GK, 0.0), jnp.where(M, GQ, 0.0)
     Y = kw * ey
@@ -136,23 +166,20 @@ def _add(xs, ys):
 
 def _grams_vjp(GK, GQ, q, k, kw, g, g_ref, cols, dots, whole_first):
     """(dK_A, dQ_P, dK̃_AP) [C, BK] for the key columns ``cols`` (q, k, kw, g their tiles): the
-    pullback of (A, P) = ``_grams`` along (G_K, G_Q) in K, Q and K̃ (module docstring), by the
-    same choice as there."""
-    x = _to_middle(g, g_ref, cols)
+    pullback of (A, P) = ``_grams`` along (G_K, G_Q) in K, Q and K̃ (module docstring), through
+    the same levels and blocks as there."""
+    ls = _block_size(g, g_ref, cols, whole_first)
     i, j = iota2(g.shape[0])
-
-    def whole():
-        return _blocks_vjp(GK, GQ, i >= j, q, k, kw, jnp.exp(x), jnp.exp(-x), dots)
-
-    def halving():
-        gk = jnp.sum(jnp.where(i == j, GK, 0.0), axis=1)[:, None]  # the diagonal's G_ii
-        gq = jnp.sum(jnp.where(i == j, GQ, 0.0), axis=1)[:, None]
-        acc = (gk * kw, gq * kw, gk * k + gq * q)
-        for ex, ey, M in _levels(g, g_ref, cols):
-            acc = _add(acc, _blocks_vjp(GK, GQ, M, q, k, kw, ex, ey, dots))
-        return acc
-
-    return lax.cond(_factorable(x), whole, halving) if whole_first else halving()
+    gk = jnp.sum(jnp.where(i == j, GK, 0.0), axis=1)[:, None]  # the diagonal's G_ii
+    gq = jnp.sum(jnp.where(i == j, GQ, 0.0), axis=1)[:, None]
+    acc = _add((gk * kw, gq * kw, gk * k + gq * q),
+               _blocks_vjp(GK, GQ, q, k, kw, *_block(g, g_ref, cols, ls), dots))
+    for h, lh in _heights(g.shape[0]):
+        acc = lax.cond(lh >= ls,
+                       lambda a, h=h: _add(a, _blocks_vjp(GK, GQ, q, k, kw,
+                                                          *_level(g, g_ref, cols, h), dots)),
+                       lambda a: a, acc)
+    return acc
 
 
 def _fwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, W_ref, U_ref, kwt_ref, qd_ref,

@@ -130,15 +130,16 @@ def assert_vmap_matches_loop(f, args):
         np.testing.assert_allclose(got, jnp.stack(want), rtol=1e-5, atol=1e-6)
 
 
-def triton_kernels_lowered_for_cuda(loss, args):
-    """How many Triton kernels ``jax.grad(loss)`` over all of ``args`` (ShapeDtypeStructs) holds
-    once lowered for CUDA on this CPU (an abstract H100 mesh; PTX and ptxas are not reached)."""
+def triton_kernels_lowered_for_cuda(loss, args, grad=True):
+    """How many Triton kernels ``jax.grad(loss)`` over all of ``args`` (ShapeDtypeStructs; without
+    ``grad``, ``loss`` itself) holds once lowered for CUDA on this CPU (an abstract H100 mesh;
+    PTX and ptxas are not reached)."""
     from jax.sharding import AbstractDevice, AbstractMesh
     mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
         device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132))
+    fn = jax.grad(loss, argnums=tuple(range(len(args)))) if grad else loss
     with jax.sharding.use_abstract_mesh(mesh):
-        lowered = jax.jit(jax.grad(loss, argnums=tuple(range(len(args))))).trace(*args).lower(
-            lowering_platforms=("cuda",))
+        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     return lowered.as_text().count("__gpu$xla.gpu.triton")
 
 

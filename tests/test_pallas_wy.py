@@ -12,7 +12,7 @@ from pallas_kernels.triton_common import Dots
 from pallas_kernels.wy_triton import wy_bwd, wy_fwd
 from pallas_kernels.wy_vector_triton import wy_vector_bwd, wy_vector_fwd
 from precond_linattn.chunked.delta import chunk_grams
-from conftest import rel_err
+from conftest import rel_err, triton_kernels_lowered_for_cuda
 
 B, NC, H, K, V, C = 2, 3, 3, 16, 32, 16
 DOTS = Dots("tf32x3", interpret=True)
@@ -149,32 +149,65 @@ def test_vector_decay_matches_prepare(rand, c, k_dim, dtype, block_k):
     check(got_grads, want_grads, 2e-6, GRADS)
 
 
-@pytest.mark.parametrize("decays, block_k, exact", [
-    ([(0.01, 0.5)], 64, True), ([(0.01, 0.5), (1.5, 2.4)], 16, False), ([(1.5, 2.4)], 64, False)],
-    ids=["whole_chunk", "one_tile_each", "halving"])
-def test_vector_decay_paths(rand, monkeypatch, decays, block_k, exact):
-    """Which path each key tile takes (C = 32, K = 32): a chunk whose decay stays within
-    DIAG_BOUND of its middle row (<= 0.5 a token) as one factored dot, one that decays 24-38 by
-    halving. The halving levels are poisoned (their results moved): where they run the results
-    are wrong, so "exact" shows they did not run in the forward or the pullback, and not exact
-    that they did (block_k 16: a mild tile and a moderate one); unpoisoned, both are exact."""
+MILD = [(0.01, 0.5)] * 3  # the first 24 of 32 key columns
+
+
+@pytest.mark.parametrize("strong, block_k, poisoned, exact", [
+    ((0.01, 0.5), 64, 16, True),
+    ((3.0, 4.5), 64, 16, False), ((3.0, 4.5), 64, 8, True),
+    ((11.0, 19.0), 64, 4, False), ((11.0, 19.0), 64, 2, True),
+    ((45.0, 60.0), 64, 1, False),
+    ((11.0, 19.0), 16, 4, False), ((11.0, 19.0), 16, 2, True)],
+    ids=["s32_whole", "s16_runs_16", "s16_skips_8", "s4_runs_4", "s4_skips_2", "s1_runs_1",
+         "tiles_s32_s4_run_4", "tiles_s32_s4_skip_2"])
+def test_vector_decay_paths(rand, monkeypatch, strong, block_k, poisoned, exact):
+    """Which halving levels each key tile runs (C = 32, K = 32; an s-block spreads s / 2 tokens
+    from its middle row). The last 8 key columns decay by ``strong`` a token, the rest by
+    0.01-0.5; the spread is a max over a tile's columns, so 0.01-0.5 factors whole (s = 32),
+    3-4.5 in 16-row blocks (8 x 4.5 <= DIAG_BOUND < 16 x 3), 11-19 in 4-row blocks, 45-60 only
+    row by row (s = 1); with block_k 16 a mild tile (s = 32) and a strong one (s = 4). Halving
+    level h = ``poisoned`` has its results moved: "exact" shows it did not run in the forward or
+    the pullback, not exact that it did (levels h >= s run); unpoisoned, every case is exact.
+    (Mild columns keep dγ well conditioned: where every column decays by > 10 a token dγ ~ e^-11
+    is a difference of O(1) terms, and fp32 rounding is all of it: 2.6e-3 relative for the XLA
+    reference itself against float64 at 11-19 a token.)"""
+    decays = MILD + [strong]
     from pallas_kernels import wy_vector_triton as wv
-    real = wv._levels
+    real = wv._level
 
-    def poisoned(*args):
-        for ex, ey, M in real(*args):
-            yield ex + 1.0, ey, M
+    def level(g, g_ref, cols, h):
+        ex, ey, M = real(g, g_ref, cols, h)
+        return (ex + 1.0, ey + 1.0, M) if h == poisoned else (ex, ey, M)
 
-    monkeypatch.setattr(wv, "_levels", poisoned)
+    monkeypatch.setattr(wv, "_level", level)
     (got_wy, got_grads), (want_wy, want_grads) = vector_case(rand, 32, 32, jnp.float32, block_k,
                                                              decays)
     errs = [rel_err(a, b) for a, b in zip([*got_wy, *got_grads], [*want_wy, *want_grads])]
     assert max(errs) <= 2e-6 if exact else max(errs) > 1e-2
-    monkeypatch.setattr(wv, "_levels", real)
+    monkeypatch.setattr(wv, "_level", real)
     (got_wy, got_grads), (want_wy, want_grads) = vector_case(rand, 32, 32, jnp.float32, block_k,
                                                              decays)
     check(got_wy, want_wy, 2e-6, WY)
     check(got_grads, want_grads, 2e-6, GRADS)
+
+
+@pytest.mark.parametrize("whole_first", [True, False])
+def test_vector_kernels_lower_for_cuda(whole_first):
+    """The per-channel WY forward and pullback (the block-size search, the levels' conds) go
+    through the Triton lowering for CUDA (no GPU needed: an abstract H100 mesh); K = V = 128,
+    C = 64, bf16, 8 warps as on the device."""
+    b, t, c = 2, 128, 64
+    ins = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in [
+        *[((b, t, H, 128), jnp.bfloat16)] * 4, ((b, t, H), jnp.bfloat16),
+        ((b, t, H, 128), jnp.float32)]]
+    opts = dict(chunk=c, block_v=64, block_k=64, dots=Dots(precision="tf32"), num_warps=8,
+                num_stages=2, whole_first=whole_first)
+
+    def both(*xs):
+        *wy, T = wy_vector_fwd(*xs, **opts)
+        return wy_vector_bwd(*xs, T, *[jnp.ones(w.shape, jnp.float32) for w in wy], **opts)
+
+    assert triton_kernels_lowered_for_cuda(both, ins, grad=False) == 2
 
 
 def test_vector_gamma_shape_is_checked(rand):
