@@ -229,14 +229,16 @@ def _bwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, T_ref, dW_ref, dU_
     # T = (I + L)^-1, L = strict_tril(Diag(β) A); P = tril(...)
     dL = jnp.where(i > j, -dots.nt(dots.tn(T, dT), T), 0.0)
     db_ref[...] = db + jnp.sum(dL * A, axis=1)
-    GK, GQ = b * dL, jnp.where(i >= j, dP_ref[...], 0.0)
-    # sweep 2: the grams' pullback, Q' = Q ⊙ Γ, K̃' = K̃ ⊙ Γ_C/Γ, Γ_C
+    GK = b * dL
+    # sweep 2: the grams' pullback, Q' = Q ⊙ Γ, K̃' = K̃ ⊙ Γ_C/Γ, Γ_C (T and G_Q read again per
+    # tile rather than held across it: fewer live [C, C] tiles, fewer spills)
     for cols in key_tiles:
         q, k, kw, g = _tile((q_ref, k_ref, kw_ref, g_ref), cols)
+        GQ = jnp.where(i >= j, dP_ref[...], 0.0)
         dkA, dqP, dkwAP = _grams_vjp(GK, GQ, q, k, kw, g, g_ref, cols, dots, whole_first)
         g_last = g_ref[C - 1, cols].astype(f32)
         Gam = jnp.exp(g)
-        dKg = dots.tn(T, dW_ref[:, cols])
+        dKg = dots.tn(T_ref[...], dW_ref[:, cols])
         wk = Gam * k * dKg
         dqd, dkwt = dqd_ref[:, cols], dkwt_ref[:, cols]
         tail = jnp.exp(g_last[None, :] - g)
