@@ -252,10 +252,11 @@ def breakdown(core, x, reps, options):
 
 def variant(v):
     """Options from precision/block_v/num_warps[/num_stages][/fused][/recompute][/vxla|/vhalving][/pP]
-    [/kN][/bwN][/wwN][/sN][/hbf16|/h32][/wbf16][/qP][/oserial|/okernel][/dserial|/dkernel]
+    [/kN][/wkN][/bwN][/wwN][/sN][/hbf16|/h32][/wbf16][/qP][/oserial|/okernel][/dserial|/dkernel]
     [/mosaic|/triton][/cpN] (vxla / vhalving:
     ``Options.vector_wy`` = "xla" / "halving"; pP: ``Options.parallel_precision`` = P, e.g. ptf32, pbf16;
-    kN: ``Options.block_k`` = N; bwN: ``Options.pullback_warps`` = N; wwN: ``Options.wy_warps`` = N; sN:
+    kN: ``Options.block_k`` = N; wkN: ``Options.wy_block_k`` = N; bwN:
+    ``Options.pullback_warps`` = N; wwN: ``Options.wy_warps`` = N; sN:
     ``Options.serial_block_v`` = N; hbf16 / h32:
     ``Options.state_dtype`` = "bfloat16" / "float32"; wbf16: ``Options.wy_dtype`` =
     "bfloat16"; qP: ``Options.serial_precision`` = P;
@@ -269,6 +270,7 @@ def variant(v):
     block_k = [int(t[1:]) for t in flags if t[0] == "k" and t[1:].isdigit()]
     pullback = [int(t[2:]) for t in flags if t[:2] == "bw" and t[2:].isdigit()]
     wy_warps = [int(t[2:]) for t in flags if t[:2] == "ww" and t[2:].isdigit()]
+    wy_block_k = [int(t[2:]) for t in flags if t[:2] == "wk" and t[2:].isdigit()]
     parallel = [t[1:] for t in flags if t[0] == "p"]
     serial_dots = [t[1:] for t in flags if t[0] == "q"]
     serial = [int(t[1:]) for t in flags if t[0] == "s" and t[1:].isdigit()]
@@ -281,6 +283,7 @@ def variant(v):
                    else "kernel",
                    parallel_precision=parallel[0] if parallel else None,
                    block_k=block_k[0] if block_k else Options().block_k,
+                   wy_block_k=wy_block_k[0] if wy_block_k else None,
                    pullback_warps=pullback[0] if pullback else None,
                    wy_warps=wy_warps[0] if wy_warps else None,
                    serial_block_v=serial[0] if serial else None,
@@ -302,6 +305,7 @@ def variant_tag(opt):
             + ("" if opt.vector_wy == "kernel" else f"/v{opt.vector_wy}")
             + (f"/p{opt.parallel_precision}" if opt.parallel_precision else "")
             + (f"/k{opt.block_k}" if opt.block_k != Options().block_k else "")
+            + (f"/wk{opt.wy_block_k}" if opt.wy_block_k else "")
             + (f"/bw{opt.pullback_warps}" if opt.pullback_warps else "")
             + (f"/ww{opt.wy_warps}" if opt.wy_warps else "")
             + (f"/s{opt.serial_block_v}" if opt.serial_block_v else "")

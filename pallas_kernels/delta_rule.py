@@ -109,7 +109,9 @@ class Options:
     else ``num_warps`` (the per-channel-decay WY kernels hold more than 255 registers a thread at
     4 warps and spill; 8 warps for both of them: KDA fwd+bwd 3.98 -> 3.48 ms with mild gates,
     7.17 -> 6.01 with the layers' gates, runs 44-45, benchmarks/NOTES.md v8.3).
-    ``sequence_pieces``: the Mosaic serial passes over the sequence cut into that many pieces run
+    ``wy_block_k``: the WY kernels' own key tile (None: ``block_k``, which chunk_grads uses too;
+    at 32 the per-channel WY forward holds no spilled registers at 8 warps, benchmarks/NOTES.md
+    v8.4). ``sequence_pieces``: the Mosaic serial passes over the sequence cut into that many pieces run
     in parallel (``sequence_split``: an extra pass with K more value columns and a chain of p
     small products buy p times the programs; dense rows, the chunks a multiple of it); None:
     ``sequence_split.auto_pieces`` with the Mosaic passes over dense rows (more than 1 only where
@@ -119,6 +121,7 @@ class Options:
     parallel_precision: str | None = None
     block_v: int = 64
     block_k: int = 64  # key columns per tile of the chunk-parallel WY kernels and chunk_grads
+    wy_block_k: int | None = None  # split: the WY kernels' own key tile (None: block_k)
     serial_block_v: int | None = None  # the serial state passes' V tile (None: block_v)
     state_dtype: str | None = None  # split: per-chunk states, R, dR, dO products kept in HBM
     wy_dtype: str | None = None  # split: W, U, K̃', Q', P kept in HBM (None: see above)
@@ -273,7 +276,7 @@ def _wy_kernel(cfg, kernel, ins, cts=None):
     if cfg.decay == "vector":
         static["whole_first"] = o.vector_wy == "kernel"
     outs = _kernel_call(cfg, kernel, args, axes, out_axes, chunk=cfg.chunk, block_v=o.block_v,
-                        block_k=o.block_k, dots=dots, num_warps=warps,
+                        block_k=o.wy_block_k or o.block_k, dots=dots, num_warps=warps,
                         num_stages=o.num_stages, **static)
     if cts is None:
         return outs

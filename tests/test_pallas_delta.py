@@ -147,16 +147,17 @@ def test_kernel_options_match_reference(decay, opts):
     assert_runs_match(got, run("reference", x), 2e-5)
 
 
-@pytest.mark.parametrize("vector_wy, save_wy", [("kernel", True), ("kernel", False), ("xla", True),
-                                                ("halving", True)],
-                         ids=["kernel_saved_wy", "kernel_recompute_wy", "xla", "halving"])
-def test_vector_wy_matches_reference(vector_wy, save_wy):
+@pytest.mark.parametrize("vector_wy, save_wy, wy_block_k", [
+    ("kernel", True, None), ("kernel", False, 16), ("xla", True, None), ("halving", True, None)],
+    ids=["kernel_saved_wy", "kernel_recompute_wy_own_key_tile", "xla", "halving"])
+def test_vector_wy_matches_reference(vector_wy, save_wy, wy_block_k):
     """The per-channel-decay WY step and its pullback as kernels (``vector_wy="kernel"``, the
     default; ``"halving"``, the ablation) or in plain JAX (``"xla"``), packed documents with
-    initial states, padded head dims (K = 24, V = 20)."""
+    initial states, padded head dims (K = 24, V = 20); once with the WY kernels' own key tile
+    (16: two tiles of the padded 32)."""
     cu = jnp.asarray([0, 5, 22, 37], jnp.int32)
     x = make_inputs(8, "vector", b=1, k_dim=24, v_dim=20, n_init=3)
-    opts = Options(vector_wy=vector_wy, save_wy=save_wy)
+    opts = Options(vector_wy=vector_wy, save_wy=save_wy, wy_block_k=wy_block_k)
     got = fixed_loss_run(lambda x: delta_rule_pallas(
         x["q"], x["k"], x["write_key"], x["v"], x["beta"], x["log_decay"], 24 ** -0.5,
         x["initial_state"], cu, C, opts), x)
