@@ -34,19 +34,14 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from pallas_kernels.atk_triton import AUX, CENTER, DECAY, DOC, FIRST, GAIN, LAST, atk_bwd, atk_fwd
 from pallas_kernels.partition import match_types, sharded_call
-from pallas_kernels.sequence_split import SMS
+from pallas_kernels.token_pieces import auto_pieces, chain, rows as _rows, unrows as _unrows
 from pallas_kernels.triton_common import (
     MAX_HEAD_DIM, aux_rows, doc_columns, interpret_default, pad_last, pow2_dim, vary_alike)
 from precond_linattn.numerics import f32
 from precond_linattn.varlen import segments
-
-
-TARGET_PROGRAMS = 8 * SMS  # one-warp programs the auto split aims at (8 an SM)
-MIN_PIECE = 128  # tokens a piece keeps at least under the auto split
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,14 +65,6 @@ class Options:
                              f"prefetch >= 1, got {self}")
         if p is not None and (not isinstance(p, int) or isinstance(p, bool) or p < 1):
             raise ValueError(f"Options.sequence_pieces must be None or an int >= 1, got {p!r}")
-
-
-def auto_pieces(*, programs: int, T: int) -> int:
-    """The largest power of two p with programs p <= TARGET_PROGRAMS and T / p >= MIN_PIECE."""
-    p = 1
-    while 2 * programs * p <= TARGET_PROGRAMS and T // (2 * p) >= MIN_PIECE:
-        p *= 2
-    return p
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,16 +94,6 @@ def _call(cfg, kernel, args, in_axes, out_axes, emit=True):
                         shard_batch=not cfg.packed)
 
 
-def _rows(x, p):
-    """[B, n, ...] -> [B p, n / p, ...] (row b, piece i -> row b p + i); None stays None."""
-    return None if x is None else x.reshape(x.shape[0] * p, x.shape[1] // p, *x.shape[2:])
-
-
-def _unrows(x, p):
-    """``_rows``' inverse."""
-    return x.reshape(x.shape[0] // p, x.shape[1] * p, *x.shape[2:])
-
-
 def _piece_decay(aux, g, p):
     """D [B, p, H, K or 1]: the product of each piece's decays, exp of the summed log decay."""
     log_decay = aux[..., DECAY, None] if g is None else g
@@ -127,12 +104,7 @@ def _piece_decay(aux, g, p):
 def _chain(D, E, start, reverse=False):
     """States entering each piece [B, p, H, K]: S_0 = start, S_{i+1} = D_i S_i + E_i (reverse:
     from the last piece down, S_{p−1} = start, S_{i−1} = D_i S_i + E_i)."""
-    def step(S, de):
-        return de[0] * S + de[1], S
-
-    _, states = lax.scan(step, start, (jnp.moveaxis(D, 1, 0), jnp.moveaxis(E, 1, 0)),
-                         reverse=reverse)
-    return jnp.moveaxis(states, 0, 1)
+    return chain(lambda S, m: m[0] * S + m[1], (D, E), start, reverse)
 
 
 _FWD_IN = ["b t h k", "b t h a", "b t h k", "n h k"]

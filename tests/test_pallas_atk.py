@@ -179,7 +179,7 @@ def test_sequence_pieces(monkeypatch, decay, pieces, initial):
 def test_auto_pieces_and_bad_pieces():
     """auto_pieces: a power of two, programs x pieces within TARGET_PROGRAMS, pieces of at least
     MIN_PIECE tokens; a bad count is a ValueError naming it."""
-    from pallas_kernels.atk_precond import MIN_PIECE, TARGET_PROGRAMS, auto_pieces
+    from pallas_kernels.token_pieces import MIN_PIECE, TARGET_PROGRAMS, auto_pieces
     for programs, T in [(256, 2048), (32, 2048), (8, 32768), (2048, 2048), (32, 100)]:
         p = auto_pieces(programs=programs, T=T)
         assert p & (p - 1) == 0 and (p == 1 or (programs * p <= TARGET_PROGRAMS
