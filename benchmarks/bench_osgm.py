@@ -62,26 +62,31 @@ def phase1(impl, eta=0.003, beta_aware=True, apf=True, options=None):
 
 
 def variant(text):
-    """``Options`` from "prefetch/num_warps[/unroll[/bwd_unroll]][/scalar][/pN[/bkM][/fixed]]"
-    (e.g. "4/1", "2/1/4/scalar", "2/1/16/8": the forward 16 tokens an iteration, the backward 8;
-    "2/1/8/p8/bk32": phase 1 by at most 8 Picard sweeps each way over blocks of 32 coordinates;
-    "fixed": exactly N sweeps, no early exit)."""
+    """``Options`` from "prefetch/num_warps[/unroll[/bwd_unroll]][/scalar][/pN[/bkM][/fixed]
+    [/cpN|/cpauto]]" (e.g. "4/1", "2/1/4/scalar", "2/1/16/8": the forward 16 tokens an
+    iteration, the backward 8; "2/1/8/p8/bk32": phase 1 by at most 8 Picard sweeps each way over
+    blocks of 32 coordinates; "fixed": exactly N sweeps, no early exit; "cp8" / "cpauto": each
+    sweep over 8 / ``auto_pieces`` sequence pieces, ``Options.picard_pieces``)."""
     parts = text.split("/")
     flags = [t for t in parts if not t.isdigit()]
     numbers = [t for t in parts if t.isdigit()]
     picard = [int(t[1:]) for t in flags if t[:1] == "p" and t[1:].isdigit()]
     block = [int(t[2:]) for t in flags if t[:2] == "bk" and t[2:].isdigit()]
-    known = len(picard) + len(block) + flags.count("scalar") + flags.count("fixed")
+    pieces = [None if t == "cpauto" else int(t[2:]) for t in flags
+              if t == "cpauto" or (t[:2] == "cp" and t[2:].isdigit())]
+    known = (len(picard) + len(block) + len(pieces) + flags.count("scalar")
+             + flags.count("fixed"))
     if (not 2 <= len(numbers) <= 4 or known != len(flags)
             or parts[:len(numbers)] != numbers):
         raise ValueError("--variants entries are prefetch/num_warps[/unroll[/bwd_unroll]]"
-                         f"[/scalar][/pN[/bkM][/fixed]], got {text!r}")
+                         f"[/scalar][/pN[/bkM][/fixed][/cpN|/cpauto]], got {text!r}")
     numbers = list(map(int, numbers))
     return Options(*numbers[:3], scalar_aux="scalar" in flags,
                    bwd_unroll=numbers[3] if len(numbers) == 4 else None,
                    picard_iters=picard[0] if picard else 0,
                    picard_early_exit="fixed" not in flags,
-                   **({"picard_block_k": block[0]} if block else {}))
+                   **({"picard_block_k": block[0]} if block else {}),
+                   **({"picard_pieces": pieces[0]} if pieces else {}))
 
 
 def check(name, f_kernel, f_ref, x, key, dtype):

@@ -26,9 +26,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_batching import custom_vmap
 
-from pallas_kernels.osgm_sweep_triton import C, U_BWD, osgm_sweep, osgm_sweep_bwd
+from pallas_kernels.osgm_sweep_triton import (
+    C, U_BWD, osgm_sweep, osgm_sweep_bwd, osgm_sweep_compose, osgm_sweep_compose_bwd)
 from pallas_kernels.osgm_triton import AUX, BETA, DOC, FIRST, LAST, RET, osgm_bwd, osgm_fwd
 from pallas_kernels.partition import match_types, sharded_call
+from pallas_kernels.token_pieces import auto_pieces, chain, rows, unrows
 from pallas_kernels.triton_common import (
     MAX_HEAD_DIM, aux_rows, doc_columns, interpret_default, pad_last, pow2_dim, vary_alike)
 from precond_linattn.chunked.osgm_picard import coefficients, cotangents, picard_iterate
@@ -56,7 +58,11 @@ class Options:
     ``precond_linattn.chunked.osgm_picard`` has the algorithm and its convergence); 0 (the
     default: measured slower, RESULTS runs 35-36): the token loops. ``picard_early_exit``: stop the
     sweeps once settled (a ``while_loop``: the GPU's host reads its predicate every sweep), or
-    run exactly ``picard_iters`` of them unrolled and test once."""
+    run exactly ``picard_iters`` of them unrolled and test once. ``picard_pieces``: each sweep
+    over dense rows cut into that many sequence pieces (``token_pieces``: each piece's composed
+    map, a chain of p maps in XLA, then the sweep from the states entering the pieces; it must
+    divide T); None: ``auto_pieces`` halved until it divides T; 1 (the default until measured):
+    no split; packed documents never split."""
 
     prefetch: int = 2
     num_warps: int = 1
@@ -66,6 +72,7 @@ class Options:
     picard_iters: int = 0
     picard_block_k: int = 32
     picard_early_exit: bool = True
+    picard_pieces: int | None = 1
 
     def __post_init__(self):
         if (not isinstance(self.picard_iters, int) or isinstance(self.picard_iters, bool)
@@ -76,6 +83,9 @@ class Options:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Options.{name} must be a positive int, got {value!r}")
+        p = self.picard_pieces
+        if p is not None and (not isinstance(p, int) or isinstance(p, bool) or p < 1):
+            raise ValueError(f"Options.picard_pieces must be None or an int >= 1, got {p!r}")
         for name in ("scalar_aux", "picard_early_exit"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Options.{name} must be a bool, got {getattr(self, name)!r}")
@@ -88,6 +98,7 @@ class _Config:
     packed: bool  # documents packed along T (cu_seqlens)
     options: Options
     interpret: bool
+    pieces: int = 1  # sequence pieces of each dense row in the Picard sweeps
 
 
 def supports(*, K: int, dtype) -> bool:
@@ -101,7 +112,7 @@ def _call(cfg, kernel, args, in_axes, out_axes, **static):
     ``Options.bwd_unroll``)."""
     o = cfg.options
     unroll = o.unroll
-    if kernel in (osgm_bwd, osgm_sweep_bwd):
+    if kernel in (osgm_bwd, osgm_sweep_bwd, osgm_sweep_compose_bwd):
         unroll = o.bwd_unroll or min(o.unroll, 8)
     fn = functools.partial(kernel, hyper=cfg.hyper, beta_aware=cfg.beta_aware, packed=cfg.packed,
                            prefetch=o.prefetch, num_warps=o.num_warps, unroll=unroll,
@@ -150,6 +161,37 @@ def _coupling(shares):
     return jnp.sum(shares, 2).transpose(0, 2, 1)
 
 
+def _whole_shares(shares, p):
+    """Block shares of p pieces [B p, H, J, T / p] as those of the whole rows [B, H, J, T]."""
+    Bp, H, J, L = shares.shape
+    return shares.reshape(Bp // p, p, H, J, L).transpose(0, 2, 3, 1, 4).reshape(-1, H, J, p * L)
+
+
+def _sweep(cfg, k, coef, init, *, emit, emit_d):
+    """``osgm_sweep``'s outputs ([shares], with ``emit`` also k̃ or every d_t and the final d),
+    over ``cfg.pieces`` sequence pieces: each piece's map x ↦ clip(α x + b, lo, hi)
+    (``osgm_sweep_compose``, α = Π r_t), the chain of maps from the initial state, the sweep."""
+    def run(k, coef, init):
+        return _call(cfg, osgm_sweep, [k, coef, init], ["b t h k", "b t h a", "n h k"],
+                     ["b h j t"] + (["b t h k", "n h k"] if emit else []), emit=emit,
+                     emit_d=emit_d, block_k=cfg.options.picard_block_k)
+
+    p = cfg.pieces
+    if p == 1:
+        return run(k, coef, init)
+    B, T, H, K = k.shape
+    pk, pc = rows(k, p), rows(coef, p)
+    b, lo, hi = (x.reshape(B, p, H, K) for x in _call(
+        cfg, osgm_sweep_compose, [pk, pc], ["b t h k", "b t h a"], ["n h k"] * 3,
+        block_k=cfg.options.picard_block_k))
+    alpha = jnp.prod(coef[..., RET].reshape(B, p, T // p, H), axis=2)[..., None]
+    entering = chain(lambda x, m: jnp.clip(m[0] * x + m[1], m[2], m[3]), (alpha, b, lo, hi),
+                     init)
+    out = run(pk, pc, entering.reshape(B * p, H, K))
+    shares = _whole_shares(out[0], p)
+    return [shares, unrows(out[1], p), out[2].reshape(B, p, H, K)[:, -1]] if emit else [shares]
+
+
 def _token_forward(cfg, k, aux, init, *, emit_d):
     return _call(cfg, osgm_fwd, [k, aux, init], ["b t h k", "b t h a", "n h k"],
                  ["b t h k", "n h k"], emit_d=emit_d)
@@ -168,10 +210,8 @@ def _picard_forward(cfg, k, aux, init, *, emit_d):
         start = init[:, None]
 
     def sweep(a, emit):
-        coef = aux.at[..., BETA].set(w * (1.0 - g * a))
-        return _call(cfg, osgm_sweep, [k, coef, init], ["b t h k", "b t h a", "n h k"],
-                     ["b h j t"] + (["b t h k", "n h k"] if emit else []), emit=emit,
-                     emit_d=emit_d, block_k=cfg.options.picard_block_k)
+        return _sweep(cfg, k, aux.at[..., BETA].set(w * (1.0 - g * a)), init, emit=emit,
+                      emit_d=emit_d)
 
     def step(a):
         return _coupling(sweep(a, False)[0]), None
@@ -207,6 +247,29 @@ def _scan_bwd(cfg, res, cts):
 _SEQ = ["b t h k", "b t h a", "b t h k", "b t h k", "n h k"]  # k, aux, d, dk̃, dfinal
 
 
+def _sweep_bwd(cfg, k, coef, d, dkw, dfinal, *, emit):
+    """``osgm_sweep_bwd``'s outputs ([shares], with ``emit`` also every μ_t and dinit), over
+    ``cfg.pieces`` sequence pieces: each piece's affine map Λ ↦ M ⊙ Λ + E
+    (``osgm_sweep_compose_bwd``), the chain of maps from the last piece down, the sweep."""
+    def run(*args):
+        return _call(cfg, osgm_sweep_bwd, list(args), _SEQ,
+                     ["b h j t"] + (["b t h k", "n h k"] if emit else []), emit=emit,
+                     block_k=cfg.options.picard_block_k)
+
+    p = cfg.pieces
+    if p == 1:
+        return run(k, coef, d, dkw, dfinal)
+    B, _, H, K = k.shape
+    pieces = [rows(x, p) for x in (k, coef, d, dkw)]
+    M, E = (x.reshape(B, p, H, K) for x in _call(
+        cfg, osgm_sweep_compose_bwd, pieces, _SEQ[:4], ["n h k"] * 2,
+        block_k=cfg.options.picard_block_k))
+    leaving = chain(lambda x, m: m[0] * x + m[1], (M, E), dfinal, reverse=True)
+    out = run(*pieces, leaving.reshape(B * p, H, K))
+    shares = _whole_shares(out[0], p)
+    return [shares, unrows(out[1], p), out[2].reshape(B, p, H, K)[:, 0]] if emit else [shares]
+
+
 def _token_backward(cfg, k, aux, d, dkw, dfinal):
     return _call(cfg, osgm_bwd, [k, aux, d, dkw, dfinal], _SEQ, ["b t h k", "b t h a", "n h k"])
 
@@ -221,10 +284,7 @@ def _picard_backward(cfg, k, aux, d, dkw, dfinal):
     base = aux.at[..., U_BWD].set(w * (1.0 - g * jnp.sum(d * s, -1)))
 
     def sweep(gamma, emit):
-        coef = base.at[..., C].set(-w * g * gamma)
-        return _call(cfg, osgm_sweep_bwd, [k, coef, d, dkw, dfinal], _SEQ,
-                     ["b h j t"] + (["b t h k", "n h k"] if emit else []), emit=emit,
-                     block_k=cfg.options.picard_block_k)
+        return _sweep_bwd(cfg, k, base.at[..., C].set(-w * g * gamma), d, dkw, dfinal, emit=emit)
 
     def step(gamma):
         return _coupling(sweep(gamma, False)[0]), None
@@ -240,6 +300,21 @@ def _picard_backward(cfg, k, aux, d, dkw, dfinal):
 
 
 _scan.defvjp(_scan_fwd, _scan_bwd)
+
+
+def _pieces(options, programs, T, packed):
+    """Sequence pieces of the Picard sweeps (``Options.picard_pieces``): 1 without sweeps or
+    with packed documents; None: ``auto_pieces`` halved until it divides T."""
+    if packed or not options.picard_iters:
+        return 1
+    p = options.picard_pieces
+    if p is None:
+        p = auto_pieces(programs=programs, T=T)
+        while T % p:
+            p //= 2
+    elif T % p:
+        raise ValueError(f"Options.picard_pieces={p} must divide the sequence length T={T}")
+    return p
 
 
 def osgm_pallas(k, beta, retention, eta, d_min, d_max, beta_aware, eps, initial_state,
@@ -266,6 +341,8 @@ def osgm_pallas(k, beta, retention, eta, d_min, d_max, beta_aware, eps, initial_
     init = (jnp.ones((seg.num_docs, H, Kp), jnp.float32) if initial_state is None else
             jnp.pad(f32(initial_state), [(0, 0), (0, 0), (0, Kp - K)], constant_values=1.0))
     cfg = _Config(tuple(float(x) for x in hyper), beta_aware, cu_seqlens is not None, options,
-                  interpret_default() if interpret is None else interpret)
+                  interpret_default() if interpret is None else interpret,
+                  _pieces(options, B * H * (Kp // min(options.picard_block_k, Kp)), T,
+                          cu_seqlens is not None))
     k_write, final = _scan(cfg, *vary_alike(pad_last(k, Kp), aux, init))
     return k_write[..., :K], final[..., :K]

@@ -17,10 +17,16 @@ cotangent of d after token t, m_t the clip's free mask at the forward's d_t):
     μ_t = m_t ⊙ Λ;  γ_ref[t] = Σ_{block} μ_t ⊙ s_t
     D = r_t μ_t + c_t s_t + ∂k̃_t ⊙ k_t        (∂L/∂d_t; dinit[doc] = D at its first token)
 
-and with ``emit`` writes every μ_t (the rest of the cotangents are elementwise in XLA). The
-per-token scalars travel in ``osgm_triton``'s aux rows (a forward sweep's u_t in the β column; a
-reverse sweep's c_t there and u_t in column 5; r in RET, the document columns as there); the
-token loop (groups of ``unroll`` tokens, rows ``prefetch`` groups ahead) is ``osgm_triton``'s.
+and with ``emit`` writes every μ_t (the rest of the cotangents are elementwise in XLA).
+
+Over sequence pieces (``osgm_precond``, ``token_pieces``) each sweep first composes each piece's
+maps (``osgm_sweep_compose``: x ↦ clip(α x + b, lo, hi), the forward's maps compose into one of
+the same form; ``osgm_sweep_compose_bwd``: Λ ↦ M ⊙ Λ + E for the adjoint), so that a chain of p
+maps in XLA gives the state entering each piece before the sweep itself runs.
+
+The per-token scalars travel in ``osgm_triton``'s aux rows (a forward sweep's u_t in the β
+column; a reverse sweep's c_t there and u_t in column 5; r in RET, the document columns as
+there); the token loop (groups of ``unroll`` tokens, rows ``prefetch`` groups ahead) is ``osgm_triton``'s.
 """
 
 import functools
@@ -110,6 +116,111 @@ def osgm_sweep(k, aux, initial_state, *, hyper, beta_aware, packed, emit, emit_d
     return _call(kernel, "osgm_sweep", (k, aux, initial_state), packed=packed, block_k=block_k,
                  emit=emit, emit_dtype=jnp.float32 if emit_d else k.dtype, num_warps=num_warps,
                  interpret=interpret)
+
+
+BIG = 1e30  # the identity map's bounds (finite: r = 0 must not meet 0 · inf)
+
+
+def _compose_kernel(k_ref, aux_ref, b_ref, lo_ref, hi_ref, *, bounds, prefetch, unroll,
+                    scalar_aux):
+    """This program's tokens composed into the one map they apply (dense rows; ``osgm_sweep``'s
+    update, u_t in the β column): after them d is clip(α d_0 + b, lo, hi) with α = Π r_t (formed
+    in XLA), from the identity (b, lo, hi) = (0, −BIG, BIG) by, token by token,
+
+        b ← r_t b + u_t s_t    lo ← clip(r_t lo + u_t s_t)    hi ← clip(r_t hi + u_t s_t)."""
+    d_min, d_max = bounds
+    columns = _aux_columns(True, False)
+
+    def loads(t):
+        return k_ref[t].astype(jnp.float32), _load_aux(aux_ref, t, columns, scalar_aux)
+
+    def group(t0, rows, carry):
+        del t0
+        b, lo, hi = carry
+        for k, aux in rows:
+            sc = _scalars(aux, columns, scalar_aux)
+            r, us = sc[RET], sc[U] * (k * k)
+            b, lo, hi = (r * b + us, clip_box(r * lo + us, d_min, d_max),
+                         clip_box(r * hi + us, d_min, d_max))
+        return b, lo, hi
+
+    zero = jnp.zeros(k_ref.shape[-1:], jnp.float32)
+    b_ref[...], lo_ref[...], hi_ref[...] = _token_loop(
+        k_ref.shape[0], False, unroll, prefetch, loads, group, (zero, zero - BIG, zero + BIG))
+
+
+def _compose_bwd_kernel(k_ref, aux_ref, d_ref, dkw_ref, m_ref, e_ref, *, bounds, prefetch,
+                        unroll, scalar_aux):
+    """This program's tokens (in reverse) composed into the one affine map of ``osgm_sweep_bwd``
+    (dense rows): the cotangent at the first token is M ⊙ Λ + E for Λ that after the last, from
+    the identity (M, E) = (1, 0) by, token by token (m_t the clip's free mask),
+
+        M ← r_t m_t M    E ← r_t m_t E + c_t s_t + ∂k̃_t ⊙ k_t."""
+    d_min, d_max = bounds
+    columns = (C, RET, U_BWD)
+
+    def loads(t):
+        return (k_ref[t].astype(jnp.float32), _load_aux(aux_ref, t, columns, scalar_aux),
+                d_ref[t], dkw_ref[t].astype(jnp.float32))
+
+    def group(t0, rows, carry):
+        del t0
+        M, E = carry
+        for k, aux, d, dkw in reversed(rows):
+            sc = _scalars(aux, columns, scalar_aux)
+            s = k * k
+            p = sc[RET] * d + sc[U_BWD] * s
+            rm = jnp.where((p > d_min) & (p < d_max), sc[RET], 0.0)
+            M, E = rm * M, rm * E + sc[C] * s + dkw * k
+        return M, E
+
+    one = jnp.ones(k_ref.shape[-1:], jnp.float32)
+    m_ref[...], e_ref[...] = _token_loop(k_ref.shape[0], True, unroll, prefetch, loads, group,
+                                         (one, one - 1.0))
+
+
+def _compose_call(kernel, name, args, outputs, block_k, num_warps, interpret):
+    """``kernel`` over (row, head, block of ``block_k`` coordinates) of [B, T, H, ·] sequences
+    ``args`` (k first, the aux rows second): ``outputs`` maps [B, H, K] float32."""
+    k, aux = args[:2]
+    B, T, H, K = k.shape
+    bk = min(block_k, K)
+    seq_k = pl.BlockSpec((None, T, None, bk), lambda b, h, j: (b, 0, h, j))
+    seq_aux = pl.BlockSpec((None, T, None, aux.shape[-1]), lambda b, h, j: (b, 0, h, 0))
+    state = pl.BlockSpec((None, None, bk), lambda b, h, j: (b, h, j))
+    return pl.pallas_call(
+        kernel, grid=(B, H, K // bk), in_specs=[seq_k, seq_aux] + [seq_k] * (len(args) - 2),
+        out_specs=[state] * outputs,
+        out_shape=[out_struct((B, H, K), jnp.float32, *args)] * outputs,
+        compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret, name=name,
+    )(*args)
+
+
+def osgm_sweep_compose(k, aux, *, hyper, beta_aware, packed, block_k, prefetch, num_warps,
+                       unroll, scalar_aux, interpret):
+    """Each row's forward-sweep map (``_compose_kernel``; dense rows only): (b, lo, hi) [B, H, K]
+    float32 for k [B, T, H, K] and aux as ``osgm_sweep``'s."""
+    del beta_aware
+    if packed:
+        raise ValueError("osgm_sweep_compose takes dense rows (no cu_seqlens)")
+    kernel = functools.partial(_compose_kernel, bounds=hyper[1:3], prefetch=prefetch,
+                               unroll=unroll, scalar_aux=scalar_aux)
+    return _compose_call(kernel, "osgm_sweep_compose", (k, aux), 3, block_k, num_warps,
+                         interpret)
+
+
+def osgm_sweep_compose_bwd(k, aux, d, dkw, *, hyper, beta_aware, packed, block_k, prefetch,
+                           num_warps, unroll, scalar_aux, interpret):
+    """Each row's reverse-sweep map (``_compose_bwd_kernel``; dense rows only): (M, E) [B, H, K]
+    float32 for k, aux, d, dkw as ``osgm_sweep_bwd``'s."""
+    del beta_aware
+    if packed:
+        raise ValueError("osgm_sweep_compose_bwd takes dense rows (no cu_seqlens)")
+    kernel = functools.partial(_compose_bwd_kernel, bounds=hyper[1:3], prefetch=prefetch,
+                               unroll=unroll, scalar_aux=scalar_aux)
+    return _compose_call(kernel, "osgm_sweep_compose_bwd", (k, aux, d, dkw), 2, block_k,
+                         num_warps, interpret)
 
 
 def _bwd_kernel(k_ref, aux_ref, d_ref, dkw_ref, dfinal_ref, g_ref, *out, bounds, packed, emit,

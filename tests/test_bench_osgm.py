@@ -15,12 +15,18 @@ from pallas_kernels.osgm_precond import Options
                               picard_iters=8, picard_block_k=64)),
     ("2/1/8/scalar/p6/fixed", Options(prefetch=2, num_warps=1, unroll=8, scalar_aux=True,
                                       picard_iters=6, picard_early_exit=False)),
+    ("2/1/16/8/scalar/p4/cp8", Options(prefetch=2, num_warps=1, unroll=16, bwd_unroll=8,
+                                       scalar_aux=True, picard_iters=4, picard_pieces=8)),
+    ("2/1/16/scalar/p4/fixed/cpauto", Options(prefetch=2, num_warps=1, unroll=16, scalar_aux=True,
+                                              picard_iters=4, picard_early_exit=False,
+                                              picard_pieces=None)),
 ])
 def test_variant_strings(text, options):
     assert variant(text) == options
 
 
-@pytest.mark.parametrize("text", ["2", "2/1/8/8/8", "2/x/8", "2/1/0", "2/1/p8/8", "2/1/q4"])
+@pytest.mark.parametrize("text", ["2", "2/1/8/8/8", "2/x/8", "2/1/0", "2/1/p8/8", "2/1/q4",
+                                  "2/1/8/p4/cpx"])
 def test_bad_variant_strings_raise(text):
     with pytest.raises(ValueError):
         variant(text)

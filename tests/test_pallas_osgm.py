@@ -233,6 +233,27 @@ def test_picard_sweeps_match_reference(case, options, monkeypatch):
         assert_close(a, b, 2e-5, name)
 
 
+@pytest.mark.parametrize("case, pieces", [("dense", 4), ("beta-free", 3)])
+def test_picard_sweeps_over_sequence_pieces(case, pieces, monkeypatch):
+    """Sweeps over dense rows of T = 36 cut into pieces (of 9 or 12 tokens: groups of 16 never
+    fill one), the token loops poisoned: each piece's composed map, the chain and the sweep give
+    k̃, the final d and all gradients within 2e-5 of the reference (η = 2: the clip active, the
+    maps' bounds matter); the chains ran each way. A count that does not divide T is refused."""
+    from pallas_kernels import token_pieces
+    for name in ("_token_forward", "_token_backward"):
+        monkeypatch.setattr(osgm_precond, name, poisoned(getattr(osgm_precond, name)))
+    chains, real = [], token_pieces.chain
+    monkeypatch.setattr(osgm_precond, "chain", lambda *a, **kw: chains.append(
+        kw.get("reverse", len(a) > 3 and a[3])) or real(*a, **kw))
+    x, kw = unrolled_case(case, 36)
+    options = Options(picard_iters=16, picard_block_k=8, picard_pieces=pieces)
+    grads = ("k", "beta", "initial_state") + (("retention",) if kw.get("retention", True) else ())
+    assert_runs_match(run(options, x, **kw), run("reference", x, **kw), 2e-5, grads)
+    assert True in chains and False in chains
+    with pytest.raises(ValueError, match="picard_pieces"):
+        precondition(Options(picard_iters=2, picard_pieces=5), x, **kw)
+
+
 def test_picard_sweeps_under_vmap_skip_the_token_loops(monkeypatch):
     """vmap over rows (as the train step maps packed rows): the rows' results and gradients as
     the batch's, and the token loops never run (under vmap the fallback's predicate is that
@@ -278,7 +299,8 @@ def test_picard_sweeps_fall_back_to_the_token_loop(monkeypatch):
                                           ("scalar_aux", 1), ("bwd_unroll", 0),
                                           ("picard_iters", -1), ("picard_iters", True),
                                           ("picard_block_k", 0),
-                                          ("picard_early_exit", 1)])
+                                          ("picard_early_exit", 1), ("picard_pieces", 0),
+                                          ("picard_pieces", 2.0)])
 def test_bad_options_raise(field, value):
     with pytest.raises(ValueError, match=f"Options.{field}"):
         Options(**{field: value})
@@ -305,3 +327,19 @@ def test_lowers_for_cuda(options, packed):
         ((n, H, 128), jnp.float32))]
     # forward and backward; with Picard sweeps also a sweep and an emitting one each way
     assert triton_kernels_lowered_for_cuda(loss, args) == 2 + 4 * bool(options.picard_iters)
+
+
+def test_sweep_pieces_lower_for_cuda():
+    """The sweeps over sequence pieces (each sweep: the pieces' composed maps, then the sweep)
+    go through the Triton lowering for CUDA; K = 128, bf16, T = 40 in 2 pieces."""
+    b, t = 2, 40
+
+    def loss(k, beta, r, d0):
+        kw, final = osgm_pallas(k, beta, r, 0.003, 0.5, 2.0, True, 1e-6, d0, None, 64,
+                                Options(picard_iters=4, picard_pieces=2), interpret=False)
+        return jnp.sum(kw.astype(jnp.float32) ** 2) + jnp.sum(final)
+
+    args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in (
+        ((b, t, H, 128), jnp.bfloat16), ((b, t, H), jnp.bfloat16), ((b, t, H), jnp.bfloat16),
+        ((b, H, 128), jnp.float32))]
+    assert triton_kernels_lowered_for_cuda(loss, args) == 2 + 8
