@@ -3,7 +3,7 @@
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/pallas_sharding_subprocess.py CASE
 
 CASE: dense_scalar, dense_vector, packed, osdn_dense, vmap_packed, atk_head, atk_channel,
-smap_delta, smap_osgm, smap_atk, explicit_delta, explicit_osgm, explicit_atk.
+osgm_pieces, smap_delta, smap_osgm, smap_atk, explicit_delta, explicit_osgm, explicit_atk.
 
 Mesh (data=4, tensor=2); batch over data, heads over tensor (packed documents: one batch row,
 heads over tensor; osdn_dense: OSDN-APF, the Pallas OSGM phase 1 then the Pallas core;
@@ -25,7 +25,7 @@ import precond_linattn as pla
 from conftest import fixed_loss_step  # tests/ is this script's path
 from test_pallas_atk import make_inputs as atk_inputs
 from test_pallas_delta import make_inputs
-from test_pallas_osgm import make_inputs as osgm_inputs
+from test_pallas_osgm import make_inputs as osgm_inputs, poisoned
 
 B, C = 4, 16
 
@@ -147,6 +147,34 @@ def atk_main(decay):
     assert (False in chains and True in chains) == (decay == "channel"), chains
 
 
+def osgm_pieces_main():
+    """OSGM phase 1 by Picard sweeps over 2 sequence pieces (``osgm_precond.Options``), the token
+    loops poisoned (NaN), batch over data and heads over tensor: the checks of ``main`` (all
+    results as sums in another order, below), and the chains ran each way."""
+    from pallas_kernels import osgm_precond
+    from pallas_kernels.osgm_precond import Options, osgm_pallas
+    chains, real = [], osgm_precond.chain
+    osgm_precond.chain = lambda *a, **kw: chains.append(kw.get("reverse", False)) or real(*a, **kw)
+    for name in ("_token_forward", "_token_backward"):
+        setattr(osgm_precond, name, poisoned(getattr(osgm_precond, name)))
+    mesh = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2)
+    x = osgm_inputs(0, b=B, t=20, n_init=B)
+    options = Options(picard_iters=16, picard_block_k=8, picard_pieces=2)
+
+    def fn(x):
+        return osgm_pallas(x["k"], x["beta"], x["retention"], 2.0, 0.5, 2.0, True, 1e-6,
+                           x["initial_state"], None, 64, options)
+
+    bthk = P("data", None, "tensor", None)
+    spec = dict(k=bthk, beta=P("data", None, "tensor"), retention=P("data", None, "tensor"),
+                initial_state=P("data", "tensor", None))
+    # every result within 1e-6, not bitwise: the sweeps' coupling a_t is an XLA sum over the
+    # coordinate blocks and α a product over a piece, in an order XLA picks per program shape
+    check_sharded(mesh, fixed_loss_step(fn), x, spec, ("k", "initial_state"),
+                  ("out", "final", "beta", "retention", "k", "initial_state"))
+    assert False in chains and True in chains, chains
+
+
 def interpret_without_vma():
     """Lower interpret-mode ``pallas_call``s on the CPU with the varying-axes types stripped: jax
     0.11.2's HLO interpreter evaluates the kernel body under shard_map's check_vma, mixing the
@@ -246,6 +274,8 @@ if __name__ == "__main__":
         explicit_main(sys.argv[1][9:])
     elif sys.argv[1] == "vmap_packed":
         vmap_main()
+    elif sys.argv[1] == "osgm_pieces":
+        osgm_pieces_main()
     elif sys.argv[1].startswith("atk_"):
         atk_main(sys.argv[1][4:])
     else:

@@ -13,11 +13,12 @@ SCRIPT = ROOT / "tests" / "pallas_sharding_subprocess.py"
 
 
 @pytest.mark.parametrize("case", ["dense_scalar", "dense_vector", "packed", "osdn_dense",
-                                  "vmap_packed", "atk_head", "atk_channel"])
+                                  "vmap_packed", "atk_head", "atk_channel", "osgm_pieces"])
 def test_sharded_equals_one_device(case):
     """Mesh (data=4, tensor=2): outputs, final states and gradients equal the one-device run,
     stay sharded, and the compiled program has no all-gather (vmap_packed: OSDN on vmapped rows
-    of packed documents, as the train step runs them)."""
+    of packed documents, as the train step runs them; osgm_pieces: OSGM by Picard sweeps over
+    sequence pieces)."""
     run_python(SCRIPT, case, timeout=120, ends_with="ok")
 
 
