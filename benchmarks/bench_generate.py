@@ -4,9 +4,12 @@ tokens/s = (2048 + 128) / (t_prefill + t_decode). Prefill alone is timed the sam
 
     python benchmarks/bench_generate.py [--presets deltanet-340m] [--preconditioners none osgm]
     python benchmarks/bench_generate.py --tiny     # a small model, a quick check on a CPU
+    python benchmarks/bench_generate.py --preconditioners osgm --osgm-variant 2/1/16/8/scalar/p4/cpauto
+    (the OSGM kernels' options as bench_osgm's variant strings, e.g. the Picard sweeps)
 """
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -17,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from benchmarks.bench_osgm import variant as osgm_variant
+from pallas_kernels.osgm_precond import default_options
 from precond_linattn.models import LanguageModel, count_params, decode_state_bytes, generate, preset
 
 PAPER_DELTANET_340M = 784.5  # tokens/s, OSDN paper, H100, HF-style generate
@@ -58,13 +63,17 @@ def main():
     ap.add_argument("--prompt", type=int, default=2048)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--osgm-variant", help="the OSGM kernels' options (bench_osgm's variant strings)")
     a = ap.parse_args()
-    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, osgm options "
+          f"{a.osgm_variant or 'default'}")
     rows = []
-    for n in a.presets:
-        for p in a.preconditioners:  # each row as it is done: a call cut short keeps the earlier
-            rows.append(bench(n, p, a.prompt, a.new_tokens, a.tiny))
-            print(json.dumps(rows[-1]), flush=True)
+    with (default_options(osgm_variant(a.osgm_variant)) if a.osgm_variant
+          else contextlib.nullcontext()):
+        for n in a.presets:
+            for p in a.preconditioners:  # each row as it is done: a call cut short keeps the rest
+                rows.append(bench(n, p, a.prompt, a.new_tokens, a.tiny))
+                print(json.dumps(rows[-1]), flush=True)
     base = {r["model"].split("/")[0]: r["tok_s"] for r in rows if r["model"].endswith("/none")}
     print(f"{'model':28s} {'params':>8s} {'state MiB':>9s} {'prefill ms':>10s} {'decode ms':>9s} "
           f"{'tok/s':>8s} {'x paper':>7s} {'vs host':>7s}")

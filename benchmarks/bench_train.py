@@ -7,6 +7,7 @@ tokens per data-parallel device by default; 2 warm-up steps, then the median ste
         [--packed]  # rows as packed documents: cu_seqlens [0, T] each, the ops vmapped over rows
         [--mesh DATA FSDP TENSOR [--mesh ...]]  # --batch rows per data-parallel device
         [--losses N] [--compare-mesh DATA FSDP TENSOR [--no-parity]]
+        [--osgm-variant 2/1/16/8/scalar/p4/cpauto]  # OSGM kernel options (bench_osgm's strings)
 
 Rows are plain [b, T] sequences as in the anchors' runs; ``--packed`` passes each row's document
 boundaries (one document a row) so the step takes the packed-documents path of a text corpus
@@ -35,6 +36,7 @@ process started (exact for the first run only: later runs show the largest so fa
 """
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -48,6 +50,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from benchmarks.bench_osgm import variant as osgm_variant
+from pallas_kernels.osgm_precond import default_options
 from precond_linattn.models import LanguageModel, count_params, preset
 from train.build import flops_per_token
 from train.optim import make_optimizer, osdn_recipe
@@ -236,6 +240,8 @@ def parse_args(argv=None):
     ap.add_argument("--packed", action="store_true",
                     help="rows as packed documents (cu_seqlens, the ops vmapped over rows)")
     ap.add_argument("--tiny", action="store_true", help="a small model, a quick check on a CPU")
+    ap.add_argument("--osgm-variant", type=osgm_variant,
+                    help="the OSGM kernels' options, as bench_osgm's variant strings")
     a = ap.parse_args(argv)
     a.mesh = [tuple(m) for m in a.mesh or [(1, 1, 1)]]
     a.compare_mesh = tuple(a.compare_mesh) if a.compare_mesh else None
@@ -267,17 +273,20 @@ def main():
     configs = {p: model_config(a.preset, p, a.compute_dtype, a.tied, a.tiny) for p in a.preconditioners}
     runs = plan(a)
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {a.compute_dtype} compute, "
-          f"remat={a.remat}, scan_layers={a.scan_layers}, packed={a.packed}, {a.seq_len} tokens "
+          f"remat={a.remat}, scan_layers={a.scan_layers}, packed={a.packed}, osgm options "
+          f"{a.osgm_variant or 'default'}, {a.seq_len} tokens "
           f"a row, lr warm-up {a.lr_warmup} steps; meshes (data, fsdp, tensor); rows/dev: rows per "
           "data-parallel device x micro-batches")
     print(f"{'model':20s} {'run':18s} {'rows/dev':>8s} {'step ms':>8s} {'tok/s':>9s} {'tok/s/dev':>9s} "
           f"{'TFLOP/s':>7s} {'XLA GiB':>7s} {'alloc GiB':>9s} {'compile s':>9s} {'loss':>7s} {'weak':>6s} "
           f"{'max|dloss|':>10s}", flush=True)
-    for p, config in configs.items():
-        name = f"{a.preset}/{p}"
-        results = [train_run(name, config, r, a.seq_len, remat=a.remat, scan_layers=a.scan_layers,
-                             packed=a.packed, lr_warmup=a.lr_warmup, seed=a.seed) for r in runs]
-        print_model(name, runs, results, a.losses)
+    with default_options(a.osgm_variant) if a.osgm_variant else contextlib.nullcontext():
+        for p, config in configs.items():
+            name = f"{a.preset}/{p}"
+            results = [train_run(name, config, r, a.seq_len, remat=a.remat,
+                                 scan_layers=a.scan_layers, packed=a.packed,
+                                 lr_warmup=a.lr_warmup, seed=a.seed) for r in runs]
+            print_model(name, runs, results, a.losses)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ rows and heads stay sharded; with packed documents only heads). Without a GPU th
 interpret mode.
 """
 
+import contextlib
 import dataclasses
 import functools
 
@@ -89,6 +90,23 @@ class Options:
         for name in ("scalar_aux", "picard_early_exit"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Options.{name} must be a bool, got {getattr(self, name)!r}")
+
+
+_DEFAULT = [Options()]  # the options of calls that name none (``default_options``)
+
+
+@contextlib.contextmanager
+def default_options(options: Options):
+    """Calls traced inside take ``options`` where they name none, as ``impl="pallas"`` /
+    ``"auto"`` through the layers and models do (e.g. a benchmark of a model with the Picard
+    sweeps). Trace-time only: a function jitted and traced before keeps its kernels."""
+    if not isinstance(options, Options):
+        raise ValueError(f"default_options takes an osgm_precond.Options, got {options!r}")
+    _DEFAULT.append(options)
+    try:
+        yield options
+    finally:
+        _DEFAULT.pop()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,13 +336,15 @@ def _pieces(options, programs, T, packed):
 
 
 def osgm_pallas(k, beta, retention, eta, d_min, d_max, beta_aware, eps, initial_state,
-                cu_seqlens, chunk_size, options: Options = Options(), interpret: bool | None = None):
+                cu_seqlens, chunk_size, options: Options | None = None,
+                interpret: bool | None = None):
     """k̃ [B, T, H, K] (k's dtype) and final d [N, H, K] (float32) on the Pallas kernels.
 
     Arguments as ``precond_linattn.reference.osgm.osgm_reference``, each in its own dtype, plus
-    the unused ``chunk_size``. Raises ValueError for a head dim the kernels cannot take or traced
-    hyper-parameters."""
+    the unused ``chunk_size``; ``options`` None: those of ``default_options`` (else Options()).
+    Raises ValueError for a head dim the kernels cannot take or traced hyper-parameters."""
     del chunk_size
+    options = _DEFAULT[-1] if options is None else options
     B, T, H, K = k.shape
     if not supports(K=K, dtype=k.dtype):
         raise ValueError(f"impl='pallas' takes head dims K <= {MAX_HEAD_DIM}, got K={K}; "
