@@ -39,7 +39,10 @@ G_K = Diag(β) dL, G_Q = tril(dP) and the grams' pullback through the same block
          + δ_{i,C−1} (colsum(dK̃' ⊙ K̃') + Γ_C ⊙ dΓ_C)
 
 (A and P depend on γ only through γ_i − γ_j, so their part of dγ is the first three terms; the
-reference rows get none.) This is the exact pullback of ``delta_rule.prepare``.
+reference rows get none.) This is the exact pullback of ``delta_rule.prepare``. Two shares of
+dγ cancel exactly and are left out rather than formed: the diagonal's (A_ii, P_ii have no γ)
+and, on the last row, its own dK̃' ⊙ K̃' against the column sum; where a chunk decays by > 10 a
+token, dγ is ~1e-5 of those terms and their rounding would be all of it.
 """
 
 import functools
@@ -167,19 +170,22 @@ def _add(xs, ys):
 def _grams_vjp(GK, GQ, q, k, kw, g, g_ref, cols, dots, whole_first):
     """(dK_A, dQ_P, dK̃_AP) [C, BK] for the key columns ``cols`` (q, k, kw, g their tiles): the
     pullback of (A, P) = ``_grams`` along (G_K, G_Q) in K, Q and K̃ (module docstring), through
-    the same levels and blocks as there."""
+    the same levels and blocks as there, without the diagonal's share (``_diagonal_vjp``)."""
     ls = _block_size(g, g_ref, cols, whole_first)
-    i, j = iota2(g.shape[0])
-    gk = jnp.sum(jnp.where(i == j, GK, 0.0), axis=1)[:, None]  # the diagonal's G_ii
-    gq = jnp.sum(jnp.where(i == j, GQ, 0.0), axis=1)[:, None]
-    acc = _add((gk * kw, gq * kw, gk * k + gq * q),
-               _blocks_vjp(GK, GQ, q, k, kw, *_block(g, g_ref, cols, ls), dots))
+    acc = _blocks_vjp(GK, GQ, q, k, kw, *_block(g, g_ref, cols, ls), dots)
     for h, lh in _heights(g.shape[0]):
         acc = lax.cond(lh >= ls,
                        lambda a, h=h: _add(a, _blocks_vjp(GK, GQ, q, k, kw,
                                                           *_level(g, g_ref, cols, h), dots)),
                        lambda a: a, acc)
     return acc
+
+
+def _diagonal_vjp(gk, gq, q, k, kw):
+    """The diagonal's share of ``_grams``' pullback (A_ii = Σ k_i k̃_i, P_ii = Σ q_i k̃_i; gk, gq
+    [C, 1] its cotangents): (dK, dQ, dK̃) [C, BK]. Kept out of dγ: it has no γ in it, and as a
+    difference of two rounded products it would be all of dγ where a chunk decays away."""
+    return gk * kw, gq * kw, gk * k + gq * q
 
 
 def _fwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, W_ref, U_ref, kwt_ref, qd_ref,
@@ -230,12 +236,16 @@ def _bwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, T_ref, dW_ref, dU_
     dL = jnp.where(i > j, -dots.nt(dots.tn(T, dT), T), 0.0)
     db_ref[...] = db + jnp.sum(dL * A, axis=1)
     GK = b * dL
+    gk = jnp.sum(jnp.where(i == j, GK, 0.0), axis=1)[:, None]  # the diagonal's cotangents
+    gq = jnp.sum(jnp.where(i == j, dP_ref[...], 0.0), axis=1)[:, None]
     # sweep 2: the grams' pullback, Q' = Q ⊙ Γ, K̃' = K̃ ⊙ Γ_C/Γ, Γ_C (T and G_Q read again per
     # tile rather than held across it: fewer live [C, C] tiles, fewer spills)
     for cols in key_tiles:
         q, k, kw, g = _tile((q_ref, k_ref, kw_ref, g_ref), cols)
         GQ = jnp.where(i >= j, dP_ref[...], 0.0)
         dkA, dqP, dkwAP = _grams_vjp(GK, GQ, q, k, kw, g, g_ref, cols, dots, whole_first)
+        dg_grams = k * dkA + q * dqP - kw * dkwAP
+        dkA, dqP, dkwAP = _add((dkA, dqP, dkwAP), _diagonal_vjp(gk, gq, q, k, kw))
         g_last = g_ref[C - 1, cols].astype(f32)
         Gam = jnp.exp(g)
         dKg = dots.tn(T_ref[...], dW_ref[:, cols])
@@ -245,10 +255,13 @@ def _bwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, T_ref, dW_ref, dU_
         dk_ref[:, cols] = dkA + b * Gam * dKg
         dq_ref[:, cols] = dqP + dqd * Gam
         dkw_ref[:, cols] = dkwAP + dkwt * tail
-        e = dkwt * kw * tail
+        # K̃' = K̃ ⊙ exp(γ_C − γ): −e on rows i < C − 1, their sum on row C − 1 (its own e
+        # cancels exactly, so it is left out rather than added and subtracted)
+        at_last = _row_ids(C, k.shape[1]) == C - 1
+        e = jnp.where(at_last, 0.0, dkwt * kw * tail)
         last = jnp.sum(e, axis=0) + jnp.exp(g_last) * dgc_ref[cols]
-        dg_ref[:, cols] = (k * dkA + q * dqP - kw * dkwAP + b * wk + dqd * q * Gam - e
-                           + jnp.where(_row_ids(C, k.shape[1]) == C - 1, last[None, :], 0.0))
+        dg_ref[:, cols] = (dg_grams + b * wk + dqd * q * Gam - e
+                           + jnp.where(at_last, last[None, :], 0.0))
 
 
 def wy_vector_fwd(q, k, kw, v, beta, gamma, *, chunk, block_v, dots: Dots, num_warps,

@@ -5,6 +5,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from pallas_kernels import delta_rule as dr
@@ -189,6 +190,35 @@ def test_vector_decay_paths(rand, monkeypatch, strong, block_k, poisoned, exact)
                                                              decays)
     check(got_wy, want_wy, 2e-6, WY)
     check(got_grads, want_grads, 2e-6, GRADS)
+
+
+def test_vector_dgamma_where_every_channel_decays_away(rand, monkeypatch):
+    """Every key column decaying by 11-19 a token: each gram entry off the diagonal is below
+    e^-11, so dγ is ~1e-5 of the terms it is formed from. The kernels keep the diagonal (free of
+    γ) and the last row's own K̃' term out of dγ instead of adding and cancelling them: every
+    cotangent within 1e-5 of ``prepare`` in float64, where ``prepare`` in float32 is off by
+    more than 1e-4 in dγ."""
+    c, k_dim = 32, 32
+    Tp = NC * c
+    x = rand.delta_inputs(B, Tp, H, k_dim, V, decay="vector")
+    g = -(11.0 + 8.0 * jnp.asarray(rand.rng.uniform(size=(B, NC, c, H, k_dim)), jnp.float32))
+    gamma = jnp.cumsum(g, axis=2).reshape(B, Tp, H, k_dim)
+    ins = (x["q"], x["k"], x["write_key"], x["v"], x["beta"], gamma)
+    cfg = dr._Config(c, "vector", 1.0, None, dr.Options(), DOTS, DOTS)
+    wy32, pullback32 = jax.vjp(functools.partial(dr.prepare, cfg), *ins)
+    cts = tuple(rand.normal(*w.shape) for w in wy32)
+    opts = dict(chunk=c, block_v=16, block_k=64, dots=DOTS, num_warps=4, num_stages=1)
+    *_, T = jax.jit(functools.partial(wy_vector_fwd, **opts))(*ins)
+    got = jax.jit(functools.partial(wy_vector_bwd, **opts))(*ins, T, *cts)
+    real_view = dr._chunk_view
+    monkeypatch.setattr(dr, "_chunk_view", lambda a, chunk: real_view(a, chunk).astype(jnp.float64))
+    with jax.enable_x64(True):
+        wy64, pullback64 = jax.vjp(functools.partial(dr.prepare, cfg),
+                                   *(a.astype(jnp.float64) for a in ins))
+        want = pullback64(tuple(ct.astype(w.dtype) for ct, w in zip(cts, wy64)))
+        want = [np.asarray(w, np.float64) for w in want]
+    check(got, want, 1e-5, GRADS)
+    assert rel_err(pullback32(cts)[-1], want[-1]) > 1e-4
 
 
 @pytest.mark.parametrize("whole_first", [True, False])
