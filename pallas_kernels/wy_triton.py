@@ -23,8 +23,11 @@ broadcast over K, so its channels are summed):
 
 The doubling product is a polynomial in L equal to (I + L)^-1 on strictly lower-triangular L,
 so along strictly lower-triangular directions its derivative is that of the inverse, −T dL T:
-the formulas above are the exact pullback of ``prepare``. Value columns are processed in tiles
-of ``block_v`` inside the program (registers); everything else is held whole ([C, K], [C, C]).
+the formulas above are the exact pullback of ``prepare``. In dγ the diagonal of E (P_ii has no
+γ) and the last row's own e cancel exactly and are left out rather than formed: with strong
+decays dγ is a small fraction of those terms, and their rounding would be all of it. Value
+columns are processed in tiles of ``block_v`` inside the program (registers); everything else is
+held whole ([C, K], [C, C]).
 Inputs are in the kernels' layout (q, k, kw [B, Tp, H, K], v [B, Tp, H, V], beta, gamma
 [B, Tp, H]), any float dtype; math and outputs are float32.
 """
@@ -149,9 +152,11 @@ def _bwd_kernel(*refs, dots, block_v, block_k, has_decay):
             e = e + tail * jnp.sum(dkwt * kw.astype(f32), axis=1)
             qd = qd + Gam * jnp.sum(dqd * q.astype(f32), axis=1)
     if has_decay:  # γ enters through D, Γ, Γ_C/Γ and Γ_C; dL ⊙ L = β dL ⊙ A
-        E = b * dL * A + dP * P_ref[...].astype(f32)
-        last = jnp.sum(e) + gc * jnp.sum(dgc_ref[...])
+        # the diagonal of E and the last row's own e cancel exactly: left out, not formed
+        E = b * dL * A + jnp.where(i > j, dP * P_ref[...].astype(f32), 0.0)
         at_last = lax.broadcasted_iota(jnp.int32, (C,), 0) == C - 1
+        e = jnp.where(at_last, 0.0, e)
+        last = jnp.sum(e) + gc * jnp.sum(dgc_ref[...])
         dg_ref[...] = (beta * s + jnp.sum(E, axis=1) - jnp.sum(E, axis=0) + qd - e
                        + jnp.where(at_last, last, 0.0))
 

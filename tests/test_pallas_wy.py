@@ -192,24 +192,28 @@ def test_vector_decay_paths(rand, monkeypatch, strong, block_k, poisoned, exact)
     check(got_grads, want_grads, 2e-6, GRADS)
 
 
-def test_vector_dgamma_where_every_channel_decays_away(rand, monkeypatch):
-    """Every key column decaying by 11-19 a token: each gram entry off the diagonal is below
-    e^-11, so dγ is ~1e-5 of the terms it is formed from. The kernels keep the diagonal (free of
-    γ) and the last row's own K̃' term out of dγ instead of adding and cancelling them: every
-    cotangent within 1e-5 of ``prepare`` in float64, where ``prepare`` in float32 is off by
-    more than 1e-4 in dγ."""
+@pytest.mark.parametrize("decay", ["scalar", "vector"])
+def test_dgamma_where_every_channel_decays_away(rand, monkeypatch, decay):
+    """Decays of 11-19 a token (per head or in every key column): each gram entry off the
+    diagonal is below e^-11, so dγ is ~1e-5 of the terms it is formed from. The kernels keep the
+    diagonal (free of γ) and the last row's own K̃' term out of dγ instead of adding and
+    cancelling them: every cotangent within 1e-5 of ``prepare`` in float64, where ``prepare``
+    in float32 is off by more than 1e-4 in dγ."""
     c, k_dim = 32, 32
     Tp = NC * c
     x = rand.delta_inputs(B, Tp, H, k_dim, V, decay="vector")
-    g = -(11.0 + 8.0 * jnp.asarray(rand.rng.uniform(size=(B, NC, c, H, k_dim)), jnp.float32))
-    gamma = jnp.cumsum(g, axis=2).reshape(B, Tp, H, k_dim)
+    shape = (B, NC, c, H) + ((k_dim,) if decay == "vector" else ())
+    g = -(11.0 + 8.0 * jnp.asarray(rand.rng.uniform(size=shape), jnp.float32))
+    gamma = jnp.cumsum(g, axis=2).reshape(B, Tp, *shape[3:])
     ins = (x["q"], x["k"], x["write_key"], x["v"], x["beta"], gamma)
-    cfg = dr._Config(c, "vector", 1.0, None, dr.Options(), DOTS, DOTS)
+    cfg = dr._Config(c, decay, 1.0, None, dr.Options(), DOTS, DOTS)
     wy32, pullback32 = jax.vjp(functools.partial(dr.prepare, cfg), *ins)
     cts = tuple(rand.normal(*w.shape) for w in wy32)
     opts = dict(chunk=c, block_v=16, block_k=64, dots=DOTS, num_warps=4, num_stages=1)
-    *_, T = jax.jit(functools.partial(wy_vector_fwd, **opts))(*ins)
-    got = jax.jit(functools.partial(wy_vector_bwd, **opts))(*ins, T, *cts)
+    fwd, bwd = (wy_vector_fwd, wy_vector_bwd) if decay == "vector" else (wy_fwd, wy_bwd)
+    *wy, T = jax.jit(functools.partial(fwd, **opts))(*ins)
+    P = {} if decay == "vector" else dict(P=wy[4])
+    got = jax.jit(functools.partial(bwd, **opts))(*ins, T, *cts, **P)
     real_view = dr._chunk_view
     monkeypatch.setattr(dr, "_chunk_view", lambda a, chunk: real_view(a, chunk).astype(jnp.float64))
     with jax.enable_x64(True):
