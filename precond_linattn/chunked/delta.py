@@ -27,15 +27,21 @@ def _chunked(x, layout):
 
 
 def _decay_factors(gamma, like):
-    """(Γ broadcastable to rows [.., C, 1|K], Γ_C/Γ likewise, Γ_C broadcastable to S [.., K, 1])."""
+    """(Γ broadcastable to rows [.., C, 1|K], Γ_C/Γ likewise, Γ_C broadcastable to S [.., K, 1]).
+
+    The last row's Γ_C/Γ is 1 with no γ in it: its exponent is set to 0 rather than formed as
+    γ_C − γ_C, whose two gradients would cancel only to rounding (all of dγ there when a chunk
+    decays away)."""
     if gamma is None:
         ones = jnp.ones(like.shape[:-1] + (1,), jnp.float32)
         return ones, ones, ones[..., :1, :]
     if gamma.ndim == like.ndim - 1:  # scalar: [B,H,NC,C]
         last = gamma[..., -1:]
-        return jnp.exp(gamma)[..., None], jnp.exp(last - gamma)[..., None], jnp.exp(last)[..., None]
+        tail = jnp.exp((last - gamma).at[..., -1].set(0.0))
+        return jnp.exp(gamma)[..., None], tail[..., None], jnp.exp(last)[..., None]
     last = gamma[..., -1:, :]
-    return jnp.exp(gamma), jnp.exp(last - gamma), jnp.exp(jnp.swapaxes(last, -1, -2))
+    tail = jnp.exp((last - gamma).at[..., -1, :].set(0.0))
+    return jnp.exp(gamma), tail, jnp.exp(jnp.swapaxes(last, -1, -2))
 
 
 def chunk_grams(qc, kc, kwc, bc, gamma):
