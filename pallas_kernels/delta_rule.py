@@ -280,7 +280,7 @@ def _wy_kernel(cfg, kernel, ins, cts=None):
         dots, warps = cfg.pdots, o.pullback_warps or (o.num_warps if cfg.decay == "none" else 8)
     static = {} if cts is not None else dict(out_dtype=jnp.dtype(o.wy_dtype))
     if cfg.decay == "vector":
-        static["whole_first"] = o.vector_wy == "kernel"
+        static["factored_blocks"] = o.vector_wy == "kernel"
     outs = _kernel_call(cfg, kernel, args, axes, out_axes, chunk=cfg.chunk, block_v=o.block_v,
                         block_k=o.wy_block_k or o.block_k, dots=dots, num_warps=warps,
                         num_stages=o.num_stages, **static)

@@ -95,10 +95,10 @@ def _factorable(x):
     return jnp.max(jnp.max(jnp.abs(x), axis=1)) <= DIAG_BOUND
 
 
-def _block_size(g, g_ref, cols, whole_first):
+def _block_size(g, g_ref, cols, factored_blocks):
     """log2 s (module docstring): from s = C down to the first block size whose blocks all
-    factor; 0 (s = 1: every level by halving) without ``whole_first``."""
-    if not whole_first:
+    factor; 0 (s = 1: every level by halving) without ``factored_blocks``."""
+    if not factored_blocks:
         return jnp.int32(0)
     top = jnp.int32(g.shape[0].bit_length() - 1)
 
@@ -129,10 +129,10 @@ def _tile(refs, cols):
     return [r[:, cols].astype(f32) for r in refs]
 
 
-def _tile_grams(grams, rows, kw, g, g_ref, cols, dots, whole_first):
+def _tile_grams(grams, rows, kw, g, g_ref, cols, dots, factored_blocks):
     """grams + one key tile's share (``_grams``): the halving levels h >= s, then the s-blocks
-    (module docstring; s = 1 without ``whole_first``)."""
-    ls = _block_size(g, g_ref, cols, whole_first)
+    (module docstring; s = 1 without ``factored_blocks``)."""
+    ls = _block_size(g, g_ref, cols, factored_blocks)
     for h, lh in _heights(g.shape[0]):
         grams = lax.cond(lh >= ls,
                          lambda gr, h=h: _gram_blocks(gr, rows, kw, *_level(g, g_ref, cols, h),
@@ -144,14 +144,14 @@ def _tile_grams(grams, rows, kw, g, g_ref, cols, dots, whole_first):
     return _gram_blocks(grams, rows, kw, *_block(g, g_ref, cols, ls), dots)
 
 
-def _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, whole_first, with_p=True):
+def _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, factored_blocks, with_p=True):
     """(A, P) [C, C] (module docstring; zero above the diagonal), summed over the key tiles;
     without ``with_p`` only (A,)."""
     C = k_ref.shape[0]
     grams = (jnp.zeros((C, C), f32),) * (2 if with_p else 1)
     for cols in key_tiles:
         q, k, kw, g = _tile((q_ref, k_ref, kw_ref, g_ref), cols)
-        grams = _tile_grams(grams, (k, q)[:len(grams)], kw, g, g_ref, cols, dots, whole_first)
+        grams = _tile_grams(grams, (k, q)[:len(grams)], kw, g, g_ref, cols, dots, factored_blocks)
     return grams
 
 
@@ -167,11 +167,11 @@ def _add(xs, ys):
     return tuple(x + y for x, y in zip(xs, ys))
 
 
-def _grams_vjp(GK, GQ, q, k, kw, g, g_ref, cols, dots, whole_first):
+def _grams_vjp(GK, GQ, q, k, kw, g, g_ref, cols, dots, factored_blocks):
     """(dK_A, dQ_P, dK̃_AP) [C, BK] for the key columns ``cols`` (q, k, kw, g their tiles): the
     pullback of (A, P) = ``_grams`` along (G_K, G_Q) in K, Q and K̃ (module docstring), through
     the same levels and blocks as there, without the diagonal's share (``_diagonal_vjp``)."""
-    ls = _block_size(g, g_ref, cols, whole_first)
+    ls = _block_size(g, g_ref, cols, factored_blocks)
     acc = _blocks_vjp(GK, GQ, q, k, kw, *_block(g, g_ref, cols, ls), dots)
     for h, lh in _heights(g.shape[0]):
         acc = lax.cond(lh >= ls,
@@ -189,11 +189,11 @@ def _diagonal_vjp(gk, gq, q, k, kw):
 
 
 def _fwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, W_ref, U_ref, kwt_ref, qd_ref,
-                P_ref, gc_ref, T_ref, *, dots, block_v, block_k, whole_first):
+                P_ref, gc_ref, T_ref, *, dots, block_v, block_k, factored_blocks):
     """One chunk's W, U, K̃', Q', P, Γ_C and T (module docstring), by key tiles of ``block_k``."""
     C, K = k_ref.shape
     key_tiles = tiles(K, block_k)
-    A, P = _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, whole_first)
+    A, P = _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, factored_blocks)
     beta = beta_ref[...].astype(f32)
     i, j = iota2(C)
     T = unit_lower_inverse(jnp.where(i > j, beta[:, None] * A, 0.0), dots)
@@ -213,13 +213,13 @@ def _fwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, W_ref, U_ref, kwt_
 
 def _bwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, T_ref, dW_ref, dU_ref, dkwt_ref,
                 dqd_ref, dP_ref, dgc_ref, dq_ref, dk_ref, dkw_ref, dv_ref, db_ref, dg_ref, *, dots,
-                block_v, block_k, whole_first):
+                block_v, block_k, factored_blocks):
     """One chunk's dQ, dK, dK̃, dV, dβ and dγ (module docstring), T read from the forward, in two
     sweeps over key tiles of ``block_k`` (dT and dβ first; then, after dL, each tile's
     cotangents, Tᵀ dW recomputed per tile)."""
     C, K = k_ref.shape
     key_tiles = tiles(K, block_k)
-    (A,) = _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, whole_first, with_p=False)
+    (A,) = _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, factored_blocks, with_p=False)
     T = T_ref[...]
     i, j = iota2(C)
     beta = beta_ref[...].astype(f32)
@@ -243,7 +243,7 @@ def _bwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, T_ref, dW_ref, dU_
     for cols in key_tiles:
         q, k, kw, g = _tile((q_ref, k_ref, kw_ref, g_ref), cols)
         GQ = jnp.where(i >= j, dP_ref[...], 0.0)
-        dkA, dqP, dkwAP = _grams_vjp(GK, GQ, q, k, kw, g, g_ref, cols, dots, whole_first)
+        dkA, dqP, dkwAP = _grams_vjp(GK, GQ, q, k, kw, g, g_ref, cols, dots, factored_blocks)
         dg_grams = k * dkA + q * dqP - kw * dkwAP
         dkA, dqP, dkwAP = _add((dkA, dqP, dkwAP), _diagonal_vjp(gk, gq, q, k, kw))
         g_last = g_ref[C - 1, cols].astype(f32)
@@ -265,30 +265,31 @@ def _bwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, T_ref, dW_ref, dU_
 
 
 def wy_vector_fwd(q, k, kw, v, beta, gamma, *, chunk, block_v, dots: Dots, num_warps,
-                  num_stages, block_k=64, out_dtype=jnp.float32, whole_first=True):
+                  num_stages, block_k=64, out_dtype=jnp.float32, factored_blocks=True):
     """``wy_triton.wy_fwd`` for a per-channel decay, gamma [B, Tp, H, K] (the in-chunk cumsum):
     W, U, K̃', Q' [B, H, Tp, ·], P [B, H, Tp, C] (in ``out_dtype``) and Γ_C [B, H, NC, K], equal to
     ``delta_rule.prepare``'s outputs (module docstring), and T [B, H, Tp, C] for the pullback;
-    ``block_k``: key columns per tile (the grams are sums over key tiles); ``whole_first``
-    False: every tile by halving (an ablation: exact, slower where a tile could factor whole)."""
+    ``block_k``: key columns per tile (the grams are sums over key tiles); ``factored_blocks``
+    False: every tile by halving down to single rows (an ablation: exact, slower where a tile's
+    blocks could factor)."""
     in_specs, wy_specs, grid = layout(q, v, gamma, chunk, vector=True)
     args = [q, k, kw, v, beta, gamma]
     kernel = functools.partial(_fwd_kernel, dots=dots, block_v=block_v, block_k=block_k,
-                               whole_first=whole_first)
+                               factored_blocks=factored_blocks)
     return call(kernel, "wy_vector_fwd", grid, in_specs, wy_specs,
                 wy_shapes(q, v, grid, chunk, args, out_dtype), args, dots, num_warps, num_stages)
 
 
 def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *, chunk,
-                  block_v, dots: Dots, num_warps, num_stages, block_k=64, whole_first=True):
+                  block_v, dots: Dots, num_warps, num_stages, block_k=64, factored_blocks=True):
     """Cotangents of q, k, kw [B, Tp, H, K], v [B, Tp, H, V], beta [B, Tp, H] and gamma
     [B, Tp, H, K] (float32) from those of ``wy_vector_fwd``'s outputs and its T (module
-    docstring); ``block_k``: key columns per tile; ``whole_first`` as ``wy_vector_fwd``'s."""
+    docstring); ``block_k``: key columns per tile; ``factored_blocks`` as ``wy_vector_fwd``'s."""
     in_specs, wy_specs, grid = layout(q, v, gamma, chunk, vector=True)
     args = [q, k, kw, v, beta, gamma]
     cts = [T, dW, dU, dkw_t, dq_dec, dP, dgc]
     out_shape = [out_struct(x.shape, f32, *args, *cts) for x in args]
     kernel = functools.partial(_bwd_kernel, dots=dots, block_v=block_v, block_k=block_k,
-                               whole_first=whole_first)
+                               factored_blocks=factored_blocks)
     return call(kernel, "wy_vector_bwd", grid, in_specs + wy_specs[-1:] + wy_specs[:-1],
                 in_specs, out_shape, args + cts, dots, num_warps, num_stages)

@@ -225,8 +225,8 @@ def test_dgamma_where_every_channel_decays_away(rand, monkeypatch, decay):
     check(pullback32(cts), want, 1e-5, GRADS)
 
 
-@pytest.mark.parametrize("whole_first", [True, False])
-def test_vector_kernels_lower_for_cuda(whole_first):
+@pytest.mark.parametrize("factored_blocks", [True, False])
+def test_vector_kernels_lower_for_cuda(factored_blocks):
     """The per-channel WY forward and pullback (the block-size search, the levels' conds) go
     through the Triton lowering for CUDA (no GPU needed: an abstract H100 mesh); K = V = 128,
     C = 64, bf16, 8 warps as on the device."""
@@ -235,7 +235,7 @@ def test_vector_kernels_lower_for_cuda(whole_first):
         *[((b, t, H, 128), jnp.bfloat16)] * 4, ((b, t, H), jnp.bfloat16),
         ((b, t, H, 128), jnp.float32)]]
     opts = dict(chunk=c, block_v=64, block_k=64, dots=Dots(precision="tf32"), num_warps=8,
-                num_stages=2, whole_first=whole_first)
+                num_stages=2, factored_blocks=factored_blocks)
 
     def both(*xs):
         *wy, T = wy_vector_fwd(*xs, **opts)
