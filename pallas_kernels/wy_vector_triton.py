@@ -130,8 +130,8 @@ def _tile(refs, cols):
 
 
 def _tile_grams(grams, rows, kw, g, g_ref, cols, dots, factored_blocks):
-    """grams + one key tile's share (``_grams``): the halving levels h >= s, then the s-blocks
-    (module docstring; s = 1 without ``factored_blocks``)."""
+    """(grams + one key tile's share (``_grams``), log2 s): the halving levels h >= s, then the
+    s-blocks (module docstring; s = 1 without ``factored_blocks``)."""
     ls = _block_size(g, g_ref, cols, factored_blocks)
     for h, lh in _heights(g.shape[0]):
         grams = lax.cond(lh >= ls,
@@ -141,18 +141,20 @@ def _tile_grams(grams, rows, kw, g, g_ref, cols, dots, factored_blocks):
     i, j = iota2(g.shape[0])
     grams = tuple(X + jnp.where(i == j, jnp.sum(Z * kw, axis=1)[:, None], 0.0)
                   for X, Z in zip(grams, rows))
-    return _gram_blocks(grams, rows, kw, *_block(g, g_ref, cols, ls), dots)
+    return _gram_blocks(grams, rows, kw, *_block(g, g_ref, cols, ls), dots), ls
 
 
 def _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, factored_blocks, with_p=True):
-    """(A, P) [C, C] (module docstring; zero above the diagonal), summed over the key tiles;
-    without ``with_p`` only (A,)."""
+    """((A, P) [C, C] (module docstring; zero above the diagonal), summed over the key tiles,
+    without ``with_p`` only (A,); each key tile's log2 s, for the pullback)."""
     C = k_ref.shape[0]
-    grams = (jnp.zeros((C, C), f32),) * (2 if with_p else 1)
+    grams, sizes = (jnp.zeros((C, C), f32),) * (2 if with_p else 1), []
     for cols in key_tiles:
         q, k, kw, g = _tile((q_ref, k_ref, kw_ref, g_ref), cols)
-        grams = _tile_grams(grams, (k, q)[:len(grams)], kw, g, g_ref, cols, dots, factored_blocks)
-    return grams
+        grams, ls = _tile_grams(grams, (k, q)[:len(grams)], kw, g, g_ref, cols, dots,
+                                factored_blocks)
+        sizes.append(ls)
+    return grams, sizes
 
 
 def _blocks_vjp(GK, GQ, q, k, kw, ex, ey, M, dots):
@@ -167,11 +169,11 @@ def _add(xs, ys):
     return tuple(x + y for x, y in zip(xs, ys))
 
 
-def _grams_vjp(GK, GQ, q, k, kw, g, g_ref, cols, dots, factored_blocks):
+def _grams_vjp(GK, GQ, q, k, kw, g, g_ref, cols, ls, dots):
     """(dK_A, dQ_P, dK̃_AP) [C, BK] for the key columns ``cols`` (q, k, kw, g their tiles): the
     pullback of (A, P) = ``_grams`` along (G_K, G_Q) in K, Q and K̃ (module docstring), through
-    the same levels and blocks as there, without the diagonal's share (``_diagonal_vjp``)."""
-    ls = _block_size(g, g_ref, cols, factored_blocks)
+    the same levels and blocks as there (``ls``: the tile's log2 s from ``_grams``), without the
+    diagonal's share (``_diagonal_vjp``)."""
     acc = _blocks_vjp(GK, GQ, q, k, kw, *_block(g, g_ref, cols, ls), dots)
     for h, lh in _heights(g.shape[0]):
         acc = lax.cond(lh >= ls,
@@ -193,7 +195,7 @@ def _fwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, W_ref, U_ref, kwt_
     """One chunk's W, U, K̃', Q', P, Γ_C and T (module docstring), by key tiles of ``block_k``."""
     C, K = k_ref.shape
     key_tiles = tiles(K, block_k)
-    A, P = _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, factored_blocks)
+    (A, P), _ = _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, factored_blocks)
     beta = beta_ref[...].astype(f32)
     i, j = iota2(C)
     T = unit_lower_inverse(jnp.where(i > j, beta[:, None] * A, 0.0), dots)
@@ -219,7 +221,8 @@ def _bwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, T_ref, dW_ref, dU_
     cotangents, Tᵀ dW recomputed per tile)."""
     C, K = k_ref.shape
     key_tiles = tiles(K, block_k)
-    (A,) = _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, factored_blocks, with_p=False)
+    (A,), sizes = _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, factored_blocks,
+                         with_p=False)
     T = T_ref[...]
     i, j = iota2(C)
     beta = beta_ref[...].astype(f32)
@@ -240,10 +243,10 @@ def _bwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, T_ref, dW_ref, dU_
     gq = jnp.sum(jnp.where(i == j, dP_ref[...], 0.0), axis=1)[:, None]
     # sweep 2: the grams' pullback, Q' = Q ⊙ Γ, K̃' = K̃ ⊙ Γ_C/Γ, Γ_C (T and G_Q read again per
     # tile rather than held across it: fewer live [C, C] tiles, fewer spills)
-    for cols in key_tiles:
+    for cols, ls in zip(key_tiles, sizes):
         q, k, kw, g = _tile((q_ref, k_ref, kw_ref, g_ref), cols)
         GQ = jnp.where(i >= j, dP_ref[...], 0.0)
-        dkA, dqP, dkwAP = _grams_vjp(GK, GQ, q, k, kw, g, g_ref, cols, dots, factored_blocks)
+        dkA, dqP, dkwAP = _grams_vjp(GK, GQ, q, k, kw, g, g_ref, cols, ls, dots)
         dg_grams = k * dkA + q * dqP - kw * dkwAP
         dkA, dqP, dkwAP = _add((dkA, dqP, dkwAP), _diagonal_vjp(gk, gq, q, k, kw))
         g_last = g_ref[C - 1, cols].astype(f32)
