@@ -9,7 +9,6 @@ tokens/s = (2048 + 128) / (t_prefill + t_decode). Prefill alone is timed the sam
 """
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import statistics
@@ -63,13 +62,13 @@ def main():
     ap.add_argument("--prompt", type=int, default=2048)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--osgm-variant", help="the OSGM kernels' options (bench_osgm's variant strings)")
+    ap.add_argument("--osgm-variant", type=osgm_variant,
+                    help="the OSGM kernels' options (bench_osgm's variant strings)")
     a = ap.parse_args()
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, osgm options "
           f"{a.osgm_variant or 'default'}")
     rows = []
-    with (default_options(osgm_variant(a.osgm_variant)) if a.osgm_variant
-          else contextlib.nullcontext()):
+    with default_options(a.osgm_variant):
         for n in a.presets:
             for p in a.preconditioners:  # each row as it is done: a call cut short keeps the rest
                 rows.append(bench(n, p, a.prompt, a.new_tokens, a.tiny))

@@ -36,7 +36,6 @@ process started (exact for the first run only: later runs show the largest so fa
 """
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import math
@@ -280,7 +279,7 @@ def main():
     print(f"{'model':20s} {'run':18s} {'rows/dev':>8s} {'step ms':>8s} {'tok/s':>9s} {'tok/s/dev':>9s} "
           f"{'TFLOP/s':>7s} {'XLA GiB':>7s} {'alloc GiB':>9s} {'compile s':>9s} {'loss':>7s} {'weak':>6s} "
           f"{'max|dloss|':>10s}", flush=True)
-    with default_options(a.osgm_variant) if a.osgm_variant else contextlib.nullcontext():
+    with default_options(a.osgm_variant):
         for p, config in configs.items():
             name = f"{a.preset}/{p}"
             results = [train_run(name, config, r, a.seq_len, remat=a.remat,

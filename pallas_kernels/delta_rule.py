@@ -139,10 +139,11 @@ class Options:
     sequence_pieces: int | None = None  # mosaic: the serial passes over pieces run in parallel
 
     def __post_init__(self):
-        for name in ("block_v", "block_k", "wy_block_k", "serial_block_v"):
-            n = getattr(self, name)
-            if (n is not None or name in ("block_v", "block_k")) and (
-                    not isinstance(n, int) or isinstance(n, bool) or n < 16 or n & (n - 1)):
+        tiles = dict(block_v=self.block_v, block_k=self.block_k)
+        tiles |= {n: getattr(self, n) for n in ("wy_block_k", "serial_block_v")
+                  if getattr(self, n) is not None}  # None: the tile above
+        for name, n in tiles.items():
+            if not isinstance(n, int) or isinstance(n, bool) or n < 16 or n & (n - 1):
                 raise ValueError(f"Options.{name} must be a power of two >= 16 (tiles cover the "
                                  f"padded head dims), got {n!r}")
         if self.vector_wy not in ("xla", "kernel", "halving"):

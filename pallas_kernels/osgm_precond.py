@@ -96,13 +96,14 @@ _DEFAULT = [Options()]  # the options of calls that name none (``default_options
 
 
 @contextlib.contextmanager
-def default_options(options: Options):
+def default_options(options: Options | None):
     """Calls traced inside take ``options`` where they name none, as ``impl="pallas"`` /
     ``"auto"`` through the layers and models do (e.g. a benchmark of a model with the Picard
-    sweeps). Trace-time only: a function jitted and traced before keeps its kernels."""
-    if not isinstance(options, Options):
-        raise ValueError(f"default_options takes an osgm_precond.Options, got {options!r}")
-    _DEFAULT.append(options)
+    sweeps); None keeps the current ones. Trace-time only: a function jitted and traced before
+    keeps its kernels."""
+    if not isinstance(options, Options | None):
+        raise ValueError(f"default_options takes an osgm_precond.Options or None, got {options!r}")
+    _DEFAULT.append(_DEFAULT[-1] if options is None else options)
     try:
         yield options
     finally:
@@ -179,10 +180,15 @@ def _coupling(shares):
     return jnp.sum(shares, 2).transpose(0, 2, 1)
 
 
-def _whole_shares(shares, p):
-    """Block shares of p pieces [B p, H, J, T / p] as those of the whole rows [B, H, J, T]."""
-    Bp, H, J, L = shares.shape
-    return shares.reshape(Bp // p, p, H, J, L).transpose(0, 2, 3, 1, 4).reshape(-1, H, J, p * L)
+def _whole_rows(out, p, state_piece):
+    """A sweep's outputs over p pieces ([shares [B p, H, J, T / p]], with ``emit`` also a sequence
+    [B p, T / p, H, K] and the pieces' states [B p, H, K]) as those of the whole rows: shares
+    [B, H, J, T], the sequence [B, T, H, K] and the state of piece ``state_piece`` [B, H, K]."""
+    Bp, H, J, L = out[0].shape
+    shares = out[0].reshape(Bp // p, p, H, J, L).transpose(0, 2, 3, 1, 4).reshape(-1, H, J, p * L)
+    if len(out) == 1:
+        return [shares]
+    return [shares, unrows(out[1], p), out[2].reshape(Bp // p, p, H, -1)[:, state_piece]]
 
 
 def _sweep(cfg, k, coef, init, *, emit, emit_d):
@@ -205,9 +211,7 @@ def _sweep(cfg, k, coef, init, *, emit, emit_d):
     alpha = jnp.prod(coef[..., RET].reshape(B, p, T // p, H), axis=2)[..., None]
     entering = chain(lambda x, m: jnp.clip(m[0] * x + m[1], m[2], m[3]), (alpha, b, lo, hi),
                      init)
-    out = run(pk, pc, entering.reshape(B * p, H, K))
-    shares = _whole_shares(out[0], p)
-    return [shares, unrows(out[1], p), out[2].reshape(B, p, H, K)[:, -1]] if emit else [shares]
+    return _whole_rows(run(pk, pc, entering.reshape(B * p, H, K)), p, -1)
 
 
 def _token_forward(cfg, k, aux, init, *, emit_d):
@@ -283,9 +287,7 @@ def _sweep_bwd(cfg, k, coef, d, dkw, dfinal, *, emit):
         cfg, osgm_sweep_compose_bwd, pieces, _SEQ[:4], ["n h k"] * 2,
         block_k=cfg.options.picard_block_k))
     leaving = chain(lambda x, m: m[0] * x + m[1], (M, E), dfinal, reverse=True)
-    out = run(*pieces, leaving.reshape(B * p, H, K))
-    shares = _whole_shares(out[0], p)
-    return [shares, unrows(out[1], p), out[2].reshape(B, p, H, K)[:, 0]] if emit else [shares]
+    return _whole_rows(run(*pieces, leaving.reshape(B * p, H, K)), p, 0)
 
 
 def _token_backward(cfg, k, aux, d, dkw, dfinal):

@@ -257,12 +257,13 @@ def test_picard_sweeps_over_sequence_pieces(case, pieces, monkeypatch):
 def test_default_options_reach_calls_that_name_none(monkeypatch):
     """``default_options``: ``osgm_precondition(impl="pallas")``, as the layers call it, runs the
     Picard sweeps over pieces inside the context (the token loops poisoned: exact), the token
-    loops again after it; anything but Options is refused."""
+    loops again after it; None keeps the enclosing options; anything else is refused."""
     monkeypatch.setattr(osgm_precond, "_token_forward", poisoned(osgm_precond._token_forward))
     x, kw = unrolled_case("dense", 36)
     want = precondition("reference", x, **kw)
     with osgm_precond.default_options(Options(picard_iters=16, picard_pieces=4)):
-        got = precondition("pallas", x, **kw)
+        with osgm_precond.default_options(None):  # keeps the enclosing options
+            got = precondition("pallas", x, **kw)
     for a, b, name in zip(got, want, ("k_write", "final")):
         assert_close(a, b, 2e-5, name)
     assert bool(jnp.all(jnp.isnan(precondition("pallas", x, **kw)[0])))
