@@ -15,7 +15,8 @@ factored dot through the middle rows, masked to i > j (as with a scalar decay):
 
     A_ij = Σ_k (k_ik exp(γ_ik − γ_m,k)) (k̃_jk exp(γ_m,k − γ_jk))     (every factor <= e^40)
 
-s = C (a chunk that decays by at most ~80 per channel) is the whole gram in one dot. The entries
+s = C (a chunk that decays by at most ~80 per channel) is the whole gram in one dot through the
+middle row, tested first and kept apart from the search for s (``lax.cond``). The entries
 across s-blocks by halving: at level h = C/2, C/4, ..., s the rows fall into blocks of 2h, each
 an upper and a lower half, and with r(i) = 2h⌊i/2h⌋ + h (the first row of i's lower half) the
 entries (i in a lower half, j in the upper half of the same block) are
@@ -24,9 +25,10 @@ entries (i in a lower half, j in the upper half of the same block) are
 
 one masked [C, C] dot a level: log2(C / s) + 1 dots a gram and key tile, each entry below the
 diagonal once, exact for any decay (entries a dot computes outside its mask may overflow; they are
-discarded). The diagonal is Σ_k k_ik k̃_ik, free of γ: through a factored dot its dγ terms would
-cancel only to rounding, which where the neighbours have decayed away is all of dγ. The levels
-below s are skipped by ``lax.cond``; the pullback makes the same choice.
+discarded). The forward takes the diagonal in the s-block dot (i >= j); the pullback takes it
+apart, as Σ_k k_ik k̃_ik, free of γ: through a factored dot its dγ terms would cancel only to
+rounding, which where the neighbours have decayed away is all of dγ. The levels below s are
+skipped by ``lax.cond``; the pullback makes the same choice.
 
 Pullback (cotangents dW, dU, dK̃', dQ', dP, dΓ_C [K]): with dT, dL as in ``wy_triton``,
 G_K = Diag(β) dL, G_Q = tril(dP) and the grams' pullback through the same blocks,
@@ -95,13 +97,15 @@ def _factorable(x):
     return jnp.max(jnp.max(jnp.abs(x), axis=1)) <= DIAG_BOUND
 
 
-def _block_size(g, g_ref, cols, factored_blocks):
-    """log2 s (module docstring): from s = C down to the first block size whose blocks all
-    factor; 0 (s = 1: every level by halving) without ``factored_blocks``."""
-    if not factored_blocks:
-        return jnp.int32(0)
-    top = jnp.int32(g.shape[0].bit_length() - 1)
+def _to_middle(g, g_ref, cols):
+    """γ − γ_{C/2} [C, BK] for the key columns ``cols`` (g = γ there): the factors of s = C,
+    the middle row read once and broadcast (``_to_middles`` at s = C gathers it row by row)."""
+    return g - g_ref[g.shape[0] // 2, cols].astype(f32)[None, :]
 
+
+def _block_size(g, g_ref, cols, top):
+    """log2 s (module docstring): from s = 2^top down to the first block size whose blocks all
+    factor."""
     def shrink(carry):
         ls = carry[0] - 1
         return ls, _factorable(_to_middles(g, g_ref, cols, ls))
@@ -110,12 +114,12 @@ def _block_size(g, g_ref, cols, factored_blocks):
                           (top, _factorable(_to_middles(g, g_ref, cols, top))))[0]
 
 
-def _block(g, g_ref, cols, ls):
+def _block(g, g_ref, cols, ls, diagonal):
     """(ex, ey, M) of the factored s-blocks (s = 2^ls): ex = exp(γ − γ_m), ey = exp(γ_m − γ)
-    [C, BK] and M [C, C] the entries i > j within one block."""
+    [C, BK] and M [C, C] the entries i > j (i >= j with ``diagonal``) within one block."""
     x = _to_middles(g, g_ref, cols, ls)
     i, j = iota2(g.shape[0])
-    return jnp.exp(x), jnp.exp(-x), (i > j) & ((i >> ls) == (j >> ls))
+    return jnp.exp(x), jnp.exp(-x), ((i > j) | (diagonal & (i == j))) & ((i >> ls) == (j >> ls))
 
 
 def _gram_blocks(grams, rows, kw, ex, ey, M, dots):
@@ -130,18 +134,34 @@ def _tile(refs, cols):
 
 
 def _tile_grams(grams, rows, kw, g, g_ref, cols, dots, factored_blocks):
-    """(grams + one key tile's share (``_grams``), log2 s): the halving levels h >= s, then the
-    s-blocks (module docstring; s = 1 without ``factored_blocks``)."""
-    ls = _block_size(g, g_ref, cols, factored_blocks)
-    for h, lh in _heights(g.shape[0]):
-        grams = lax.cond(lh >= ls,
-                         lambda gr, h=h: _gram_blocks(gr, rows, kw, *_level(g, g_ref, cols, h),
-                                                      dots),
-                         lambda gr: gr, grams)
-    i, j = iota2(g.shape[0])
-    grams = tuple(X + jnp.where(i == j, jnp.sum(Z * kw, axis=1)[:, None], 0.0)
-                  for X, Z in zip(grams, rows))
-    return _gram_blocks(grams, rows, kw, *_block(g, g_ref, cols, ls), dots), ls
+    """(grams + one key tile's share (``_grams``), log2 s): the whole chunk in one factored dot
+    where it factors (s = C, the common case, kept apart from the search: run 51 measured the
+    general path at s = C 0.55 ms slower in the forward), else s by ``_block_size``, the halving
+    levels h >= s and the s-blocks (module docstring; s = 1 without ``factored_blocks``). The
+    forward's diagonal rides in the block dots (only dγ needs it apart, ``_diagonal_vjp``)."""
+    C = g.shape[0]
+    top = C.bit_length() - 1
+
+    def general(grams, ls):  # ls: the first candidate, log2 C − 1
+        ls = _block_size(g, g_ref, cols, ls) if factored_blocks else jnp.int32(0)
+        for h, lh in _heights(C):
+            grams = lax.cond(lh >= ls,
+                             lambda gr, h=h: _gram_blocks(gr, rows, kw,
+                                                          *_level(g, g_ref, cols, h), dots),
+                             lambda gr: gr, grams)
+        return _gram_blocks(grams, rows, kw, *_block(g, g_ref, cols, ls, True), dots), ls
+
+    if not factored_blocks:
+        return general(grams, None)
+    x = _to_middle(g, g_ref, cols)
+    i, j = iota2(C)
+    whole = _factorable(x)
+    # log2 s: top where whole, else the search's start; traced (the Triton lowering cannot
+    # yield a literal from a branch)
+    return lax.cond(
+        whole,
+        lambda gr, ls: (_gram_blocks(gr, rows, kw, jnp.exp(x), jnp.exp(-x), i >= j, dots), ls),
+        general, grams, top - 1 + whole.astype(jnp.int32))
 
 
 def _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, factored_blocks, with_p=True):
@@ -172,15 +192,25 @@ def _add(xs, ys):
 def _grams_vjp(GK, GQ, q, k, kw, g, g_ref, cols, ls, dots):
     """(dK_A, dQ_P, dK̃_AP) [C, BK] for the key columns ``cols`` (q, k, kw, g their tiles): the
     pullback of (A, P) = ``_grams`` along (G_K, G_Q) in K, Q and K̃ (module docstring), through
-    the same levels and blocks as there (``ls``: the tile's log2 s from ``_grams``), without the
-    diagonal's share (``_diagonal_vjp``)."""
-    acc = _blocks_vjp(GK, GQ, q, k, kw, *_block(g, g_ref, cols, ls), dots)
-    for h, lh in _heights(g.shape[0]):
-        acc = lax.cond(lh >= ls,
-                       lambda a, h=h: _add(a, _blocks_vjp(GK, GQ, q, k, kw,
-                                                          *_level(g, g_ref, cols, h), dots)),
-                       lambda a: a, acc)
-    return acc
+    the same whole chunk, or levels and blocks, as there (``ls``: the tile's log2 s from
+    ``_grams``), without the diagonal's share (``_diagonal_vjp``)."""
+    C = g.shape[0]
+    i, j = iota2(C)
+
+    def whole():
+        x = _to_middle(g, g_ref, cols)
+        return _blocks_vjp(GK, GQ, q, k, kw, jnp.exp(x), jnp.exp(-x), i > j, dots)
+
+    def general():
+        acc = _blocks_vjp(GK, GQ, q, k, kw, *_block(g, g_ref, cols, ls, False), dots)
+        for h, lh in _heights(C):
+            acc = lax.cond(lh >= ls,
+                           lambda a, h=h: _add(a, _blocks_vjp(GK, GQ, q, k, kw,
+                                                              *_level(g, g_ref, cols, h), dots)),
+                           lambda a: a, acc)
+        return acc
+
+    return lax.cond(ls == C.bit_length() - 1, whole, general)
 
 
 def _diagonal_vjp(gk, gq, q, k, kw):

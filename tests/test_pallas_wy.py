@@ -192,6 +192,26 @@ def test_vector_decay_paths(rand, monkeypatch, strong, block_k, poisoned, exact)
     check(got_grads, want_grads, 2e-6, GRADS)
 
 
+@pytest.mark.parametrize("strong, exact", [((0.01, 0.5), True), ((3.0, 4.5), False)],
+                         ids=["whole_skips_search", "s16_searches"])
+def test_vector_whole_chunk_path_apart(rand, monkeypatch, strong, exact):
+    """A key tile that factors whole takes one dot through the chunk's middle row and never the
+    block-size search's path (``_block`` poisoned: exact), a tile that does not takes it (not
+    exact); forward and pullback alike (C = K = 32, decays as ``test_vector_decay_paths``)."""
+    from pallas_kernels import wy_vector_triton as wv
+    real = wv._block
+
+    def block(*args):  # the blocks' entries doubled
+        ex, ey, M = real(*args)
+        return 2.0 * ex, ey, M
+
+    monkeypatch.setattr(wv, "_block", block)
+    (got_wy, got_grads), (want_wy, want_grads) = vector_case(rand, 32, 32, jnp.float32, 64,
+                                                             MILD + [strong])
+    errs = [rel_err(a, b) for a, b in zip([*got_wy, *got_grads], [*want_wy, *want_grads])]
+    assert max(errs) <= 2e-6 if exact else max(errs) > 1e-2
+
+
 @pytest.mark.parametrize("decay", ["scalar", "vector"])
 def test_dgamma_where_every_channel_decays_away(rand, monkeypatch, decay):
     """Decays of 11-19 a token (per head or in every key column): each gram entry off the
