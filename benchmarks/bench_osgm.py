@@ -66,7 +66,9 @@ def variant(text):
     [/cpN|/cpauto]]" (e.g. "4/1", "2/1/4/scalar", "2/1/16/8": the forward 16 tokens an
     iteration, the backward 8; "2/1/8/p8/bk32": phase 1 by at most 8 Picard sweeps each way over
     blocks of 32 coordinates; "fixed": exactly N sweeps, no early exit; "cp8" / "cpauto": each
-    sweep over 8 / ``auto_pieces`` sequence pieces, ``Options.picard_pieces``)."""
+    sweep over 8 / ``auto_pieces`` sequence pieces, ``Options.picard_pieces``, auto when not
+    named, "cp1": unsplit). Without "pN" the token loops (not ``picard_iters=None``'s choice by
+    shape: a variant names its kernels)."""
     parts = text.split("/")
     flags = [t for t in parts if not t.isdigit()]
     numbers = [t for t in parts if t.isdigit()]

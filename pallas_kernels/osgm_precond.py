@@ -56,29 +56,29 @@ class Options:
     by Picard sweeps (``osgm_sweep_triton``, programs over blocks of ``picard_block_k``
     coordinates, no reduction on the per-token chain) until the coupling ⟨d_t, s_t⟩ (the
     adjoint's ⟨μ_t, s_t⟩) settles, at most that many, then the token loops (exact either way;
-    ``precond_linattn.chunked.osgm_picard`` has the algorithm and its convergence); 0 (the
-    default: measured slower, RESULTS runs 35-36): the token loops. ``picard_early_exit``: stop the
+    ``precond_linattn.chunked.osgm_picard`` has the algorithm and its convergence); 0: the token
+    loops; None (the default): by shape, ``picard_by_shape``. ``picard_early_exit``: stop the
     sweeps once settled (a ``while_loop``: the GPU's host reads its predicate every sweep), or
     run exactly ``picard_iters`` of them unrolled and test once. ``picard_pieces``: each sweep
     over dense rows cut into that many sequence pieces (``token_pieces``: each piece's composed
     map, a chain of p maps in XLA, then the sweep from the states entering the pieces; it must
-    divide T); None: ``auto_pieces`` halved until it divides T; 1 (the default until measured):
-    no split; packed documents never split."""
+    divide T); None (the default): ``auto_pieces`` halved until it divides T; 1: no split;
+    packed documents never split."""
 
     prefetch: int = 2
     num_warps: int = 1
     unroll: int = 16
     scalar_aux: bool = True
     bwd_unroll: int | None = None
-    picard_iters: int = 0
+    picard_iters: int | None = None
     picard_block_k: int = 32
     picard_early_exit: bool = True
-    picard_pieces: int | None = 1
+    picard_pieces: int | None = None
 
     def __post_init__(self):
-        if (not isinstance(self.picard_iters, int) or isinstance(self.picard_iters, bool)
-                or self.picard_iters < 0):
-            raise ValueError(f"Options.picard_iters must be an int >= 0, got {self.picard_iters!r}")
+        n = self.picard_iters
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+            raise ValueError(f"Options.picard_iters must be None or an int >= 0, got {n!r}")
         for name in ("prefetch", "num_warps", "unroll", "picard_block_k") + (
                 ("bwd_unroll",) if self.bwd_unroll is not None else ()):
             value = getattr(self, name)
@@ -93,6 +93,24 @@ class Options:
 
 
 _DEFAULT = [Options()]  # the options of calls that name none (``default_options``)
+
+# ``picard_iters=None``: the Picard sweeps (over ``auto_pieces``) where the token loops would run
+# few one-warp programs over a long row. RESULTS run 50 (APF phase 1, bf16, H = 8, T = 2048, 4
+# sweeps over auto pieces against the token loops): B = 1 (8 programs) fwd / fwd+bwd 0.414 /
+# 0.588 ms against 0.583 / 1.110; B = 8 (64 programs) 0.711 / 1.622 against 0.685 / 1.382.
+# Below PICARD_MIN_T not measured: the token loops stay.
+PICARD_ITERS = 4
+PICARD_BELOW_PROGRAMS = 32
+PICARD_MIN_T = 1024
+
+
+def picard_by_shape(options: Options, *, B: int, H: int, T: int, packed: bool) -> Options:
+    """``options`` with ``picard_iters`` None resolved: PICARD_ITERS where the rows are dense,
+    B · H < PICARD_BELOW_PROGRAMS (the token loops' programs) and T >= PICARD_MIN_T, else 0."""
+    if options.picard_iters is not None:
+        return options
+    few = not packed and B * H < PICARD_BELOW_PROGRAMS and T >= PICARD_MIN_T
+    return dataclasses.replace(options, picard_iters=PICARD_ITERS if few else 0)
 
 
 @contextlib.contextmanager
@@ -346,8 +364,9 @@ def osgm_pallas(k, beta, retention, eta, d_min, d_max, beta_aware, eps, initial_
     the unused ``chunk_size``; ``options`` None: those of ``default_options`` (else Options()).
     Raises ValueError for a head dim the kernels cannot take or traced hyper-parameters."""
     del chunk_size
-    options = _DEFAULT[-1] if options is None else options
     B, T, H, K = k.shape
+    options = picard_by_shape(_DEFAULT[-1] if options is None else options, B=B, H=H, T=T,
+                              packed=cu_seqlens is not None)
     if not supports(K=K, dtype=k.dtype):
         raise ValueError(f"impl='pallas' takes head dims K <= {MAX_HEAD_DIM}, got K={K}; "
                          "use impl='chunked' (impl='auto' falls back to it)")

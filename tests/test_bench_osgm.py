@@ -1,5 +1,5 @@
 """bench_osgm's variant strings (a misread variant costs a device call; no "scalar": scalar_aux
-False, whatever the default)."""
+False, no "pN": the token loops, whatever the defaults)."""
 
 import pytest
 
@@ -8,9 +8,10 @@ from pallas_kernels.osgm_precond import Options
 
 
 @pytest.mark.parametrize("text, options", [
-    ("4/1", Options(prefetch=4, num_warps=1, scalar_aux=False)),
-    ("2/1/4/scalar", Options(prefetch=2, num_warps=1, unroll=4, scalar_aux=True)),
-    ("2/1/16/8", Options(prefetch=2, num_warps=1, unroll=16, bwd_unroll=8, scalar_aux=False)),
+    ("4/1", Options(prefetch=4, num_warps=1, scalar_aux=False, picard_iters=0)),
+    ("2/1/4/scalar", Options(prefetch=2, num_warps=1, unroll=4, scalar_aux=True, picard_iters=0)),
+    ("2/1/16/8", Options(prefetch=2, num_warps=1, unroll=16, bwd_unroll=8, scalar_aux=False,
+                         picard_iters=0)),
     ("2/1/8/p8/bk64", Options(prefetch=2, num_warps=1, unroll=8, scalar_aux=False,
                               picard_iters=8, picard_block_k=64)),
     ("2/1/8/scalar/p6/fixed", Options(prefetch=2, num_warps=1, unroll=8, scalar_aux=True,

@@ -347,6 +347,37 @@ def test_lowers_for_cuda(options, packed):
     assert triton_kernels_lowered_for_cuda(loss, args) == 2 + 4 * bool(options.picard_iters)
 
 
+@pytest.mark.parametrize("b, h, t, packed, iters", [
+    (1, 8, 2048, False, 4), (3, 10, 1024, False, 4), (4, 8, 2048, False, 0),
+    (1, 8, 1023, False, 0), (1, 8, 2048, True, 0)])
+def test_picard_by_shape(b, h, t, packed, iters):
+    """``picard_iters=None`` (the default): the sweeps where the token loops would run fewer
+    than 32 one-warp programs (B · H) over at least 1024 dense tokens (RESULTS run 50), else the
+    token loops; a number is kept as given."""
+    got = osgm_precond.picard_by_shape(Options(), B=b, H=h, T=t, packed=packed)
+    assert got.picard_iters == iters and got.picard_pieces is None
+    assert osgm_precond.picard_by_shape(Options(picard_iters=2), B=b, H=h, T=t,
+                                        packed=packed).picard_iters == 2
+
+
+@pytest.mark.parametrize("b, sweeps", [(1, True), (16, False)])
+def test_default_options_choose_the_sweeps_by_shape(b, sweeps):
+    """``osgm_pallas`` with the default options at T = 1024: B · H = 2 lowers the sweeps over
+    pieces (forward, backward, each with its compose kernel, and the emitting ones), B · H = 32
+    the token loops only (K = 128, bf16, CUDA lowering without a GPU)."""
+    t = 1024
+
+    def loss(k, beta, r, d0):
+        kw, final = osgm_pallas(k, beta, r, 0.003, 0.5, 2.0, True, 1e-6, d0, None, 64,
+                                interpret=False)
+        return jnp.sum(kw.astype(jnp.float32) ** 2) + jnp.sum(final)
+
+    args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in (
+        ((b, t, H, 128), jnp.bfloat16), ((b, t, H), jnp.bfloat16), ((b, t, H), jnp.bfloat16),
+        ((b, H, 128), jnp.float32))]
+    assert triton_kernels_lowered_for_cuda(loss, args) == 2 + 8 * sweeps
+
+
 def test_sweep_pieces_lower_for_cuda():
     """The sweeps over sequence pieces (each sweep: the pieces' composed maps, then the sweep)
     go through the Triton lowering for CUDA; K = 128, bf16, T = 40 in 2 pieces."""
