@@ -50,7 +50,7 @@ from pallas_kernels.triton_common import (
     MAX_HEAD_DIM, Dots, interpret_default, pad_last, pow2_dim, unit_lower_inverse, vary_alike)
 from pallas_kernels.wy_triton import wy_bwd, wy_fwd
 from pallas_kernels.wy_vector_triton import wy_vector_bwd, wy_vector_fwd
-from precond_linattn.chunked.delta import chunk_grams, chunk_wy
+from precond_linattn.chunked.delta import chunk_grams, chunk_wy, suffix_sums
 from precond_linattn.numerics import f32
 from precond_linattn.varlen import chunk_layout, from_chunks, to_chunks
 
@@ -219,13 +219,15 @@ def _views(cfg, *xs):
     return [None if x is None else _chunk_view(x, cfg.chunk) for x in xs]
 
 
-def prepare(cfg, q, k, kw, v, beta, gamma):
-    """Per-chunk WY tensors for the backward kernel, in its layout (see module docstring).
+def prepare(cfg, q, k, kw, v, beta, gamma, sigma):
+    """Per-chunk WY tensors for the backward kernel, in its layout (see module docstring); γ
+    the in-chunk cumsum of the log decays, σ their ``suffix_sums`` (γ_C − γ; None with γ).
 
-    Returns W, U, K̃ ⊙ Γ_C/Γ, Q ⊙ Γ [B, H, Tp, ·], P [B, H, Tp, C], Γ_C [B, H, NC, K]."""
-    qc, kc, kwc, vc, bc, gc = _views(cfg, q, k, kw, v, beta, gamma)
+    Returns W, U, K̃ ⊙ exp σ, Q ⊙ Γ [B, H, Tp, ·], P [B, H, Tp, C], Γ_C [B, H, NC, K]."""
+    qc, kc, kwc, vc, bc, gc, sc = _views(cfg, q, k, kw, v, beta, gamma, sigma)
     W, U, kw_tail, q_dec, P, Gam_C = chunk_wy(
-        qc, kc, kwc, vc, bc, gc, solve=lambda L, rhs: cfg.dots.nn(unit_lower_inverse(L, cfg.dots), rhs))
+        qc, kc, kwc, vc, bc, gc, sc,
+        solve=lambda L, rhs: cfg.dots.nn(unit_lower_inverse(L, cfg.dots), rhs))
     GC = jnp.broadcast_to(Gam_C[..., 0], kc.shape[:3] + kc.shape[-1:])
     return _flat(W), _flat(U), _flat(kw_tail), _flat(q_dec), _flat(P), GC
 
@@ -266,8 +268,10 @@ def _wy_kernels(cfg):
 
 def _wy_kernel(cfg, kernel, ins, cts=None):
     """``kernel(*ins)`` (a forward of ``_wy_kernels``), or ``kernel(*ins, *cts)`` (a pullback:
-    cotangents of q, k, kw, v, beta and gamma, cast to the inputs' dtypes; None for a missing
-    gamma; ``ins`` may end with the forward's T and P), through ``_kernel_call``."""
+    cotangents of q, k, kw, v, beta, gamma and σ, cast to the inputs' dtypes; None for a
+    missing gamma), through ``_kernel_call``; ``ins`` = (q, k, kw, v, beta, gamma, σ), then
+    the forward's T (and P) for a pullback. The kernels form σ from γ (not passed)."""
+    sigma, ins = ins[6], ins[:6] + ins[7:]
     o = cfg.options
     in_axes = (_WY_IN | (dict(gamma="b t h k") if cfg.decay == "vector" else {}) | _WY_T
                | (dict(P=_WY_OUT["dP"]) if cfg.decay == "scalar" else {}))
@@ -278,6 +282,7 @@ def _wy_kernel(cfg, kernel, ins, cts=None):
         args |= dict(zip(_WY_OUT, cts))
         axes |= _WY_OUT
         out_axes = tuple(a for a, x in zip(in_axes.values(), ins[:6]) if x is not None)
+        out_axes += out_axes[-1:] * (sigma is not None)  # σ's, as γ's
         dots, warps = cfg.pdots, o.pullback_warps or (o.num_warps if cfg.decay == "none" else 8)
     static = {} if cts is not None else dict(out_dtype=jnp.dtype(o.wy_dtype))
     if cfg.decay == "vector":
@@ -288,7 +293,7 @@ def _wy_kernel(cfg, kernel, ins, cts=None):
     if cts is None:
         return outs
     outs = iter(outs)
-    return tuple(None if x is None else next(outs).astype(x.dtype) for x in ins[:6])
+    return tuple(None if x is None else next(outs).astype(x.dtype) for x in ins[:6] + (sigma,))
 
 
 def _stored(cfg, wy):
@@ -299,7 +304,7 @@ def _stored(cfg, wy):
 
 
 def _wy(cfg, ins):
-    """The six WY tensors of ``ins`` = (q, k, kw, v, beta, gamma) and what their kernel pullback
+    """The six WY tensors of ``ins`` = (q, k, kw, v, beta, gamma, σ) and what their kernel pullback
     needs besides ``ins``: (T,) from the kernels ((T, P) with a scalar decay), () from
     ``prepare`` in plain JAX (per-channel decay, ``vector_wy="xla"``)."""
     if cfg.decay == "vector" and cfg.options.vector_wy == "xla":
@@ -325,11 +330,12 @@ _WY_ARGS = ("W", "U", "kw", "q", "P", "gc")  # the recurrence kernels' names for
 _WY_AXES = dict(zip(_WY_ARGS, _WY_OUT.values()))
 
 
-def _forward(cfg, q, k, kw, v, beta, gamma, init, doc, first, last, store_states, wy=None):
+def _forward(cfg, q, k, kw, v, beta, gamma, sigma, init, doc, first, last, store_states,
+             wy=None):
     o = cfg.options
     if o.split:
         if wy is None:
-            wy = _wy(cfg, (q, k, kw, v, beta, gamma))[0]
+            wy = _wy(cfg, (q, k, kw, v, beta, gamma, sigma))[0]
         args = dict(zip(_WY_ARGS, wy)) | dict(initial_state=init, doc=doc, first=first, last=last)
         axes = dict(_WY_AXES, initial_state="n h k v", **_FLAGS)
         kernel, static = split_forward, dict(out_dtype=v.dtype, pdots=cfg.pdots,
@@ -357,22 +363,22 @@ def _forward(cfg, q, k, kw, v, beta, gamma, init, doc, first, last, store_states
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _core(cfg, q, k, kw, v, beta, gamma, init, doc, first, last):
-    return _forward(cfg, q, k, kw, v, beta, gamma, init, doc, first, last, False)
+def _core(cfg, q, k, kw, v, beta, gamma, sigma, init, doc, first, last):
+    return _forward(cfg, q, k, kw, v, beta, gamma, sigma, init, doc, first, last, False)
 
 
-def _core_fwd(cfg, q, k, kw, v, beta, gamma, init, doc, first, last):
+def _core_fwd(cfg, q, k, kw, v, beta, gamma, sigma, init, doc, first, last):
     opts = cfg.options
     save = opts.split and opts.save_wy and (cfg.decay != "vector" or opts.vector_wy != "xla")
-    wy, extra = _wy(cfg, (q, k, kw, v, beta, gamma)) if save else (None, None)
-    o, final, *saved = _forward(cfg, q, k, kw, v, beta, gamma, init, doc, first, last, True, wy)
-    return (o, final), (q, k, kw, v, beta, gamma, init, doc, first, last, saved, wy, extra)
+    ins = (q, k, kw, v, beta, gamma, sigma)
+    wy, extra = _wy(cfg, ins) if save else (None, None)
+    o, final, *saved = _forward(cfg, *ins, init, doc, first, last, True, wy)
+    return (o, final), (ins, init, doc, first, last, saved, wy, extra)
 
 
 def _core_bwd(cfg, res, cts):
-    q, k, kw, v, beta, gamma, init, doc, first, last, saved, wy, extra = res
+    ins, init, doc, first, last, saved, wy, extra = res
     do, dfinal = cts
-    ins = (q, k, kw, v, beta, gamma)
     recomputed, pullback = _wy_pullback(cfg, ins, extra)  # the forward's WY tensors if saved
     wy = recomputed if wy is None else wy
     o = cfg.options
@@ -392,8 +398,8 @@ def _core_bwd(cfg, res, cts):
                                          serial_backend=o.serial_backend,
                                          pieces=o.sequence_pieces) if o.split else {}))
     grads = pullback((dW.sum(0), dU, dkw.sum(0), dq.sum(0), dP.sum(0), dgc.sum(0)))
-    return (*match_types((*grads, None if init is None else dinit),
-                         (q, k, kw, v, beta, gamma, init)), None, None, None)
+    return (*match_types((*grads, None if init is None else dinit), (*ins, init)),
+            None, None, None)
 
 
 _core.defvjp(_core_fwd, _core_bwd)
@@ -471,10 +477,11 @@ def delta_rule_pallas(q, k, kw, v, beta, log_decay, scale, initial_state, cu_seq
         return y.reshape(B, nc * chunk_size, *y.shape[3:])
 
     qk = [kernel_layout(x, Kp) for x in (q, k, kw)]
-    gamma = None
-    if log_decay is not None:
+    gamma = sigma = None
+    if log_decay is not None:  # in-chunk cumsum γ and σ = γ_C − γ, each from the log decays
         g = to_chunks(f32(pad_last(log_decay, Kp) if log_decay.ndim == 4 else log_decay), layout)
-        gamma = jnp.cumsum(g, axis=2).reshape(B, nc * chunk_size, *g.shape[3:])
+        gamma, sigma = (x.reshape(B, nc * chunk_size, *g.shape[3:])
+                        for x in (jnp.cumsum(g, axis=2), suffix_sums(g, 2)))
     init = f32(initial_state)
     if init is not None:
         init = pad_last(jnp.pad(init, [(0, 0), (0, 0), (0, Kp - K), (0, 0)]), Vp)
@@ -493,7 +500,8 @@ def delta_rule_pallas(q, k, kw, v, beta, log_decay, scale, initial_state, cu_seq
     cfg = _Config(chunk_size, decay, float(scale),
                   None if cu_seqlens is None else layout.num_docs, options,
                   Dots(options.precision, interpret), Dots(options.parallel_precision, interpret))
-    o, final = _core(cfg, *vary_alike(*qk, kernel_layout(v, Vp), kernel_layout(beta), gamma, init,
+    o, final = _core(cfg, *vary_alike(*qk, kernel_layout(v, Vp), kernel_layout(beta), gamma,
+                                      sigma, init,
                                       layout.doc.astype(jnp.int32), layout.first.astype(jnp.int32),
                                       last))
     o = from_chunks(o.reshape(B, nc, chunk_size, H, Vp), layout)[..., :V]

@@ -5,7 +5,10 @@ chunk (rows i, j = 0 .. C − 1; γ the cumulative log decay from the chunk star
 Γ = exp γ; D_ij = Γ_i/Γ_j for i ≥ j, else 0; A = K K̃ᵀ ⊙ D):
 
     L = strict_tril(Diag(β) A)    P = tril(Q K̃ᵀ ⊙ D)    T = (I + L)^-1     (doubling product)
-    W = T Diag(β)(K ⊙ Γ)    U = T Diag(β) V    K̃' = K̃ ⊙ Γ_C/Γ    Q' = Q ⊙ Γ    Γ_C = exp γ_C
+    W = T Diag(β)(K ⊙ Γ)    U = T Diag(β) V    K̃' = K̃ ⊙ exp σ    Q' = Q ⊙ Γ    Γ_C = exp γ_C
+
+with σ = γ_C − γ (``chunked.delta.suffix_sums`` of the log decays: the kernels form it from γ,
+equal up to rounding, and return its cotangent apart from γ's).
 
 ``wy_fwd`` writes ``delta_rule.prepare``'s outputs and T. ``wy_bwd`` reads T back (a
 [C, C] tile per chunk: cheaper than the doubling product's chain of matmuls) and, with a decay,
@@ -18,14 +21,16 @@ broadcast over K, so its channels are summed):
     dK  = G_K K̃ + Diag(βΓ) Tᵀ dW                    dV  = Diag(β) Tᵀ dU
     dK̃  = G_Kᵀ K + G_Qᵀ Q + dK̃' ⊙ Γ_C/Γ              dQ  = G_Q K̃ + dQ' ⊙ Γ
     dβ  = rowsum(dL ⊙ A) + Γ rowsum(Tᵀ dW ⊙ K) + rowsum(Tᵀ dU ⊙ V)
-    dγ  = rowsum(E) − colsum(E) + βΓ rowsum(Tᵀ dW ⊙ K) + rowsum(dQ' ⊙ Q') − e
-          + δ_{i,C−1} (Σ e + Γ_C Σ dΓ_C),     E = dL ⊙ L + dP ⊙ P,   e = rowsum(dK̃' ⊙ K̃')
+    dγ  = rowsum(E) − colsum(E) + βΓ rowsum(Tᵀ dW ⊙ K) + rowsum(dQ' ⊙ Q') + δ_{i,C−1} Γ_C Σ dΓ_C
+    dσ  = rowsum(dK̃' ⊙ K̃'),     E = dL ⊙ L + dP ⊙ P
 
 The doubling product is a polynomial in L equal to (I + L)^-1 on strictly lower-triangular L,
 so along strictly lower-triangular directions its derivative is that of the inverse, −T dL T:
 the formulas above are the exact pullback of ``prepare``. In dγ the diagonal of E (P_ii has no
-γ) and the last row's own e cancel exactly and are left out rather than formed: with strong
-decays dγ is a small fraction of those terms, and their rounding would be all of it. Value
+γ) cancels exactly and is left out rather than formed: with strong decays dγ is a small fraction
+of those terms, and their rounding would be all of it (the same holds for K̃' through σ: as
+γ_C − γ its pullback, −dσ on each row and Σ dσ on the last, cancelled on a padded chunk's last
+real row). Value
 columns are processed in tiles of ``block_v`` inside the program (registers); everything else is
 held whole ([C, K], [C, C]).
 Inputs are in the kernels' layout (q, k, kw [B, Tp, H, K], v [B, Tp, H, V], beta, gamma
@@ -105,7 +110,7 @@ def _fwd_kernel(*refs, dots, block_v, block_k, has_decay):
 
 
 def _bwd_kernel(*refs, dots, block_v, block_k, has_decay):
-    """One chunk's dQ, dK, dK̃, dV, dβ and dγ (module docstring) in two sweeps over tiles of
+    """One chunk's dQ, dK, dK̃, dV, dβ, dγ and dσ (module docstring) in two sweeps over tiles of
     ``block_k`` key columns (few [C, K] values live at once): the first forms dT (with the value
     tiles) and the rowsums; the second, after dL, writes dK, dK̃, dQ tile by tile (Tᵀ dW is
     recomputed per tile rather than kept)."""
@@ -115,7 +120,7 @@ def _bwd_kernel(*refs, dots, block_v, block_k, has_decay):
     P_ref = refs.pop(0) if has_decay else None
     (dW_ref, dU_ref, dkwt_ref, dqd_ref, dP_ref, dgc_ref, dq_ref, dk_ref, dkw_ref, dv_ref,
      db_ref) = refs[:11]
-    dg_ref = refs[11] if has_decay else None
+    dg_ref, ds_ref = refs[11:13] if has_decay else (None, None)
     C, K = k_ref.shape
     f32 = jnp.float32
     i, j = iota2(C)
@@ -151,14 +156,13 @@ def _bwd_kernel(*refs, dots, block_v, block_k, has_decay):
         if has_decay:
             e = e + tail * jnp.sum(dkwt * kw.astype(f32), axis=1)
             qd = qd + Gam * jnp.sum(dqd * q.astype(f32), axis=1)
-    if has_decay:  # γ enters through D, Γ, Γ_C/Γ and Γ_C; dL ⊙ L = β dL ⊙ A
-        # the diagonal of E and the last row's own e cancel exactly: left out, not formed
+    if has_decay:  # γ enters through D, Γ and Γ_C, σ through Γ_C/Γ; dL ⊙ L = β dL ⊙ A
+        # the diagonal of E cancels exactly: left out, not formed
         E = b * dL * A + jnp.where(i > j, dP * P_ref[...].astype(f32), 0.0)
         at_last = lax.broadcasted_iota(jnp.int32, (C,), 0) == C - 1
-        e = jnp.where(at_last, 0.0, e)
-        last = jnp.sum(e) + gc * jnp.sum(dgc_ref[...])
-        dg_ref[...] = (beta * s + jnp.sum(E, axis=1) - jnp.sum(E, axis=0) + qd - e
-                       + jnp.where(at_last, last, 0.0))
+        dg_ref[...] = (beta * s + jnp.sum(E, axis=1) - jnp.sum(E, axis=0) + qd
+                       + jnp.where(at_last, gc * jnp.sum(dgc_ref[...]), 0.0))
+        ds_ref[...] = e
 
 
 def layout(q, v, gamma, chunk, vector=False):
@@ -221,7 +225,8 @@ def wy_fwd(q, k, kw, v, beta, gamma, *, chunk, block_v, dots: Dots, num_warps, n
 def wy_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *, chunk, block_v,
            dots: Dots, num_warps, num_stages, block_k=64, P=None):
     """Cotangents of q, k, kw [B, Tp, H, K], v [B, Tp, H, V], beta [B, Tp, H] and, if gamma is
-    given, of gamma [B, Tp, H] (float32), from those of ``wy_fwd``'s outputs, its T and, with
+    given, of gamma and σ = γ_C − γ [B, Tp, H] (float32; module docstring), from those of
+    ``wy_fwd``'s outputs, its T and, with
     gamma, its P (module docstring; ValueError without it); ``block_k``: the key columns per tile
     of the kernel's two sweeps."""
     in_specs, wy_specs, grid = layout(q, v, gamma, chunk)
@@ -233,8 +238,10 @@ def wy_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *, chunk
     saved = [T] + ([P] if P is not None else [])  # T's spec is the last, P's the fifth
     saved_specs = wy_specs[-1:] + wy_specs[4:5] * (P is not None)
     cts = [dW, dU, dkw_t, dq_dec, dP, dgc]
-    out_shape = [out_struct(x.shape, jnp.float32, *args, *saved, *cts) for x in args]
+    outs = args + args[-1:] * (gamma is not None)  # and σ's, laid out as γ
+    out_shape = [out_struct(x.shape, jnp.float32, *args, *saved, *cts) for x in outs]
     kernel = functools.partial(_bwd_kernel, dots=dots, block_v=block_v, block_k=block_k,
                                has_decay=gamma is not None)
-    return call(kernel, "wy_bwd", grid, in_specs + saved_specs + wy_specs[:-1], in_specs,
-                out_shape, args + saved + cts, dots, num_warps, num_stages)
+    return call(kernel, "wy_bwd", grid, in_specs + saved_specs + wy_specs[:-1],
+                in_specs + in_specs[-1:] * (gamma is not None), out_shape, args + saved + cts,
+                dots, num_warps, num_stages)

@@ -6,7 +6,9 @@ rows, Γ = exp γ, e_ij = exp(γ_i − γ_j) [K]):
 
     A_ij = Σ_k k_ik k̃_jk e_ijk    P_ij = Σ_k q_ik k̃_jk e_ijk    (i >= j, else 0)
     L = strict_tril(Diag(β) A)    T = (I + L)^-1                  (doubling product)
-    W = T Diag(β)(K ⊙ Γ)    U = T Diag(β) V    K̃' = K̃ ⊙ Γ_C/Γ    Q' = Q ⊙ Γ    Γ_C = exp γ_C [K]
+    W = T Diag(β)(K ⊙ Γ)    U = T Diag(β) V    K̃' = K̃ ⊙ exp σ    Q' = Q ⊙ Γ    Γ_C = exp γ_C [K]
+
+(σ = γ_C − γ as in ``wy_triton``: formed from γ, its cotangent returned apart.)
 
 exp(γ_i − γ_j) overflows over a whole chunk for i < j. Per key tile, s is the largest power of two
 <= C for which every |γ_i − γ_m(i)| <= DIAG_BOUND, m(i) = s⌊i/s⌋ + s/2 the middle row of i's
@@ -35,16 +37,17 @@ G_K = Diag(β) dL, G_Q = tril(dP) and the grams' pullback through the same block
 
     dK_A = Σ_j G_K,ij k̃_j ⊙ e_ij    dQ_P = Σ_j G_Q,ij k̃_j ⊙ e_ij
     dK̃_AP = Σ_i (G_K,ij k_i + G_Q,ij q_i) ⊙ e_ij
-    dK = dK_A + Diag(β) Γ ⊙ Tᵀ dW    dQ = dQ_P + dQ' ⊙ Γ    dK̃ = dK̃_AP + dK̃' ⊙ Γ_C/Γ
+    dK = dK_A + Diag(β) Γ ⊙ Tᵀ dW    dQ = dQ_P + dQ' ⊙ Γ    dK̃ = dK̃_AP + dK̃' ⊙ exp σ
     dV = Diag(β) Tᵀ dU    dβ = rowsum(dL ⊙ A) + rowsum(Γ ⊙ K ⊙ Tᵀ dW) + rowsum(Tᵀ dU ⊙ V)
-    dγ = K ⊙ dK_A + Q ⊙ dQ_P − K̃ ⊙ dK̃_AP + Diag(β) Γ ⊙ K ⊙ Tᵀ dW + dQ' ⊙ Q' − dK̃' ⊙ K̃'
-         + δ_{i,C−1} (colsum(dK̃' ⊙ K̃') + Γ_C ⊙ dΓ_C)
+    dγ = K ⊙ dK_A + Q ⊙ dQ_P − K̃ ⊙ dK̃_AP + Diag(β) Γ ⊙ K ⊙ Tᵀ dW + dQ' ⊙ Q'
+         + δ_{i,C−1} Γ_C ⊙ dΓ_C
+    dσ = dK̃' ⊙ K̃'
 
 (A and P depend on γ only through γ_i − γ_j, so their part of dγ is the first three terms; the
-reference rows get none.) This is the exact pullback of ``delta_rule.prepare``. Two shares of
-dγ cancel exactly and are left out rather than formed: the diagonal's (A_ii, P_ii have no γ)
-and, on the last row, its own dK̃' ⊙ K̃' against the column sum; where a chunk decays by > 10 a
-token, dγ is ~1e-5 of those terms and their rounding would be all of it.
+reference rows get none.) This is the exact pullback of ``delta_rule.prepare``. The
+diagonal's share of dγ cancels exactly and is left out rather than formed (A_ii, P_ii have no
+γ); where a chunk decays by > 10 a token, dγ is ~1e-5 of those terms and their rounding would
+be all of it (as K̃' through σ = γ_C − γ would: ``wy_triton``).
 """
 
 import functools
@@ -244,9 +247,9 @@ def _fwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, W_ref, U_ref, kwt_
 
 
 def _bwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, T_ref, dW_ref, dU_ref, dkwt_ref,
-                dqd_ref, dP_ref, dgc_ref, dq_ref, dk_ref, dkw_ref, dv_ref, db_ref, dg_ref, *, dots,
-                block_v, block_k, factored_blocks):
-    """One chunk's dQ, dK, dK̃, dV, dβ and dγ (module docstring), T read from the forward, in two
+                dqd_ref, dP_ref, dgc_ref, dq_ref, dk_ref, dkw_ref, dv_ref, db_ref, dg_ref, ds_ref,
+                *, dots, block_v, block_k, factored_blocks):
+    """One chunk's dQ, dK, dK̃, dV, dβ, dγ and dσ (module docstring), T read from the forward, in two
     sweeps over key tiles of ``block_k`` (dT and dβ first; then, after dL, each tile's
     cotangents, Tᵀ dW recomputed per tile)."""
     C, K = k_ref.shape
@@ -288,13 +291,10 @@ def _bwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, T_ref, dW_ref, dU_
         dk_ref[:, cols] = dkA + b * Gam * dKg
         dq_ref[:, cols] = dqP + dqd * Gam
         dkw_ref[:, cols] = dkwAP + dkwt * tail
-        # K̃' = K̃ ⊙ exp(γ_C − γ): −e on rows i < C − 1, their sum on row C − 1 (its own e
-        # cancels exactly, so it is left out rather than added and subtracted)
         at_last = _row_ids(C, k.shape[1]) == C - 1
-        e = jnp.where(at_last, 0.0, dkwt * kw * tail)
-        last = jnp.sum(e, axis=0) + jnp.exp(g_last) * dgc_ref[cols]
-        dg_ref[:, cols] = (dg_grams + b * wk + dqd * q * Gam - e
-                           + jnp.where(at_last, last[None, :], 0.0))
+        dg_ref[:, cols] = (dg_grams + b * wk + dqd * q * Gam
+                           + jnp.where(at_last, (jnp.exp(g_last) * dgc_ref[cols])[None, :], 0.0))
+        ds_ref[:, cols] = dkwt * kw * tail  # K̃' = K̃ ⊙ exp σ
 
 
 def wy_vector_fwd(q, k, kw, v, beta, gamma, *, chunk, block_v, dots: Dots, num_warps,
@@ -315,14 +315,14 @@ def wy_vector_fwd(q, k, kw, v, beta, gamma, *, chunk, block_v, dots: Dots, num_w
 
 def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *, chunk,
                   block_v, dots: Dots, num_warps, num_stages, block_k=64, factored_blocks=True):
-    """Cotangents of q, k, kw [B, Tp, H, K], v [B, Tp, H, V], beta [B, Tp, H] and gamma
-    [B, Tp, H, K] (float32) from those of ``wy_vector_fwd``'s outputs and its T (module
-    docstring); ``block_k``: key columns per tile; ``factored_blocks`` as ``wy_vector_fwd``'s."""
+    """Cotangents of q, k, kw [B, Tp, H, K], v [B, Tp, H, V], beta [B, Tp, H], gamma and
+    σ = γ_C − γ [B, Tp, H, K] (float32) from those of ``wy_vector_fwd``'s outputs and its T
+    (module docstring); ``block_k``: key columns per tile; ``factored_blocks`` as ``wy_vector_fwd``'s."""
     in_specs, wy_specs, grid = layout(q, v, gamma, chunk, vector=True)
     args = [q, k, kw, v, beta, gamma]
     cts = [T, dW, dU, dkw_t, dq_dec, dP, dgc]
-    out_shape = [out_struct(x.shape, f32, *args, *cts) for x in args]
+    out_shape = [out_struct(x.shape, f32, *args, *cts) for x in args + [gamma]]  # σ as γ
     kernel = functools.partial(_bwd_kernel, dots=dots, block_v=block_v, block_k=block_k,
                                factored_blocks=factored_blocks)
     return call(kernel, "wy_vector_bwd", grid, in_specs + wy_specs[-1:] + wy_specs[:-1],
-                in_specs, out_shape, args + cts, dots, num_warps, num_stages)
+                in_specs + in_specs[-1:], out_shape, args + cts, dots, num_warps, num_stages)

@@ -19,23 +19,32 @@ B, NC, H, K, V, C = 2, 3, 3, 16, 32, 16
 DOTS = Dots("tf32x3", interpret=True)
 
 
+def gamma_sigma(g):
+    """(γ, σ) [B, Tp, ...] from log decays g [B, NC, C, ...]: the in-chunk cumsum and σ =
+    γ_C − γ as the kernels form it (``delta_rule`` passes ``prepare`` σ as ``suffix_sums``, equal
+    up to rounding; here both sides see the same values)."""
+    shape = (g.shape[0], g.shape[1] * g.shape[2], *g.shape[3:])
+    gamma = jnp.cumsum(g, axis=2)
+    return gamma.reshape(shape), (gamma[:, :, -1:] - gamma).reshape(shape)
+
+
 def inputs(rand, decay, dtype, k_dim=K):
-    """q, k, kw [B, Tp, H, k_dim], v [B, Tp, H, V], beta, gamma (in-chunk cumulative, float32)."""
+    """q, k, kw [B, Tp, H, k_dim], v [B, Tp, H, V], beta, γ, σ (``gamma_sigma``, float32; None
+    without a decay)."""
     Tp = NC * C
     x = rand.delta_inputs(B, Tp, H, k_dim, V, decay="scalar" if decay == "scalar" else None,
                           dtype=dtype)
-    gamma = None
+    gamma = sigma = None
     if decay == "scalar":
-        g = x["log_decay"].astype(jnp.float32).reshape(B, NC, C, H)
-        gamma = jnp.cumsum(g, axis=2).reshape(B, Tp, H)
-    return x["q"], x["k"], x["write_key"], x["v"], x["beta"], gamma
+        gamma, sigma = gamma_sigma(x["log_decay"].astype(jnp.float32).reshape(B, NC, C, H))
+    return x["q"], x["k"], x["write_key"], x["v"], x["beta"], gamma, sigma
 
 
 def oracle(decay, ins, dtype=jnp.float32):
-    """``prepare``'s outputs and ``jax.vjp`` pullback, the inputs cast to ``dtype`` (γ stays
+    """``prepare``'s outputs and ``jax.vjp`` pullback, the inputs cast to ``dtype`` (γ, σ stay
     float32)."""
     cfg = dr._Config(C, decay, 1.0, None, dr.Options(), DOTS, DOTS)
-    cast = [None if x is None else x.astype(dtype) for x in ins[:5]] + [ins[5]]
+    cast = [None if x is None else x.astype(dtype) for x in ins[:5]] + list(ins[5:])
     return jax.vjp(functools.partial(dr.prepare, cfg), *cast)
 
 
@@ -44,6 +53,7 @@ def kernels(ins, cts, block_v, block_k=64):
     with a decay); checks
     that T is (I + L)^-1 for ``chunk_grams``' L."""
     opts = dict(chunk=C, block_v=block_v, block_k=block_k, dots=DOTS, num_warps=4, num_stages=1)
+    ins = ins[:6]  # the kernels form σ themselves
     *wy, T = jax.jit(functools.partial(wy_fwd, **opts))(*ins)
     views = dr._views(dr._Config(C, "none", 1.0, None, dr.Options(), DOTS, DOTS), *ins)
     L, _ = chunk_grams(*views[:3], views[4], views[5])
@@ -63,7 +73,7 @@ def check(got, want, tol, names):
 
 
 WY = ("W", "U", "kw_tail", "q_dec", "P", "gamma_C")
-GRADS = ("dq", "dk", "dkw", "dv", "dbeta", "dgamma")
+GRADS = ("dq", "dk", "dkw", "dv", "dbeta", "dgamma", "dsigma")
 
 
 @pytest.mark.parametrize("decay", ["none", "scalar"])
@@ -77,7 +87,7 @@ def test_fp32_matches_prepare(rand, decay, block_v, k_dim, block_k):
     want_grads = pullback(cts)
     got_wy, got_grads = kernels(ins, cts, block_v, block_k)
     check(got_wy, want_wy, 2e-6, WY)
-    check(list(got_grads) + [None] * (decay == "none"), want_grads, 2e-6, GRADS)
+    check(list(got_grads) + [None, None] * (decay == "none"), want_grads, 2e-6, GRADS)
 
 
 @pytest.mark.parametrize("decay", ["none", "scalar"])
@@ -90,7 +100,7 @@ def test_bf16_inputs(rand, decay):
     cts = tuple(rand.normal(*w.shape) for w in want_wy)
     got_wy, got_grads = kernels(ins, cts, 16)
     check(got_wy, want_wy, 2e-6, WY)
-    check(list(got_grads) + [None] * (decay == "none"), pullback(cts), 2e-6, GRADS)
+    check(list(got_grads) + [None, None] * (decay == "none"), pullback(cts), 2e-6, GRADS)
     bf16_grads = oracle(decay, ins, jnp.bfloat16)[1](cts)
     for name, a, b in zip(GRADS, got_grads, bf16_grads):
         assert b.dtype == ins[GRADS.index(name)].dtype, name
@@ -98,7 +108,7 @@ def test_bf16_inputs(rand, decay):
 
 
 def test_vector_decay_is_refused(rand):
-    q, k, kw, v, beta, _ = inputs(rand, "none", jnp.float32)
+    q, k, kw, v, beta, *_ = inputs(rand, "none", jnp.float32)
     gamma = rand.normal(*q.shape)  # per-channel
     with pytest.raises(ValueError, match="gamma"):
         wy_fwd(q, k, kw, v, beta, gamma, chunk=C, block_v=16, dots=DOTS, num_warps=4,
@@ -112,7 +122,7 @@ def test_pullback_takes_P_exactly_with_a_decay(rand, decay):
     ins = inputs(rand, decay, jnp.float32)
     x = jnp.zeros((B, H, ins[0].shape[1], C), jnp.float32)
     with pytest.raises(ValueError, match="P"):
-        wy_bwd(*ins, x, *([None] * 6), P=None if decay == "scalar" else x, chunk=C, block_v=16,
+        wy_bwd(*ins[:6], x, *([None] * 6), P=None if decay == "scalar" else x, chunk=C, block_v=16,
                dots=DOTS, num_warps=4, num_stages=1)
 
 
@@ -124,15 +134,14 @@ def vector_case(rand, c, k_dim, dtype, block_k, decays):
     x = rand.delta_inputs(B, Tp, H, k_dim, V, decay="vector", dtype=dtype)
     lo, hi = (jnp.repeat(jnp.asarray(r, jnp.float32), k_dim // len(decays)) for r in zip(*decays))
     g = -(lo + (hi - lo) * jnp.asarray(rand.rng.uniform(size=(B, NC, c, H, k_dim)), jnp.float32))
-    gamma = jnp.cumsum(g, axis=2).reshape(B, Tp, H, k_dim)
-    ins = (x["q"], x["k"], x["write_key"], x["v"], x["beta"], gamma)
+    ins = (x["q"], x["k"], x["write_key"], x["v"], x["beta"], *gamma_sigma(g))
     cfg = dr._Config(c, "vector", 1.0, None, dr.Options(), DOTS, DOTS)
     want_wy, pullback = jax.vjp(functools.partial(dr.prepare, cfg),
                                 *(a.astype(jnp.float32) for a in ins))
     cts = tuple(rand.normal(*w.shape) for w in want_wy)
     opts = dict(chunk=c, block_v=16, block_k=block_k, dots=DOTS, num_warps=4, num_stages=1)
-    *got_wy, T = jax.jit(functools.partial(wy_vector_fwd, **opts))(*ins)
-    got_grads = jax.jit(functools.partial(wy_vector_bwd, **opts))(*ins, T, *cts)
+    *got_wy, T = jax.jit(functools.partial(wy_vector_fwd, **opts))(*ins[:6])
+    got_grads = jax.jit(functools.partial(wy_vector_bwd, **opts))(*ins[:6], T, *cts)
     return (got_wy, got_grads), (want_wy, pullback(cts))
 
 
@@ -216,24 +225,23 @@ def test_vector_whole_chunk_path_apart(rand, monkeypatch, strong, exact):
 def test_dgamma_where_every_channel_decays_away(rand, monkeypatch, decay):
     """Decays of 11-19 a token (per head or in every key column): each gram entry off the
     diagonal is below e^-11, so dγ is ~1e-5 of the terms it is formed from. The kernels and the
-    plain-JAX chunk step (``prepare``) keep the diagonal (free of γ) and the last row's own K̃'
-    term out of dγ instead of adding and cancelling them (that rounding was 3e-3 relative):
-    every cotangent of both in float32 within 1e-5 of ``prepare`` in float64."""
+    plain-JAX chunk step (``prepare``) keep the diagonal (free of γ) out of dγ and K̃' on σ
+    instead of adding and cancelling their shares (that rounding was 3e-3 relative): every
+    cotangent of both in float32 within 1e-5 of ``prepare`` in float64."""
     c, k_dim = 32, 32
     Tp = NC * c
     x = rand.delta_inputs(B, Tp, H, k_dim, V, decay="vector")
     shape = (B, NC, c, H) + ((k_dim,) if decay == "vector" else ())
     g = -(11.0 + 8.0 * jnp.asarray(rand.rng.uniform(size=shape), jnp.float32))
-    gamma = jnp.cumsum(g, axis=2).reshape(B, Tp, *shape[3:])
-    ins = (x["q"], x["k"], x["write_key"], x["v"], x["beta"], gamma)
+    ins = (x["q"], x["k"], x["write_key"], x["v"], x["beta"], *gamma_sigma(g))
     cfg = dr._Config(c, decay, 1.0, None, dr.Options(), DOTS, DOTS)
     wy32, pullback32 = jax.vjp(functools.partial(dr.prepare, cfg), *ins)
     cts = tuple(rand.normal(*w.shape) for w in wy32)
     opts = dict(chunk=c, block_v=16, block_k=64, dots=DOTS, num_warps=4, num_stages=1)
     fwd, bwd = (wy_vector_fwd, wy_vector_bwd) if decay == "vector" else (wy_fwd, wy_bwd)
-    *wy, T = jax.jit(functools.partial(fwd, **opts))(*ins)
+    *wy, T = jax.jit(functools.partial(fwd, **opts))(*ins[:6])
     P = {} if decay == "vector" else dict(P=wy[4])
-    got = jax.jit(functools.partial(bwd, **opts))(*ins, T, *cts, **P)
+    got = jax.jit(functools.partial(bwd, **opts))(*ins[:6], T, *cts, **P)
     real_view = dr._chunk_view
     monkeypatch.setattr(dr, "_chunk_view", lambda a, chunk: real_view(a, chunk).astype(jnp.float64))
     with jax.enable_x64(True):
@@ -265,7 +273,7 @@ def test_vector_kernels_lower_for_cuda(factored_blocks):
 
 
 def test_vector_gamma_shape_is_checked(rand):
-    q, k, kw, v, beta, _ = inputs(rand, "none", jnp.float32)
+    q, k, kw, v, beta, *_ = inputs(rand, "none", jnp.float32)
     with pytest.raises(ValueError, match="gamma"):
         wy_vector_fwd(q, k, kw, v, beta, beta, chunk=C, block_v=16, dots=DOTS, num_warps=4,
                       num_stages=1)

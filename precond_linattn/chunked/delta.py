@@ -14,6 +14,7 @@ over chunks.
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from precond_linattn.chunked.gram import decayed_gram
 from precond_linattn.numerics import einsum
@@ -26,22 +27,27 @@ def _chunked(x, layout):
     return jnp.moveaxis(y, 3, 1).astype(jnp.float32)
 
 
-def _decay_factors(gamma, like):
-    """(Γ broadcastable to rows [.., C, 1|K], Γ_C/Γ likewise, Γ_C broadcastable to S [.., K, 1]).
+def suffix_sums(g, axis):
+    """σ_i = Σ_{t>i} g_t along ``axis`` (0 at the last position): the exponent of Γ_C/Γ =
+    exp(σ), γ_C − γ_i formed without a difference. Shifted, not an inclusive sum minus g_i, so
+    that its pullback, dg_t = Σ_{i<t} dσ_i, is a plain prefix sum: with γ_C − γ_i the last
+    real row of a padded chunk (σ = 0 over the pads) gave dγ two O(1) shares that cancel,
+    whose rounding is all of dg where the chunk decays away."""
+    rev = jnp.flip(jnp.cumsum(jnp.flip(g, axis), axis), axis)
+    return jnp.concatenate([lax.slice_in_dim(rev, 1, None, axis=axis),
+                            jnp.zeros_like(lax.slice_in_dim(rev, 0, 1, axis=axis))], axis)
 
-    The last row's Γ_C/Γ is 1 with no γ in it: its exponent is set to 0 rather than formed as
-    γ_C − γ_C, whose two gradients would cancel only to rounding (all of dγ there when a chunk
-    decays away)."""
+
+def _decay_factors(gamma, sigma, like):
+    """(Γ broadcastable to rows [.., C, 1|K], Γ_C/Γ = exp σ likewise, Γ_C broadcastable to S
+    [.., K, 1]); σ = ``suffix_sums`` of the chunk's log decays."""
     if gamma is None:
         ones = jnp.ones(like.shape[:-1] + (1,), jnp.float32)
         return ones, ones, ones[..., :1, :]
     if gamma.ndim == like.ndim - 1:  # scalar: [B,H,NC,C]
-        last = gamma[..., -1:]
-        tail = jnp.exp((last - gamma).at[..., -1].set(0.0))
-        return jnp.exp(gamma)[..., None], tail[..., None], jnp.exp(last)[..., None]
-    last = gamma[..., -1:, :]
-    tail = jnp.exp((last - gamma).at[..., -1, :].set(0.0))
-    return jnp.exp(gamma), tail, jnp.exp(jnp.swapaxes(last, -1, -2))
+        return (jnp.exp(gamma)[..., None], jnp.exp(sigma)[..., None],
+                jnp.exp(gamma[..., -1:])[..., None])
+    return jnp.exp(gamma), jnp.exp(sigma), jnp.exp(jnp.swapaxes(gamma[..., -1:, :], -1, -2))
 
 
 def chunk_grams(qc, kc, kwc, bc, gamma):
@@ -56,13 +62,14 @@ def solve_unit_lower(L, rhs):
     return jax.scipy.linalg.solve_triangular(eye + L, rhs, lower=True, unit_diagonal=True)
 
 
-def chunk_wy(qc, kc, kwc, vc, bc, gamma, solve=solve_unit_lower):
-    """Per-chunk WY tensors from chunk views [B, H, NC, C, ·] (float32), γ the in-chunk cumsum:
+def chunk_wy(qc, kc, kwc, vc, bc, gamma, sigma, solve=solve_unit_lower):
+    """Per-chunk WY tensors from chunk views [B, H, NC, C, ·] (float32), γ the in-chunk cumsum
+    and σ its ``suffix_sums`` (γ_C − γ; None with γ):
 
-    (W, U, K̃ ⊙ Γ_C/Γ, Q ⊙ Γ, P, Γ_C) with [W, U] = solve(L, Diag(β) [K ⊙ Γ, V]), where
+    (W, U, K̃ ⊙ exp σ, Q ⊙ Γ, P, Γ_C) with [W, U] = solve(L, Diag(β) [K ⊙ Γ, V]), where
     ``solve(L, rhs)`` computes (I + L)^-1 rhs."""
     K = kc.shape[-1]
-    Gam, tail, Gam_C = _decay_factors(gamma, kc)
+    Gam, tail, Gam_C = _decay_factors(gamma, sigma, kc)
     L, P = chunk_grams(qc, kc, kwc, bc, gamma)
     WU = solve(L, bc[..., None] * jnp.concatenate([kc * Gam, vc], axis=-1))
     return WU[..., :K], WU[..., K:], kwc * tail, qc * Gam, P, Gam_C
@@ -74,8 +81,9 @@ def delta_rule_chunked(q, k, kw, v, beta, g, scale, initial_state, cu_seqlens, c
     layout = chunk_layout(B, T, chunk_size, cu_seqlens)
     qc, kc, kwc, vc = (_chunked(x, layout) for x in (q, k, kw, v))
     bc = _chunked(beta, layout)
-    gamma = None if g is None else jnp.cumsum(_chunked(g, layout), axis=3)
-    W, U, kw_tail, q_dec, P, Gam_C = chunk_wy(qc, kc, kwc, vc, bc, gamma)
+    gc = None if g is None else _chunked(g, layout)
+    gamma, sigma = (None, None) if g is None else (jnp.cumsum(gc, axis=3), suffix_sums(gc, 3))
+    W, U, kw_tail, q_dec, P, Gam_C = chunk_wy(qc, kc, kwc, vc, bc, gamma, sigma)
 
     def body(S, x):
         W_c, U_c, kwt_c, GC_c, doc, first = x
