@@ -43,11 +43,25 @@ def elapsed():
     return time.perf_counter() - START
 
 
+def gates_arg(text):
+    """``--gates``: "mild", "layer" or "const:R" with R > 0 (a float)."""
+    try:
+        ok = text in ("mild", "layer") or (text.startswith("const:") and float(text[6:]) > 0)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"--gates takes mild, layer or const:R (R > 0), "
+                                         f"got {text!r}")
+    return text
+
+
 def make_inputs(key, B, T, H, D, decay, dtype, n_docs=None, gates="mild"):
     """Layer-like inputs: unit q, k; k̃ = d ⊙ k, d in [0.5, 2]; β = σ(x); g = log σ(x + 4)
     (``gates="mild"``, ~−0.02 a token) or as the layers at init (``"layer"``: −exp(A_log)
     softplus(x + dt_bias) with A_log, dt_bias from ``layers.init``, x ~ N(0, 1): down to ~−10 a
-    token, so some KDA chunks take the WY kernels' unfactored paths)."""
+    token, so some KDA chunks take the WY kernels' unfactored paths), or ``"const:R"``: g = −R
+    everywhere (every KDA key tile takes one path: at C = 64 the whole chunk for R <= 1.25,
+    blocks of s rows with s R / 2 <= 40 below that)."""
     ks = jax.random.split(key, 9)
     unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
     k = unit(jax.random.normal(ks[1], (B, T, H, D)))
@@ -59,6 +73,8 @@ def make_inputs(key, B, T, H, D, decay, dtype, n_docs=None, gates="mild"):
         shape = (B, T, H) if decay == 3 else (B, T, H, D)
         if gates == "mild":
             x["g"] = jax.nn.log_sigmoid(jax.random.normal(ks[5], shape) + 4.0)
+        elif gates.startswith("const:"):
+            x["g"] = jnp.full(shape, -float(gates[6:]), jnp.float32)
         else:
             ka, kd = jax.random.split(ks[8])
             A_log = a_log_init(0.0 if decay == 3 else 1.0)(ka, (H,) + (1,) * (decay - 3))
@@ -353,8 +369,8 @@ def main():
     p.add_argument("--budget-s", type=float, default=420,
                    help="start no new item after this many seconds from process start")
     p.add_argument("--poison-gib", type=float, default=4.0)
-    p.add_argument("--gates", choices=["mild", "layer"], default="mild",
-                   help="decay distribution of the inputs (make_inputs)")
+    p.add_argument("--gates", type=gates_arg, default="mild",
+                   help="decay distribution of the inputs: mild, layer or const:R (make_inputs)")
     a = p.parse_args()
     POISON_GIB[0] = a.poison_gib
     B, T, H, D = a.shape

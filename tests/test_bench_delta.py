@@ -1,9 +1,13 @@
 """bench_delta's variant strings (a device call is lost when one is misread): each parses to the
 Options it names, and ``variant_tag`` writes it back."""
 
+import argparse
+
+import jax
+import jax.numpy as jnp
 import pytest
 
-from benchmarks.bench_delta import variant, variant_tag
+from benchmarks.bench_delta import gates_arg, make_inputs, variant, variant_tag
 from pallas_kernels.delta_rule import Options
 
 
@@ -27,3 +31,14 @@ def test_variant_strings_round_trip(text, fields):
     options = variant(text)
     assert options == Options(**fields)
     assert variant(variant_tag(options)) == options
+
+
+def test_gates_argument():
+    """``--gates``: mild, layer or const:R with R > 0 (const gives every KDA key tile one path);
+    anything else is refused before the device call starts."""
+    assert [gates_arg(t) for t in ("mild", "layer", "const:2.5")] == ["mild", "layer", "const:2.5"]
+    for bad in ("strong", "const:", "const:x", "const:-1", "const:0"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--gates"):
+            gates_arg(bad)
+    x, _ = make_inputs(jax.random.key(0), 1, 16, 2, 16, 4, jnp.float32, gates="const:2.5")
+    assert x["g"].shape == (1, 16, 2, 16) and bool(jnp.all(x["g"] == -2.5))
