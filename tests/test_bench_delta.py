@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from benchmarks.bench_delta import gates_arg, make_inputs, variant, variant_tag
+from benchmarks.bench_delta import DECAYS, breakdown, gates_arg, make_inputs, variant, variant_tag
 from pallas_kernels.delta_rule import Options
 
 
@@ -42,3 +42,17 @@ def test_gates_argument():
             gates_arg(bad)
     x, _ = make_inputs(jax.random.key(0), 1, 16, 2, 16, 4, jnp.float32, gates="const:2.5")
     assert x["g"].shape == (1, 16, 2, 16) and bool(jnp.all(x["g"] == -2.5))
+
+
+@pytest.mark.parametrize("core", ["deltanet", "kda"])
+def test_breakdown_runs(core):
+    """``--sections breakdown`` times every kernel of the split pipeline (and, with a decay, the
+    XLA glue of γ and σ) at a tiny shape in interpret mode: it runs, so a device call does not
+    find it broken."""
+    x, _ = make_inputs(jax.random.key(1), 1, 128, 1, 16, DECAYS[core], jnp.float32,
+                       gates="const:2")
+    r = breakdown(core, x, 1, variant("auto/64/4"))
+    steps = ["wy", "state_fwd", "chunk_output", "dout_products", "state_bwd", "chunk_grads",
+             "wy_pullback"] + ["decays"] * (core == "kda")
+    assert [n for n in r if n.endswith("_ms")] == [f"{n}_ms" for n in steps]
+    assert all(r[f"{n}_ms"] > 0 for n in steps)
