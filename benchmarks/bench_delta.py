@@ -32,7 +32,7 @@ import numpy as np
 
 import precond_linattn as pla
 from pallas_kernels.delta_rule import Options, delta_rule_pallas
-from precond_linattn.chunked.delta import suffix_sums
+from precond_linattn.chunked.delta import decay_sums
 from precond_linattn.layers.init import a_log_init, dt_bias_init
 
 DECAYS = {"deltanet": None, "gdn": 3, "kda": 4}
@@ -220,8 +220,7 @@ def breakdown(core, x, reps, options):
     g = x.get("g")
 
     def decays(g):  # γ (the cumulative log decay from each chunk's start) and σ = γ_C − γ
-        gc = g.reshape(B, nc, 64, *g.shape[2:])
-        return jnp.cumsum(gc, 2).reshape(g.shape), suffix_sums(gc, 2).reshape(g.shape)
+        return tuple(x.reshape(g.shape) for x in decay_sums(g.reshape(B, nc, 64, *g.shape[2:]), 2))
 
     gamma, sigma = (None, None) if g is None else decays(g)
     flags = (jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, nc)),

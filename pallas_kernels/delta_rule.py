@@ -50,7 +50,7 @@ from pallas_kernels.triton_common import (
     MAX_HEAD_DIM, Dots, interpret_default, pad_last, pow2_dim, unit_lower_inverse, vary_alike)
 from pallas_kernels.wy_triton import wy_bwd, wy_fwd
 from pallas_kernels.wy_vector_triton import wy_vector_bwd, wy_vector_fwd
-from precond_linattn.chunked.delta import chunk_grams, chunk_wy, suffix_sums
+from precond_linattn.chunked.delta import chunk_grams, chunk_wy, decay_sums
 from precond_linattn.numerics import f32
 from precond_linattn.varlen import chunk_layout, from_chunks, to_chunks
 
@@ -480,8 +480,7 @@ def delta_rule_pallas(q, k, kw, v, beta, log_decay, scale, initial_state, cu_seq
     gamma = sigma = None
     if log_decay is not None:  # in-chunk cumsum γ and σ = γ_C − γ, each from the log decays
         g = to_chunks(f32(pad_last(log_decay, Kp) if log_decay.ndim == 4 else log_decay), layout)
-        gamma, sigma = (x.reshape(B, nc * chunk_size, *g.shape[3:])
-                        for x in (jnp.cumsum(g, axis=2), suffix_sums(g, 2)))
+        gamma, sigma = (x.reshape(B, nc * chunk_size, *g.shape[3:]) for x in decay_sums(g, 2))
     init = f32(initial_state)
     if init is not None:
         init = pad_last(jnp.pad(init, [(0, 0), (0, 0), (0, Kp - K), (0, 0)]), Vp)

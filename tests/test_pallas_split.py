@@ -12,7 +12,7 @@ from pallas_kernels.delta_rule import Options, _Config, _forward, prepare, resol
 from pallas_kernels.state_bwd_triton import split_backward
 from pallas_kernels.state_fwd_triton import split_forward
 from pallas_kernels.triton_common import Dots
-from precond_linattn.chunked.delta import suffix_sums
+from precond_linattn.chunked.delta import decay_sums
 from precond_linattn.varlen import chunk_layout, to_chunks
 
 C, BV, SCALE, TOL = 16, 16, 0.7, 1e-5
@@ -34,8 +34,7 @@ def kernel_inputs(x, decay, cu_seqlens, with_init):
     gamma = sigma = None
     if decay != "none":
         g = to_chunks(x["log_decay"], layout)
-        gamma, sigma = (y.reshape(B, nc * C, *g.shape[3:])
-                        for y in (jnp.cumsum(g, axis=2), suffix_sums(g, 2)))
+        gamma, sigma = (y.reshape(B, nc * C, *g.shape[3:]) for y in decay_sums(g, 2))
     last = jnp.zeros(layout.doc.shape, jnp.int32).at[layout.final_row, layout.final_chunk].set(1)
     cfg = _Config(C, decay, SCALE, None if cu_seqlens is None else layout.num_docs,
                   resolve(Options(block_v=BV), sixteen_bit=False), DOTS, DOTS)

@@ -38,6 +38,12 @@ def suffix_sums(g, axis):
                             jnp.zeros_like(lax.slice_in_dim(rev, 0, 1, axis=axis))], axis)
 
 
+def decay_sums(g, axis):
+    """(γ, σ) of per-token log decays g along the in-chunk ``axis``: the inclusive cumsum γ
+    (the log decay from the chunk start) and ``suffix_sums`` σ = γ_C − γ."""
+    return jnp.cumsum(g, axis), suffix_sums(g, axis)
+
+
 def _decay_factors(gamma, sigma, like):
     """(Γ broadcastable to rows [.., C, 1|K], Γ_C/Γ = exp σ likewise, Γ_C broadcastable to S
     [.., K, 1]); σ = ``suffix_sums`` of the chunk's log decays."""
@@ -81,8 +87,7 @@ def delta_rule_chunked(q, k, kw, v, beta, g, scale, initial_state, cu_seqlens, c
     layout = chunk_layout(B, T, chunk_size, cu_seqlens)
     qc, kc, kwc, vc = (_chunked(x, layout) for x in (q, k, kw, v))
     bc = _chunked(beta, layout)
-    gc = None if g is None else _chunked(g, layout)
-    gamma, sigma = (None, None) if g is None else (jnp.cumsum(gc, axis=3), suffix_sums(gc, 3))
+    gamma, sigma = (None, None) if g is None else decay_sums(_chunked(g, layout), 3)
     W, U, kw_tail, q_dec, P, Gam_C = chunk_wy(qc, kc, kwc, vc, bc, gamma, sigma)
 
     def body(S, x):
