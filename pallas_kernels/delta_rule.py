@@ -266,12 +266,17 @@ def _wy_kernels(cfg):
     return (wy_vector_fwd, wy_vector_bwd) if cfg.decay == "vector" else (wy_fwd, wy_bwd)
 
 
+def _xla_wy(cfg):
+    """Whether the WY step runs as ``prepare`` in plain JAX (per-channel decay,
+    ``vector_wy="xla"``), not as kernels."""
+    return cfg.decay == "vector" and cfg.options.vector_wy == "xla"
+
+
 def _wy_kernel(cfg, kernel, ins, cts=None):
     """``kernel(*ins)`` (a forward of ``_wy_kernels``), or ``kernel(*ins, *cts)`` (a pullback:
-    cotangents of q, k, kw, v, beta, gamma and σ, cast to the inputs' dtypes; None for a
-    missing gamma), through ``_kernel_call``; ``ins`` = (q, k, kw, v, beta, gamma, σ), then
-    the forward's T (and P) for a pullback. The kernels form σ from γ (not passed)."""
-    sigma, ins = ins[6], ins[:6] + ins[7:]
+    cotangents of q, k, kw, v, beta, gamma and σ, cast to the inputs' dtypes, σ's as γ's; None
+    for a missing gamma), through ``_kernel_call``; ``ins`` = (q, k, kw, v, beta, gamma), then
+    the forward's T (and P) for a pullback: the kernels form σ from γ."""
     o = cfg.options
     in_axes = (_WY_IN | (dict(gamma="b t h k") if cfg.decay == "vector" else {}) | _WY_T
                | (dict(P=_WY_OUT["dP"]) if cfg.decay == "scalar" else {}))
@@ -282,7 +287,7 @@ def _wy_kernel(cfg, kernel, ins, cts=None):
         args |= dict(zip(_WY_OUT, cts))
         axes |= _WY_OUT
         out_axes = tuple(a for a, x in zip(in_axes.values(), ins[:6]) if x is not None)
-        out_axes += out_axes[-1:] * (sigma is not None)  # σ's, as γ's
+        out_axes += out_axes[-1:] * (ins[5] is not None)  # σ's, as γ's
         dots, warps = cfg.pdots, o.pullback_warps or (o.num_warps if cfg.decay == "none" else 8)
     static = {} if cts is not None else dict(out_dtype=jnp.dtype(o.wy_dtype))
     if cfg.decay == "vector":
@@ -293,7 +298,7 @@ def _wy_kernel(cfg, kernel, ins, cts=None):
     if cts is None:
         return outs
     outs = iter(outs)
-    return tuple(None if x is None else next(outs).astype(x.dtype) for x in ins[:6] + (sigma,))
+    return tuple(None if x is None else next(outs).astype(x.dtype) for x in ins[:6] + ins[5:6])
 
 
 def _stored(cfg, wy):
@@ -307,22 +312,22 @@ def _wy(cfg, ins):
     """The six WY tensors of ``ins`` = (q, k, kw, v, beta, gamma, σ) and what their kernel pullback
     needs besides ``ins``: (T,) from the kernels ((T, P) with a scalar decay), () from
     ``prepare`` in plain JAX (per-channel decay, ``vector_wy="xla"``)."""
-    if cfg.decay == "vector" and cfg.options.vector_wy == "xla":
+    if _xla_wy(cfg):
         return _stored(cfg, prepare(cfg, *ins)), ()
-    wy = _wy_kernel(cfg, _wy_kernels(cfg)[0], ins)
+    wy = _wy_kernel(cfg, _wy_kernels(cfg)[0], ins[:6])
     return wy[:6], wy[6:] + ((wy[4],) if cfg.decay == "scalar" else ())  # T (and P: wy_bwd)
 
 
 def _wy_pullback(cfg, ins, extra=None):
     """(WY tensors, pullback of the WY step at ``ins``): with ``extra`` (``_wy``'s second result,
     the forward having run) the pullback kernel alone; without, the forward first."""
-    if cfg.decay == "vector" and cfg.options.vector_wy == "xla":
+    if _xla_wy(cfg):
         wy, vjp = jax.vjp(functools.partial(prepare, cfg), *ins)
         return _stored(cfg, wy), lambda cts: vjp(tuple(c.astype(w.dtype) for c, w in zip(cts, wy)))
     wy = None
     if extra is None:
         wy, extra = _wy(cfg, ins)
-    return wy, functools.partial(_wy_kernel, cfg, _wy_kernels(cfg)[1], tuple(ins) + extra)
+    return wy, functools.partial(_wy_kernel, cfg, _wy_kernels(cfg)[1], tuple(ins[:6]) + extra)
 
 
 _STATE_AXES = dict(triton="b h c k v", mosaic="b h c v k")  # the saved chunk states' layout
@@ -369,11 +374,12 @@ def _core(cfg, q, k, kw, v, beta, gamma, sigma, init, doc, first, last):
 
 def _core_fwd(cfg, q, k, kw, v, beta, gamma, sigma, init, doc, first, last):
     opts = cfg.options
-    save = opts.split and opts.save_wy and (cfg.decay != "vector" or opts.vector_wy != "xla")
+    save = opts.split and opts.save_wy and not _xla_wy(cfg)
     ins = (q, k, kw, v, beta, gamma, sigma)
     wy, extra = _wy(cfg, ins) if save else (None, None)
     o, final, *saved = _forward(cfg, *ins, init, doc, first, last, True, wy)
-    return (o, final), (ins, init, doc, first, last, saved, wy, extra)
+    kept = ins if _xla_wy(cfg) else ins[:6] + (None,)  # the kernels form σ from γ
+    return (o, final), (kept, init, doc, first, last, saved, wy, extra)
 
 
 def _core_bwd(cfg, res, cts):
@@ -398,7 +404,8 @@ def _core_bwd(cfg, res, cts):
                                          serial_backend=o.serial_backend,
                                          pieces=o.sequence_pieces) if o.split else {}))
     grads = pullback((dW.sum(0), dU, dkw.sum(0), dq.sum(0), dP.sum(0), dgc.sum(0)))
-    return (*match_types((*grads, None if init is None else dinit), (*ins, init)),
+    types = ins[:6] + (ins[5] if ins[6] is None else ins[6],)  # σ is typed as γ
+    return (*match_types((*grads, None if init is None else dinit), (*types, init)),
             None, None, None)
 
 

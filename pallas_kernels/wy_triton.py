@@ -30,9 +30,8 @@ the formulas above are the exact pullback of ``prepare``. In dγ the diagonal of
 γ) cancels exactly and is left out rather than formed: with strong decays dγ is a small fraction
 of those terms, and their rounding would be all of it (the same holds for K̃' through σ: as
 γ_C − γ its pullback, −dσ on each row and Σ dσ on the last, cancelled on a padded chunk's last
-real row). Value
-columns are processed in tiles of ``block_v`` inside the program (registers); everything else is
-held whole ([C, K], [C, C]).
+real row). Value columns are processed in tiles of ``block_v`` inside the program (registers);
+everything else is held whole ([C, K], [C, C]).
 Inputs are in the kernels' layout (q, k, kw [B, Tp, H, K], v [B, Tp, H, V], beta, gamma
 [B, Tp, H]), any float dtype; math and outputs are float32.
 """
@@ -226,9 +225,8 @@ def wy_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *, chunk
            dots: Dots, num_warps, num_stages, block_k=64, P=None):
     """Cotangents of q, k, kw [B, Tp, H, K], v [B, Tp, H, V], beta [B, Tp, H] and, if gamma is
     given, of gamma and σ = γ_C − γ [B, Tp, H] (float32; module docstring), from those of
-    ``wy_fwd``'s outputs, its T and, with
-    gamma, its P (module docstring; ValueError without it); ``block_k``: the key columns per tile
-    of the kernel's two sweeps."""
+    ``wy_fwd``'s outputs, its T and, with gamma, its P (module docstring; ValueError without
+    it); ``block_k``: the key columns per tile of the kernel's two sweeps."""
     in_specs, wy_specs, grid = layout(q, v, gamma, chunk)
     if (gamma is None) != (P is None):
         raise ValueError("wy_bwd takes the forward's P exactly when gamma is given, got "

@@ -317,7 +317,8 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
                   block_v, dots: Dots, num_warps, num_stages, block_k=64, factored_blocks=True):
     """Cotangents of q, k, kw [B, Tp, H, K], v [B, Tp, H, V], beta [B, Tp, H], gamma and
     σ = γ_C − γ [B, Tp, H, K] (float32) from those of ``wy_vector_fwd``'s outputs and its T
-    (module docstring); ``block_k``: key columns per tile; ``factored_blocks`` as ``wy_vector_fwd``'s."""
+    (module docstring); ``block_k``: key columns per tile; ``factored_blocks`` as
+    ``wy_vector_fwd``'s."""
     in_specs, wy_specs, grid = layout(q, v, gamma, chunk, vector=True)
     args = [q, k, kw, v, beta, gamma]
     cts = [T, dW, dU, dkw_t, dq_dec, dP, dgc]
