@@ -37,7 +37,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.atk_triton import AUX, CENTER, DECAY, DOC, FIRST, GAIN, LAST, atk_bwd, atk_fwd
 from pallas_kernels.partition import match_types, sharded_call
-from pallas_kernels.token_pieces import auto_pieces, chain, rows as _rows, unrows as _unrows
+from pallas_kernels.token_pieces import auto_pieces, chain, rows, unrows
 from pallas_kernels.triton_common import (
     MAX_HEAD_DIM, aux_rows, doc_columns, interpret_default, pad_last, pow2_dim, vary_alike)
 from precond_linattn.numerics import f32
@@ -116,13 +116,13 @@ def _forward(cfg, k, aux, g, init):
     if p == 1:
         return _call(cfg, atk_fwd, [k, aux, g, init], _FWD_IN, ["b t h k", "n h k", "b s h k"])
     B, _, H, K = k.shape
-    pk, paux, pg = _rows(k, p), _rows(aux, p), _rows(g, p)
+    pk, paux, pg = rows(k, p), rows(aux, p), rows(g, p)
     (E,) = _call(cfg, atk_fwd, [pk, paux, pg, jnp.zeros((B * p, H, K), jnp.float32)], _FWD_IN,
                  ["n h k"], emit=False)
     entering = _chain(_piece_decay(aux, g, p), E.reshape(B, p, H, K), init)
     k_write, finals, starts = _call(cfg, atk_fwd, [pk, paux, pg, entering.reshape(B * p, H, K)],
                                     _FWD_IN, ["b t h k", "n h k", "b s h k"])
-    return _unrows(k_write, p), finals.reshape(B, p, H, K)[:, -1], _unrows(starts, p)
+    return unrows(k_write, p), finals.reshape(B, p, H, K)[:, -1], unrows(starts, p)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -145,15 +145,15 @@ def _backward(cfg, k, aux, g, init, starts, dkw, dfinal):
     if p == 1:
         return _call(cfg, atk_bwd, [k, aux, g, init, starts, dkw, dfinal], _BWD_IN, out_axes)
     B, _, H, K = k.shape
-    pieces = [_rows(x, p) for x in (k, aux, g)]
+    pieces = [rows(x, p) for x in (k, aux, g)]
     zeros = jnp.zeros((B * p, H, K), jnp.float32)  # the initial-state slot (unused: dense rows)
-    rest = [_rows(starts, p), _rows(dkw, p)]
+    rest = [rows(starts, p), rows(dkw, p)]
     (own,) = _call(cfg, atk_bwd, pieces + [zeros] + rest + [zeros], _BWD_IN, ["n h k"],
                    emit=False)
     leaving = _chain(_piece_decay(aux, g, p), own.reshape(B, p, H, K), dfinal, reverse=True)
     out = _call(cfg, atk_bwd, pieces + [zeros] + rest + [leaving.reshape(B * p, H, K)], _BWD_IN,
                 out_axes)
-    return [_unrows(x, p) for x in out[:-1]] + [out[-1].reshape(B, p, H, K)[:, 0]]
+    return [unrows(x, p) for x in out[:-1]] + [out[-1].reshape(B, p, H, K)[:, 0]]
 
 
 def _scan_bwd(cfg, res, cts):
