@@ -14,6 +14,10 @@ Per token x_t (the layer input), heads h = 1..H, key size K, value size V:
     y_t      = [RMSNorm_h(o_t) ⊙ act(x W_g)] W_o       (gate: DeltaNet optional, SiLU; GDN SiLU;
                                                         KDA low-rank x W_g1 W_g2 + b, sigmoid)
 
+A decode ``step`` runs the preconditioner's step and the delta step either as the two ops
+(``osgm_step`` / ``atk_step``, ``delta_rule_step``) or, on the Pallas path (``LayerConfig.
+fused_decode``), as one kernel ``pallas_kernels.decode_step`` (ATK's k̃ still from ``atk_step``).
+
 Parameter names follow FLA 0.6.0 (``fla/layers/{delta_net,gated_deltanet,kda,
 precond_gated_deltanet,precond_kda}.py``) with Flax's leaf names; converting a checkpoint is:
 
@@ -39,6 +43,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels import decode_step
 from precond_linattn._typing import Array, Float
 from precond_linattn.layers.config import LayerConfig
 from precond_linattn.layers.conv import ShortConvolution
@@ -180,6 +185,13 @@ class PrecondDeltaAttention(nnx.Module):
         scale = jnp.exp(self.log_d_init[...]) if c.osgm_options.learn_init_scale else jnp.ones((c.num_heads,))
         return jnp.broadcast_to(scale.astype(jnp.float32)[None, :, None], (n, c.num_heads, c.head_k_dim))
 
+    def _osgm_options(self, pre):
+        """The OSGM op options (eta, d_min, d_max, retention, beta_aware, eps) of this layer, the
+        retention r_t (APF) from the per-token inputs ``pre``."""
+        o = self.config.osgm_options
+        return dict(eta=o.eta, d_min=o.d_min, d_max=o.d_max, retention=pre.get("retention"),
+                    beta_aware=o.beta_aware, eps=o.eps)
+
     def _write_key(self, k, beta, pre, state, sequence=None):
         """The write key and the preconditioner's new state: k̃ = k (none), d ⊙ k (OSGM, SPEC 3.1)
         or B(A) ⊙ k (ATK, SPEC 3.2).
@@ -196,9 +208,7 @@ class PrecondDeltaAttention(nnx.Module):
                 return atk_step(*args, state, **options)
             return atk_precondition(*args, initial_state=state, **options, **sequence)
         if c.preconditioner.startswith("osgm"):
-            o = c.osgm_options
-            options = dict(eta=o.eta, d_min=o.d_min, d_max=o.d_max, retention=pre.get("retention"),
-                           beta_aware=o.beta_aware, eps=o.eps)
+            options = self._osgm_options(pre)
             if sequence is None:
                 return osgm_step(k, beta, state, **options)
             return osgm_precondition(k, beta, initial_state=state, **options, **sequence)
@@ -259,6 +269,30 @@ class PrecondDeltaAttention(nnx.Module):
         stepped = [m.step(a, tail) for m, a, tail in zip(convs, pre_conv, cache.conv)]
         q, k, v = self._heads(*(s[0] for s in stepped))
         beta, g, pre = self._gates(p)
-        k_write, p_state = self._write_key(k, beta, pre, cache.precond)
-        out, S = delta_rule_step(q, k, v, beta, cache.memory, write_key=k_write, log_decay=g)
+        if self._fused_decode():
+            out, S, p_state = self._fused_core_step(q, k, v, beta, g, pre, cache)
+        else:
+            k_write, p_state = self._write_key(k, beta, pre, cache.precond)
+            out, S = delta_rule_step(q, k, v, beta, cache.memory, write_key=k_write, log_decay=g)
         return self._output(out, p), LayerCache(S, p_state, tuple(s[1] for s in stepped))
+
+    def _fused_decode(self) -> bool:
+        """Whether ``step`` runs the fused kernel: ``config.fused_decode``, or when None whether the
+        ops run on the Pallas path (impl "pallas", or "auto" on a GPU with head dims it takes)."""
+        c = self.config
+        if c.fused_decode is not None:
+            return c.fused_decode
+        return c.impl == "pallas" or (c.impl == "auto" and jax.default_backend() == "gpu" and
+                                      decode_step.supports(K=c.head_k_dim))
+
+    def _fused_core_step(self, q, k, v, beta, g, pre, cache):
+        """(o, S, preconditioner state) of one token by ``decode_step``, one kernel: k̃ = k, or
+        OSGM's d ⊙ k and d's update inside it; ATK's k̃ and A from ``atk_step`` before it."""
+        osgm, k_write, p_state = None, None, cache.precond
+        if self.config.preconditioner.startswith("osgm"):
+            osgm = decode_step.OSGMStep(cache.precond, **self._osgm_options(pre))
+        elif self.config.preconditioner == "atk":
+            k_write, p_state = self._write_key(k, beta, pre, cache.precond)
+        out, S, d = decode_step.decode_step(q, k, v, beta, cache.memory, log_decay=g, write_key=k_write,
+                                            osgm=osgm)
+        return out, S, p_state if osgm is None else d

@@ -103,6 +103,11 @@ class LayerConfig:
     dtype / param_dtype: compute and parameter dtypes (states are always float32), stored as
       ``jnp.dtype`` (so equal configs hash equally; this reads no other field).
     impl / chunk_size: passed to the ops (``impl="auto"``: Pallas on GPU when available).
+    fused_decode: ``step`` (one decode token) runs the preconditioner's update and the delta step
+      in one Pallas kernel (``pallas_kernels.decode_step``; ATK's write key stays ``atk_step``);
+      None means where the ops run on the Pallas path (impl "pallas", or "auto" on a GPU when the
+      kernel takes the head dims), else the two ops ``osgm_step`` / ``delta_rule_step``. True /
+      False force it on / off (True on a CPU runs the kernel in interpret mode).
     """
 
     hidden_size: int
@@ -122,6 +127,7 @@ class LayerConfig:
     param_dtype: jnp.dtype = jnp.float32
     impl: str = "auto"
     chunk_size: int = 64
+    fused_decode: bool | None = None
 
     def __post_init__(self):
         _require(self.backbone in BACKBONES,
@@ -146,6 +152,8 @@ class LayerConfig:
                  "use_gate=False does not apply to backbone 'kda': its output gate is part of the layer")
         _require(self.norm_eps > 0, f"norm_eps must be > 0, got {self.norm_eps}")
         check_impl(self.impl)
+        _require(self.fused_decode is None or isinstance(self.fused_decode, bool),
+                 f"fused_decode must be None or a bool, got {self.fused_decode!r}")
         check_chunk_size(self.chunk_size)
         for name in ("dtype", "param_dtype"):
             object.__setattr__(self, name, _as_dtype(name, getattr(self, name)))

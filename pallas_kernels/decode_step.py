@@ -1,0 +1,239 @@
+"""One layer's recurrent decode step (one token) as a single Pallas Triton-lowered kernel.
+
+It fuses ``osgm_step`` (or a given write key) and ``delta_rule_step``, which XLA runs as ~6-7
+small kernels a layer at batch 1 (launch-bound decoding), into one launch. Per (row, head), with
+the float32 state S [K, V]:
+
+    OSGM (optional, SPEC 3.1; ``osgm_step_fn``'s order of operations):
+        s = k ⊙ k    n̄ = max(Σ s, ε)    g = β (beta-aware) or 1    w = η g / n̄
+        a = ⟨d, s⟩   k̃ = d ⊙ k (rounded to k's dtype, as ``osgm_step`` returns it)
+        d_new = clip(r d + w (1 − g a) s, d_min, d_max)             (r: APF retention, 1 without)
+    else k̃ = the given write key (e.g. ATK's, from ``atk_step``) or k (no preconditioner)
+
+    delta rule (SPEC 2, ``delta_step``):
+        S̄ = S | exp(g) S | Diag(exp(g)) S          (no / scalar / per-channel decay)
+        u = v − S̄ᵀ k      S_new = S̄ + β k̃ uᵀ      o = S_newᵀ (scale · q)
+
+Grid (B, H, V / BV): each program holds one state tile S [K, BV] and the K-sized vectors; the
+OSGM update is K-sized, so every V tile redoes it, and tile 0 alone stores d_new. The products
+S̄ᵀ k and S_newᵀ q are column sums of broadcast products (no dots: one column of outputs a
+tile). The new state may overwrite the old one (``input_output_aliases``). Head dims that are
+not powers of two >= 16 are zero-padded (``pow2_dim``) and the results sliced back. Inside a
+``jit`` over a device mesh the call goes through ``partition.sharded_call`` (rows and heads stay
+sharded). Without a GPU it runs in interpret mode.
+"""
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltr
+
+from pallas_kernels.partition import sharded_call
+from pallas_kernels.triton_common import MAX_HEAD_DIM, interpret_default, out_struct, pad_last, pow2_dim
+from precond_linattn.ops.osgm import check_osgm_hyper
+from precond_linattn.reference.osgm import clip_box
+from precond_linattn.validation import check_array, check_scale, check_tensor
+
+
+class OSGMStep(NamedTuple):
+    """The OSGM preconditioner's part of a decode step: its state d [B, H, K] (float32), the APF
+    retention r [B, H] (None: r ≡ 1) and the hyper-parameters of ``osgm_step`` (Python numbers:
+    they are compiled into the kernel)."""
+
+    d: jax.Array
+    eta: float
+    d_min: float
+    d_max: float
+    retention: jax.Array | None = None
+    beta_aware: bool = True
+    eps: float = 1e-6
+
+
+def supports(*, K: int) -> bool:
+    """Whether the kernel suits key head dim K: padded to a power of two, K <= MAX_HEAD_DIM (one
+    program holds K-sized vectors and a K x BV tile in registers; any V is tiled)."""
+    return pow2_dim(K) <= MAX_HEAD_DIM
+
+
+def _static(name: str, value) -> float:
+    """``value`` as a Python float; ValueError naming ``name`` if it is traced (the kernel compiles
+    it in as a constant)."""
+    if isinstance(value, jax.core.Tracer):
+        raise ValueError(f"{name} must be a Python number (it is compiled into decode_step's kernel), "
+                         "got a traced value")
+    return float(value)
+
+
+def _osgm_update(k, d, beta, r, hyper, kw_dtype):
+    """(k̃ = d ⊙ k rounded to ``kw_dtype``, d_new = clip(r d + w (1 − g ⟨d, s⟩) s)) of one token,
+    float32 K-vectors, exactly as ``osgm_step_fn``."""
+    eta, d_min, d_max, beta_aware, eps = hyper
+    s = k * k
+    n = jnp.maximum(jnp.sum(s), eps)
+    g = beta if beta_aware else 1.0
+    u = eta * g / n * (1.0 - g * jnp.sum(d * s))
+    kept = d if r is None else r * d
+    return (d * k).astype(kw_dtype).astype(jnp.float32), clip_box(kept + u * s, d_min, d_max)
+
+
+def _delta_update(S, q, k, kw, v, beta, alpha, scale):
+    """(S_new = S̄ + β k̃ uᵀ with u = v − S̄ᵀ k and S̄ = alpha ⊙ S, o = S_newᵀ (scale q)) of one
+    tile S [K, BV]; alpha None (no decay), a scalar or a [K, 1] column."""
+    if alpha is not None:
+        S = S * alpha
+    u = v - jnp.sum(S * k[:, None], axis=0)
+    S = S + (beta * kw)[:, None] * u[None, :]
+    return S, jnp.sum(S * (scale * q)[:, None], axis=0)
+
+
+def _kernel(*refs, names, decay, hyper, scale):
+    """One (row, head, V tile) program: the module docstring's step on its S tile; stores S_new,
+    o and (V tile 0 only) d_new. ``names``: the input refs in order (outputs follow)."""
+    inputs = dict(zip(names, refs))
+    S_out, o_out, *d_out = refs[len(names):]
+    f32 = lambda name: inputs[name][...].astype(jnp.float32)  # noqa: E731
+    q, k, v, beta = f32("q"), f32("k"), f32("v"), f32("beta")
+    if hyper is not None:
+        r = f32("retention") if "retention" in inputs else None
+        kw, d_new = _osgm_update(k, f32("d"), beta, r, hyper, inputs["k"].dtype)
+
+        @pl.when(pl.program_id(2) == 0)
+        def _():
+            d_out[0][...] = d_new
+    else:
+        kw = f32("write_key") if "write_key" in inputs else k
+    alpha = None
+    if decay is not None:
+        alpha = jnp.exp(f32("log_decay"))
+        alpha = alpha[:, None] if decay == "vector" else alpha
+    S, o = _delta_update(inputs["state"][...], q, k, kw, v, beta, alpha, scale)
+    S_out[...] = S
+    o_out[...] = o.astype(o_out.dtype)
+
+
+def _check(q, k, v, beta, state, log_decay, write_key, osgm):
+    """ValueError naming the argument unless the shapes and dtypes are those of
+    ``delta_rule_step`` (and of ``osgm_step`` for ``osgm``); returns the decay kind (None,
+    "scalar" or "vector")."""
+    check_array("q", q, 3, "[B, H, K]")
+    B, H, K = q.shape
+    check_tensor("k", k, (B, H, K), "[B, H, K]")
+    check_array("v", v, 3, "[B, H, V]")
+    check_tensor("v", v, (B, H, v.shape[-1]), "[B, H, V]")
+    check_tensor("beta", beta, (B, H), "[B, H]")
+    check_tensor("state", state, (B, H, K, v.shape[-1]), "[B, H, K, V]")
+    if state.dtype != jnp.float32:
+        raise ValueError(f"state must be float32, got {state.dtype}")
+    if write_key is not None:
+        if osgm is not None:
+            raise ValueError("give write_key or osgm, not both: OSGM computes the write key")
+        check_tensor("write_key", write_key, (B, H, K), "[B, H, K]")
+    if osgm is not None:
+        if not isinstance(osgm, OSGMStep):
+            raise ValueError(f"osgm must be an OSGMStep or None, got {type(osgm).__name__}")
+        check_tensor("osgm.d", osgm.d, (B, H, K), "[B, H, K]")
+        if osgm.retention is not None:
+            check_tensor("osgm.retention", osgm.retention, (B, H), "[B, H]")
+        check_osgm_hyper(osgm.eta, osgm.d_min, osgm.d_max, osgm.beta_aware, osgm.eps, prefix="osgm.")
+    if log_decay is None:
+        return None
+    if not hasattr(log_decay, "shape") or tuple(log_decay.shape) not in ((B, H), (B, H, K)):
+        raise ValueError(f"log_decay must be None, [B, H] or [B, H, K] = {(B, H)} or {(B, H, K)}, "
+                         f"got {getattr(log_decay, 'shape', log_decay)}")
+    check_array("log_decay", log_decay, log_decay.ndim, "[B, H] or [B, H, K]")
+    return "scalar" if log_decay.ndim == 2 else "vector"
+
+
+KINDS = dict(scalar="b h", key="b h k", value="b h v", state="b h k v")  # operand kinds, by factors
+
+
+def _spec(kind, K, BV):
+    """The BlockSpec of an operand of ``kind`` for the grid (b, h, j): a scalar per (row, head),
+    a K-vector, a V tile [BV] or the state tile [K, BV]."""
+    return dict(
+        scalar=pl.BlockSpec((None, None), lambda b, h, j: (b, h)),
+        key=pl.BlockSpec((None, None, K), lambda b, h, j: (b, h, 0)),
+        value=pl.BlockSpec((None, None, BV), lambda b, h, j: (b, h, j)),
+        state=pl.BlockSpec((None, None, K, BV), lambda b, h, j: (b, h, 0, j)))[kind]
+
+
+def decode_step(q, k, v, beta, state, *, log_decay=None, write_key=None, osgm=None, scale=None,
+                block_v=32, num_warps=4, interpret=None):
+    """One decoding token of a layer's delta rule, with its preconditioner, in one kernel:
+    ``osgm_step`` then ``delta_rule_step`` (the module docstring's equations).
+
+    Args:
+      q, k: [B, H, K] (read key); v: [B, H, V]; beta: [B, H].
+      state: S [B, H, K, V] float32 (the new state may reuse its buffer).
+      log_decay: None, [B, H] (scalar, GDN) or [B, H, K] (per channel, KDA); g <= 0.
+      write_key: k̃ [B, H, K] computed elsewhere (ATK's ``atk_step``); None: k̃ = k, or OSGM's.
+      osgm: ``OSGMStep`` (d, retention, hyper-parameters): k̃ = d ⊙ k and d's update; None: none.
+      scale: query scale (a Python number), default K ** -0.5.
+      block_v: the V tile BV (a power of two >= 16; min(block_v, padded V)).
+      num_warps: warps a program (GPU only).
+      interpret: run in interpret mode; None: unless the default backend is a GPU.
+
+    Returns:
+      (o [B, H, V] in v's dtype, S_new [B, H, K, V] float32, d_new [B, H, K] float32 or None).
+    """
+    decay = _check(q, k, v, beta, state, log_decay, write_key, osgm)
+    B, H, K = q.shape
+    V = v.shape[-1]
+    scale = K ** -0.5 if scale is None else scale
+    check_scale("scale", scale)
+    hyper = None if osgm is None else (
+        *(_static(f"osgm.{n}", getattr(osgm, n)) for n in ("eta", "d_min", "d_max")), osgm.beta_aware,
+        _static("osgm.eps", osgm.eps))
+    if not isinstance(block_v, int) or block_v < 16 or block_v & (block_v - 1):
+        raise ValueError(f"block_v must be a power of two >= 16, got {block_v!r}")
+    Kp, Vp = pow2_dim(K), pow2_dim(V)
+    padded = Kp != K or Vp != V
+    if padded:
+        state = jnp.pad(state, [(0, 0), (0, 0), (0, Kp - K), (0, Vp - V)])
+    inputs = dict(q=(pad_last(q, Kp), "key"), k=(pad_last(k, Kp), "key"), v=(pad_last(v, Vp), "value"),
+                  beta=(beta, "scalar"), state=(state, "state"))
+    if decay is not None:
+        inputs["log_decay"] = (pad_last(log_decay, Kp), "key" if decay == "vector" else "scalar")
+    if write_key is not None:
+        inputs["write_key"] = (pad_last(write_key, Kp), "key")
+    if osgm is not None:
+        inputs["d"] = (pad_last(osgm.d, Kp), "key")
+        if osgm.retention is not None:
+            inputs["retention"] = (osgm.retention, "scalar")
+    kernel = functools.partial(_kernel, names=tuple(inputs), decay=decay, hyper=hyper,
+                               scale=_static("scale", scale))
+    o, S, d = _call(kernel, inputs, min(block_v, Vp), num_warps,
+                    interpret_default() if interpret is None else interpret)
+    if padded:
+        o, S, d = o[..., :V], S[:, :, :K, :V], None if d is None else d[..., :K]
+    return o, S, d
+
+
+def _call(kernel, inputs, BV, num_warps, interpret):
+    """(o, S_new, d_new or None) of ``kernel`` over the grid (B, H, Vp / BV) of ``inputs``
+    {name: (array, kind)}, through ``sharded_call`` (rows and heads stay sharded on a mesh);
+    S_new overwrites ``inputs["state"]`` where XLA can."""
+    names, arrays = list(inputs), [a for a, _ in inputs.values()]
+    _, _, K, Vp = inputs["state"][0].shape
+    outputs = [("state", jnp.float32), ("value", inputs["v"][0].dtype)]
+    outputs += [("key", jnp.float32)] if "d" in inputs else []
+
+    def call(*xs):
+        """The pallas_call on (a shard of) the operands."""
+        size = dict(zip("bhkv", (*xs[0].shape[:2], K, Vp)))
+        out_shape = [out_struct(tuple(size[f] for f in KINDS[kind].split()), dtype, *xs)
+                     for kind, dtype in outputs]
+        return tuple(pl.pallas_call(
+            kernel, grid=(size["b"], size["h"], Vp // BV),
+            in_specs=[_spec(kind, K, BV) for _, kind in inputs.values()],
+            out_specs=[_spec(kind, K, BV) for kind, _ in outputs], out_shape=out_shape,
+            input_output_aliases={names.index("state"): 0},
+            compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=1),
+            interpret=interpret, name="decode_step")(*xs))
+
+    S, o, *d = sharded_call(call, arrays, [KINDS[kind] for _, kind in inputs.values()],
+                            [KINDS[kind] for kind, _ in outputs])
+    return o, S, (d[0] if d else None)
