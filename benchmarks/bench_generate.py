@@ -6,10 +6,13 @@ tokens/s = (2048 + 128) / (t_prefill + t_decode). Prefill alone is timed the sam
     python benchmarks/bench_generate.py --tiny     # a small model, a quick check on a CPU
     python benchmarks/bench_generate.py --preconditioners osgm --osgm-variant 2/1/16/8/scalar/p4/cpauto
     (the OSGM kernels' options as bench_osgm's variant strings, e.g. the Picard sweeps)
+    python benchmarks/bench_generate.py --fused-decode on off   # decode step: one kernel vs the ops
+    (a row per setting; "auto": the layer's default, the fused kernel on a GPU)
 """
 
 import argparse
 import dataclasses
+import itertools
 import json
 import statistics
 import time
@@ -37,20 +40,32 @@ def median_seconds(fn, warmups=2, runs=5):
     return statistics.median(times)
 
 
-def bench(name, preconditioner, prompt_len, new_tokens, tiny):
+FUSED_DECODE = {"auto": None, "on": True, "off": False}  # LayerConfig.fused_decode
+
+
+def model_for(name, preconditioner, fused_decode="auto", tiny=False):
+    """The preset's ``LanguageModel`` with ``LayerConfig.fused_decode`` =
+    ``FUSED_DECODE[fused_decode]`` (``tiny``: 2 layers, 128 wide, for a check on a CPU)."""
     config = preset(name, preconditioner)
+    layer = dataclasses.replace(config.layer, fused_decode=FUSED_DECODE[fused_decode])
     if tiny:
-        layer = dataclasses.replace(config.layer, hidden_size=128, num_heads=2, head_dim=64)
-        config = dataclasses.replace(config, layer=layer, num_layers=2, intermediate_size=256,
-                                     vocab_size=512)
-    model = LanguageModel(config, rngs=nnx.Rngs(0))
+        layer = dataclasses.replace(layer, hidden_size=128, num_heads=2, head_dim=64)
+        config = dataclasses.replace(config, num_layers=2, intermediate_size=256, vocab_size=512)
+    return LanguageModel(dataclasses.replace(config, layer=layer), rngs=nnx.Rngs(0))
+
+
+def bench(name, preconditioner, prompt_len, new_tokens, tiny, fused_decode="auto"):
+    model = model_for(name, preconditioner, fused_decode, tiny)
+    config = model.config
     prompt = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (1, prompt_len)),
                          jnp.int32)
     graphdef, state = nnx.split(model)
     prefill = jax.jit(lambda s, p: nnx.merge(graphdef, s).prefill(p)[0])
     t_prefill = median_seconds(lambda: prefill(state, prompt))
     t_total = median_seconds(lambda: generate(model, prompt, new_tokens))
-    return dict(model=f"{name}/{preconditioner}", params=count_params(config),
+    suffix = "" if fused_decode == "auto" else f"/fused-{fused_decode}"
+    return dict(model=f"{name}/{preconditioner}{suffix}", fused_decode=fused_decode,
+                params=count_params(config),
                 state_mib=decode_state_bytes(config).total / 2**20, prefill_ms=1e3 * t_prefill,
                 decode_ms=1e3 * (t_total - t_prefill), tok_s=(prompt_len + new_tokens) / t_total)
 
@@ -64,20 +79,24 @@ def main():
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--osgm-variant", type=osgm_variant,
                     help="the OSGM kernels' options (bench_osgm's variant strings)")
+    ap.add_argument("--fused-decode", nargs="+", choices=FUSED_DECODE, default=["auto"],
+                    help="LayerConfig.fused_decode of each row: the layer's default (auto), one "
+                         "Pallas kernel a decode step (on) or the two ops (off)")
     a = ap.parse_args()
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, osgm options "
           f"{a.osgm_variant or 'default'}")
     rows = []
     with default_options(a.osgm_variant):
         for n in a.presets:
-            for p in a.preconditioners:  # each row as it is done: a call cut short keeps the rest
-                rows.append(bench(n, p, a.prompt, a.new_tokens, a.tiny))
-                print(json.dumps(rows[-1]), flush=True)
-    base = {r["model"].split("/")[0]: r["tok_s"] for r in rows if r["model"].endswith("/none")}
+            for p, f in itertools.product(a.preconditioners, a.fused_decode):
+                rows.append(bench(n, p, a.prompt, a.new_tokens, a.tiny, f))
+                print(json.dumps(rows[-1]), flush=True)  # each row as it is done: a cut call keeps the rest
+    host_of = lambda r: (r["model"].split("/")[0], r["fused_decode"])  # noqa: E731
+    base = {host_of(r): r["tok_s"] for r in rows if r["model"].split("/")[1] == "none"}
     print(f"{'model':28s} {'params':>8s} {'state MiB':>9s} {'prefill ms':>10s} {'decode ms':>9s} "
           f"{'tok/s':>8s} {'x paper':>7s} {'vs host':>7s}")
     for r in rows:
-        host = base.get(r["model"].split("/")[0])
+        host = base.get(host_of(r))
         print(f"{r['model']:28s} {r['params'] / 1e6:7.1f}M {r['state_mib']:9.2f} {r['prefill_ms']:10.1f} "
               f"{r['decode_ms']:9.1f} {r['tok_s']:8.0f} {r['tok_s'] / PAPER_DELTANET_340M:7.2f} "
               f"{(r['tok_s'] / host if host else float('nan')):7.3f}")
