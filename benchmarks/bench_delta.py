@@ -32,7 +32,6 @@ import numpy as np
 
 import precond_linattn as pla
 from pallas_kernels.delta_rule import Options, delta_rule_pallas
-from precond_linattn.chunked.delta import decay_sums
 from precond_linattn.layers.init import a_log_init, dt_bias_init
 
 DECAYS = {"deltanet": None, "gdn": 3, "kda": 4}
@@ -203,8 +202,9 @@ def breakdown(core, x, reps, options):
     """Time each kernel of the split pallas forward+backward alone for one core (dense rows, T a
     multiple of 64) with kernel ``options``: forward = WY (``wy_fwd``, or ``prepare`` in XLA for
     a per-channel decay), serial state pass, chunk outputs; backward = WY again, dO products,
-    serial state pass, per-chunk cotangents, WY pullback (``wy_bwd`` or ``prepare``'s vjp); with
-    a decay also ``decays``, the XLA glue around them: γ and σ from g and their pullback to dg."""
+    serial state pass, per-chunk cotangents, WY pullback (``wy_bwd`` or ``prepare``'s vjp). The
+    WY kernels take the log decays g and sum them in each chunk (v8.8; until v8.7 the XLA glue
+    around them, γ and σ and their pullback, was an item of its own: 0.31-0.37 ms for KDA)."""
     from pallas_kernels import delta_rule as dr
     from pallas_kernels import state_bwd_triton as sb
     from pallas_kernels import state_fwd_triton as sf
@@ -217,16 +217,10 @@ def breakdown(core, x, reps, options):
                                                   K=D, V=D))
     cfg = dr._Config(64, decay, D ** -0.5, None, options, Dots(options.precision, interpret_default()),
                      Dots(options.parallel_precision, interpret_default()))
-    g = x.get("g")
-
-    def decays(g):  # γ (the cumulative log decay from each chunk's start) and σ = γ_C − γ
-        return tuple(x.reshape(g.shape) for x in decay_sums(g.reshape(B, nc, 64, *g.shape[2:]), 2))
-
-    gamma, sigma = (None, None) if g is None else decays(g)
     flags = (jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, nc)),
              jnp.broadcast_to((jnp.arange(nc) == 0).astype(jnp.int32), (B, nc)),
              jnp.broadcast_to((jnp.arange(nc) == nc - 1).astype(jnp.int32), (B, nc)))
-    ins = (x["q"], x["k"], x["kw"], x["v"], x["beta"], gamma, sigma)
+    ins = (x["q"], x["k"], x["kw"], x["v"], x["beta"], x.get("g"))
     kw = dict(chunk=64, block_v=options.block_v, dots=cfg.dots, num_warps=options.num_warps,
               num_stages=options.num_stages)
     store = dict(state_dtype=jnp.dtype(options.state_dtype))
@@ -253,8 +247,6 @@ def breakdown(core, x, reps, options):
         state_bwd=state_bwd,
         chunk_grads=lambda *a: sb.chunk_grads(*a, scale=cfg.scale, block_k=options.block_k, **pkw),
         wy_pullback=lambda ins, extra, cts: dr._wy_pullback(cfg, ins, extra)[1](cts))
-    if g is not None:
-        steps["decays"] = lambda g, cts: jax.vjp(decays, g)[1](cts)
     f = {n: jax.jit(fn) for n, fn in steps.items()}
     (W, U, kt, qd, P, gc), extra = f["wy"](ins)
     states, R, final = f["state_fwd"](W, U, kt, gc)
@@ -265,7 +257,7 @@ def breakdown(core, x, reps, options):
     args = dict(wy=(ins,), state_fwd=(W, U, kt, gc), chunk_output=(qd, P, states, R),
                 dout_products=(P, qd, o), state_bwd=(W, kt, gc, A, G, final),
                 chunk_grads=(states, dstates, dU, R, o),
-                wy_pullback=(ins, extra, (dW, dU, dkt, dq, dP, dgc)), decays=(g, (gamma, sigma)))
+                wy_pullback=(ins, extra, (dW, dU, dkt, dq, dP, dgc)))
     times = {f"{n}_ms": timeit(f[n], *args[n], reps=reps) for n in steps}
     r = dict(breakdown=core, variant=variant_tag(options), **times, t_s=round(elapsed()))
     print(json.dumps(r), flush=True)

@@ -219,14 +219,15 @@ def _views(cfg, *xs):
     return [None if x is None else _chunk_view(x, cfg.chunk) for x in xs]
 
 
-def prepare(cfg, q, k, kw, v, beta, gamma, sigma):
-    """Per-chunk WY tensors for the backward kernel, in its layout (see module docstring); γ
-    the in-chunk cumsum of the log decays, σ their ``suffix_sums`` (γ_C − γ; None with γ).
+def prepare(cfg, q, k, kw, v, beta, g):
+    """Per-chunk WY tensors for the backward kernel, in its layout (see module docstring), from
+    the log decays g (None: no decay) through their in-chunk sums γ and σ (``decay_sums``).
 
     Returns W, U, K̃ ⊙ exp σ, Q ⊙ Γ [B, H, Tp, ·], P [B, H, Tp, C], Γ_C [B, H, NC, K]."""
-    qc, kc, kwc, vc, bc, gc, sc = _views(cfg, q, k, kw, v, beta, gamma, sigma)
+    qc, kc, kwc, vc, bc, gv = _views(cfg, q, k, kw, v, beta, g)
+    gamma, sigma = (None, None) if gv is None else decay_sums(gv, 3)
     W, U, kw_tail, q_dec, P, Gam_C = chunk_wy(
-        qc, kc, kwc, vc, bc, gc, sc,
+        qc, kc, kwc, vc, bc, gamma, sigma,
         solve=lambda L, rhs: cfg.dots.nn(unit_lower_inverse(L, cfg.dots), rhs))
     GC = jnp.broadcast_to(Gam_C[..., 0], kc.shape[:3] + kc.shape[-1:])
     return _flat(W), _flat(U), _flat(kw_tail), _flat(q_dec), _flat(P), GC
@@ -255,7 +256,7 @@ def _kernel_call(cfg, kernel, args: dict, axes: dict, out_axes, **static):
 _FLAGS = {"doc": "b c", "first": "b c", "last": "b c"}
 
 
-_WY_IN = dict(q="b t h k", k="b t h k", kw="b t h k", v="b t h v", beta="b t h", gamma="b t h")
+_WY_IN = dict(q="b t h k", k="b t h k", kw="b t h k", v="b t h v", beta="b t h", g="b t h")
 _WY_OUT = dict(dW="b h t k", dU="b h t v", dkw_t="b h t k", dq_dec="b h t k", dP="b h t s",
                dgc="b h c k")  # wy_fwd's outputs, named as wy_bwd's cotangent arguments
 _WY_T = dict(T="b h t s")  # wy_fwd's last output, wy_bwd's argument after the inputs
@@ -274,11 +275,11 @@ def _xla_wy(cfg):
 
 def _wy_kernel(cfg, kernel, ins, cts=None):
     """``kernel(*ins)`` (a forward of ``_wy_kernels``), or ``kernel(*ins, *cts)`` (a pullback:
-    cotangents of q, k, kw, v, beta, gamma and σ, cast to the inputs' dtypes, σ's as γ's; None
-    for a missing gamma), through ``_kernel_call``; ``ins`` = (q, k, kw, v, beta, gamma), then
-    the forward's T (and P) for a pullback: the kernels form σ from γ."""
+    cotangents of q, k, kw, v, beta and g, cast to the inputs' dtypes; None for a missing g),
+    through ``_kernel_call``; ``ins`` = (q, k, kw, v, beta, g), then the forward's T (and P) for
+    a pullback."""
     o = cfg.options
-    in_axes = (_WY_IN | (dict(gamma="b t h k") if cfg.decay == "vector" else {}) | _WY_T
+    in_axes = (_WY_IN | (dict(g="b t h k") if cfg.decay == "vector" else {}) | _WY_T
                | (dict(P=_WY_OUT["dP"]) if cfg.decay == "scalar" else {}))
     args, axes = dict(zip(in_axes, ins)), dict(in_axes)
     out_axes = tuple(_WY_OUT.values()) + tuple(_WY_T.values())
@@ -287,7 +288,6 @@ def _wy_kernel(cfg, kernel, ins, cts=None):
         args |= dict(zip(_WY_OUT, cts))
         axes |= _WY_OUT
         out_axes = tuple(a for a, x in zip(in_axes.values(), ins[:6]) if x is not None)
-        out_axes += out_axes[-1:] * (ins[5] is not None)  # σ's, as γ's
         dots, warps = cfg.pdots, o.pullback_warps or (o.num_warps if cfg.decay == "none" else 8)
     static = {} if cts is not None else dict(out_dtype=jnp.dtype(o.wy_dtype))
     if cfg.decay == "vector":
@@ -298,7 +298,7 @@ def _wy_kernel(cfg, kernel, ins, cts=None):
     if cts is None:
         return outs
     outs = iter(outs)
-    return tuple(None if x is None else next(outs).astype(x.dtype) for x in ins[:6] + ins[5:6])
+    return tuple(None if x is None else next(outs).astype(x.dtype) for x in ins[:6])
 
 
 def _stored(cfg, wy):
@@ -309,12 +309,12 @@ def _stored(cfg, wy):
 
 
 def _wy(cfg, ins):
-    """The six WY tensors of ``ins`` = (q, k, kw, v, beta, gamma, σ) and what their kernel pullback
+    """The six WY tensors of ``ins`` = (q, k, kw, v, beta, g) and what their kernel pullback
     needs besides ``ins``: (T,) from the kernels ((T, P) with a scalar decay), () from
     ``prepare`` in plain JAX (per-channel decay, ``vector_wy="xla"``)."""
     if _xla_wy(cfg):
         return _stored(cfg, prepare(cfg, *ins)), ()
-    wy = _wy_kernel(cfg, _wy_kernels(cfg)[0], ins[:6])
+    wy = _wy_kernel(cfg, _wy_kernels(cfg)[0], ins)
     return wy[:6], wy[6:] + ((wy[4],) if cfg.decay == "scalar" else ())  # T (and P: wy_bwd)
 
 
@@ -327,7 +327,7 @@ def _wy_pullback(cfg, ins, extra=None):
     wy = None
     if extra is None:
         wy, extra = _wy(cfg, ins)
-    return wy, functools.partial(_wy_kernel, cfg, _wy_kernels(cfg)[1], tuple(ins[:6]) + extra)
+    return wy, functools.partial(_wy_kernel, cfg, _wy_kernels(cfg)[1], tuple(ins) + extra)
 
 
 _STATE_AXES = dict(triton="b h c k v", mosaic="b h c v k")  # the saved chunk states' layout
@@ -335,12 +335,18 @@ _WY_ARGS = ("W", "U", "kw", "q", "P", "gc")  # the recurrence kernels' names for
 _WY_AXES = dict(zip(_WY_ARGS, _WY_OUT.values()))
 
 
-def _forward(cfg, q, k, kw, v, beta, gamma, sigma, init, doc, first, last, store_states,
-             wy=None):
+def _gamma(cfg, g):
+    """The in-chunk cumsum γ of the log decays g in the kernels' layout [B, Tp, H(, K)] (the
+    fused kernels' input; the split pipeline's WY kernels sum g themselves)."""
+    B, Tp = g.shape[:2]
+    return decay_sums(g.reshape(B, Tp // cfg.chunk, cfg.chunk, *g.shape[2:]), 2)[0].reshape(g.shape)
+
+
+def _forward(cfg, q, k, kw, v, beta, g, init, doc, first, last, store_states, wy=None):
     o = cfg.options
     if o.split:
         if wy is None:
-            wy = _wy(cfg, (q, k, kw, v, beta, gamma, sigma))[0]
+            wy = _wy(cfg, (q, k, kw, v, beta, g))[0]
         args = dict(zip(_WY_ARGS, wy)) | dict(initial_state=init, doc=doc, first=first, last=last)
         axes = dict(_WY_AXES, initial_state="n h k v", **_FLAGS)
         kernel, static = split_forward, dict(out_dtype=v.dtype, pdots=cfg.pdots,
@@ -351,6 +357,7 @@ def _forward(cfg, q, k, kw, v, beta, gamma, sigma, init, doc, first, last, store
                                              pieces=o.sequence_pieces)
     else:
         A = P = None
+        gamma = None if g is None else _gamma(cfg, g)
         if cfg.decay == "vector":
             A, P = (_flat(x) for x in chunk_grams(*_views(cfg, q, k, kw, beta, gamma)))
         args = dict(q=q, k=k, kw=kw, v=v, beta=beta, gamma=gamma, A=A, P=P, initial_state=init,
@@ -368,18 +375,17 @@ def _forward(cfg, q, k, kw, v, beta, gamma, sigma, init, doc, first, last, store
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _core(cfg, q, k, kw, v, beta, gamma, sigma, init, doc, first, last):
-    return _forward(cfg, q, k, kw, v, beta, gamma, sigma, init, doc, first, last, False)
+def _core(cfg, q, k, kw, v, beta, g, init, doc, first, last):
+    return _forward(cfg, q, k, kw, v, beta, g, init, doc, first, last, False)
 
 
-def _core_fwd(cfg, q, k, kw, v, beta, gamma, sigma, init, doc, first, last):
+def _core_fwd(cfg, q, k, kw, v, beta, g, init, doc, first, last):
     opts = cfg.options
     save = opts.split and opts.save_wy and not _xla_wy(cfg)
-    ins = (q, k, kw, v, beta, gamma, sigma)
+    ins = (q, k, kw, v, beta, g)
     wy, extra = _wy(cfg, ins) if save else (None, None)
     o, final, *saved = _forward(cfg, *ins, init, doc, first, last, True, wy)
-    kept = ins if _xla_wy(cfg) else ins[:6] + (None,)  # the kernels form σ from γ
-    return (o, final), (kept, init, doc, first, last, saved, wy, extra)
+    return (o, final), (ins, init, doc, first, last, saved, wy, extra)
 
 
 def _core_bwd(cfg, res, cts):
@@ -404,8 +410,7 @@ def _core_bwd(cfg, res, cts):
                                          serial_backend=o.serial_backend,
                                          pieces=o.sequence_pieces) if o.split else {}))
     grads = pullback((dW.sum(0), dU, dkw.sum(0), dq.sum(0), dP.sum(0), dgc.sum(0)))
-    types = ins[:6] + (ins[5] if ins[6] is None else ins[6],)  # σ is typed as γ
-    return (*match_types((*grads, None if init is None else dinit), (*types, init)),
+    return (*match_types((*grads, None if init is None else dinit), (*ins, init)),
             None, None, None)
 
 
@@ -484,10 +489,9 @@ def delta_rule_pallas(q, k, kw, v, beta, log_decay, scale, initial_state, cu_seq
         return y.reshape(B, nc * chunk_size, *y.shape[3:])
 
     qk = [kernel_layout(x, Kp) for x in (q, k, kw)]
-    gamma = sigma = None
-    if log_decay is not None:  # in-chunk cumsum γ and σ = γ_C − γ, each from the log decays
-        g = to_chunks(f32(pad_last(log_decay, Kp) if log_decay.ndim == 4 else log_decay), layout)
-        gamma, sigma = (x.reshape(B, nc * chunk_size, *g.shape[3:]) for x in decay_sums(g, 2))
+    g = None  # the log decays, float32: the kernels sum them within each chunk
+    if log_decay is not None:
+        g = kernel_layout(f32(pad_last(log_decay, Kp) if log_decay.ndim == 4 else log_decay))
     init = f32(initial_state)
     if init is not None:
         init = pad_last(jnp.pad(init, [(0, 0), (0, 0), (0, Kp - K), (0, 0)]), Vp)
@@ -506,8 +510,7 @@ def delta_rule_pallas(q, k, kw, v, beta, log_decay, scale, initial_state, cu_seq
     cfg = _Config(chunk_size, decay, float(scale),
                   None if cu_seqlens is None else layout.num_docs, options,
                   Dots(options.precision, interpret), Dots(options.parallel_precision, interpret))
-    o, final = _core(cfg, *vary_alike(*qk, kernel_layout(v, Vp), kernel_layout(beta), gamma,
-                                      sigma, init,
+    o, final = _core(cfg, *vary_alike(*qk, kernel_layout(v, Vp), kernel_layout(beta), g, init,
                                       layout.doc.astype(jnp.int32), layout.first.astype(jnp.int32),
                                       last))
     o = from_chunks(o.reshape(B, nc, chunk_size, H, Vp), layout)[..., :V]

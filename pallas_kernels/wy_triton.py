@@ -1,14 +1,18 @@
 """Per-chunk WY tensors of the delta core (SPEC 2.1) and their pullback, Pallas Triton lowering.
 
 One program per (batch row, head, chunk): grid B × H × NC, nothing carried between chunks. In a
-chunk (rows i, j = 0 .. C − 1; γ the cumulative log decay from the chunk start, 0 without decay,
-Γ = exp γ; D_ij = Γ_i/Γ_j for i ≥ j, else 0; A = K K̃ᵀ ⊙ D):
+chunk (rows i, j = 0 .. C − 1; g the per-token log decays, γ_i = Σ_{t<=i} g_t the cumulative
+log decay from the chunk start, 0 without decay, Γ = exp γ; D_ij = Γ_i/Γ_j for i ≥ j, else 0;
+A = K K̃ᵀ ⊙ D):
 
     L = strict_tril(Diag(β) A)    P = tril(Q K̃ᵀ ⊙ D)    T = (I + L)^-1     (doubling product)
     W = T Diag(β)(K ⊙ Γ)    U = T Diag(β) V    K̃' = K̃ ⊙ exp σ    Q' = Q ⊙ Γ    Γ_C = exp γ_C
 
-with σ = γ_C − γ (``chunked.delta.suffix_sums`` of the log decays: the kernels form it from γ,
-equal up to rounding, and return its cotangent apart from γ's).
+with σ_i = Σ_{t>i} g_t (``chunked.delta.suffix_sums``: γ_C − γ without the difference). The
+kernels take g and form γ (a cumsum), σ and γ_C in the chunk (σ a masked sum over [C, C] of
+only its own terms), and the pullback returns dg_t = Σ_{i>=t} dγ_i + Σ_{i<t} dσ_i the same way: no
+XLA glue around them (the cumsums and their transposes in XLA cost 0.07-0.11 ms, RESULTS runs
+56-57).
 
 ``wy_fwd`` writes ``delta_rule.prepare``'s outputs and T. ``wy_bwd`` reads T back (a
 [C, C] tile per chunk: cheaper than the doubling product's chain of matmuls) and, with a decay,
@@ -32,7 +36,7 @@ of those terms, and their rounding would be all of it (the same holds for K̃' t
 γ_C − γ its pullback, −dσ on each row and Σ dσ on the last, cancelled on a padded chunk's last
 real row). Value columns are processed in tiles of ``block_v`` inside the program (registers);
 everything else is held whole ([C, K], [C, C]).
-Inputs are in the kernels' layout (q, k, kw [B, Tp, H, K], v [B, Tp, H, V], beta, gamma
+Inputs are in the kernels' layout (q, k, kw [B, Tp, H, K], v [B, Tp, H, V], beta, g
 [B, Tp, H]), any float dtype; math and outputs are float32.
 """
 
@@ -46,18 +50,37 @@ from jax.experimental.pallas import triton as pltr
 from pallas_kernels.triton_common import Dots, iota2, out_struct, unit_lower_inverse
 
 
+def in_chunk_sums(g):
+    """(γ, σ, γ_C) of one chunk's log decays g [C]: the cumsum γ_i = Σ_{t<=i} g_t (as
+    ``chunked.delta.decay_sums``), σ_i = Σ_{t>i} g_t (a masked sum of only its own terms) and
+    γ_C = γ_{C-1} (so that σ_{C-1} = 0 and γ_C agree with the cumsum's last row)."""
+    i, t = iota2(g.shape[0])
+    gam = jnp.cumsum(g)
+    last = jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, g.shape, 0) == g.shape[0] - 1, gam, 0.0))
+    terms = jnp.broadcast_to(g[None, :], (g.shape[0],) * 2)
+    return gam, jnp.sum(jnp.where(t > i, terms, 0.0), axis=1), last
+
+
+def to_log_decays(dgamma, dsigma):
+    """dg_t = Σ_{i>=t} dγ_i + Σ_{i<t} dσ_i [C]: the pullback of ``in_chunk_sums``' γ and σ
+    (each dg_t a sum of only its own terms)."""
+    t, i = iota2(dgamma.shape[0])
+    return jnp.sum(jnp.where(i >= t, dgamma[None, :], dsigma[None, :]), axis=1)
+
+
 def _decayed_gram(gram, beta, g_ref, C):
-    """(β, Γ, Γ_C/Γ [C], Γ_C, D, A, L [C, C]) of one chunk from ``gram`` = K K̃ᵀ [C, C]."""
+    """(β, Γ, Γ_C/Γ = exp σ [C], Γ_C, D, A, L [C, C]) of one chunk from ``gram`` = K K̃ᵀ [C, C]
+    and its log decays (``g_ref``; None: no decay)."""
     f32 = jnp.float32
     i, j = iota2(C)
     if g_ref is None:
-        g, g_last = jnp.zeros((C,), f32), jnp.float32(0.0)
+        gam, sig, g_last = jnp.zeros((C,), f32), jnp.zeros((C,), f32), jnp.float32(0.0)
     else:
-        g, g_last = g_ref[...].astype(f32), g_ref[C - 1].astype(f32)
-    D = jnp.exp(jnp.where(i >= j, g[:, None] - g[None, :], -jnp.inf))
+        gam, sig, g_last = in_chunk_sums(g_ref[...].astype(f32))
+    D = jnp.exp(jnp.where(i >= j, gam[:, None] - gam[None, :], -jnp.inf))
     A = gram * D
     L = jnp.where(i > j, beta[:, None] * A, 0.0)
-    return beta, jnp.exp(g), jnp.exp(g_last - g), jnp.exp(g_last), D, A, L
+    return beta, jnp.exp(gam), jnp.exp(sig), jnp.exp(g_last), D, A, L
 
 
 def tiles(n, block):
@@ -109,7 +132,7 @@ def _fwd_kernel(*refs, dots, block_v, block_k, has_decay):
 
 
 def _bwd_kernel(*refs, dots, block_v, block_k, has_decay):
-    """One chunk's dQ, dK, dK̃, dV, dβ, dγ and dσ (module docstring) in two sweeps over tiles of
+    """One chunk's dQ, dK, dK̃, dV, dβ and dg (from dγ and dσ, module docstring) in two sweeps over tiles of
     ``block_k`` key columns (few [C, K] values live at once): the first forms dT (with the value
     tiles) and the rowsums; the second, after dL, writes dK, dK̃, dQ tile by tile (Tᵀ dW is
     recomputed per tile rather than kept)."""
@@ -119,7 +142,7 @@ def _bwd_kernel(*refs, dots, block_v, block_k, has_decay):
     P_ref = refs.pop(0) if has_decay else None
     (dW_ref, dU_ref, dkwt_ref, dqd_ref, dP_ref, dgc_ref, dq_ref, dk_ref, dkw_ref, dv_ref,
      db_ref) = refs[:11]
-    dg_ref, ds_ref = refs[11:13] if has_decay else (None, None)
+    dg_ref = refs[11] if has_decay else None
     C, K = k_ref.shape
     f32 = jnp.float32
     i, j = iota2(C)
@@ -159,21 +182,21 @@ def _bwd_kernel(*refs, dots, block_v, block_k, has_decay):
         # the diagonal of E cancels exactly: left out, not formed
         E = b * dL * A + jnp.where(i > j, dP * P_ref[...].astype(f32), 0.0)
         at_last = lax.broadcasted_iota(jnp.int32, (C,), 0) == C - 1
-        dg_ref[...] = (beta * s + jnp.sum(E, axis=1) - jnp.sum(E, axis=0) + qd
-                       + jnp.where(at_last, gc * jnp.sum(dgc_ref[...]), 0.0))
-        ds_ref[...] = e
+        dgamma = (beta * s + jnp.sum(E, axis=1) - jnp.sum(E, axis=0) + qd
+                  + jnp.where(at_last, gc * jnp.sum(dgc_ref[...]), 0.0))
+        dg_ref[...] = to_log_decays(dgamma, e)
 
 
-def layout(q, v, gamma, chunk, vector=False):
+def layout(q, v, g, chunk, vector=False):
     """(the inputs' block specs, the WY tensors' block specs, grid (B, H, NC)): one chunk per
-    program. gamma: None or [B, Tp, H], or with ``vector`` [B, Tp, H, K]. Raises ValueError for
-    another gamma shape or Tp not a multiple of chunk."""
+    program. g (log decays): None or [B, Tp, H], or with ``vector`` [B, Tp, H, K]. Raises
+    ValueError for another g shape or Tp not a multiple of chunk."""
     B, Tp, H, K = q.shape
     want = (B, Tp, H, K) if vector else (B, Tp, H)
-    if (gamma is None and vector) or (gamma is not None and gamma.shape != want):
-        raise ValueError(f"gamma must be {'' if vector else 'None or '}{list(want)} (decay "
-                         f"{'per channel' if vector else 'none or scalar'}), got "
-                         f"{None if gamma is None else gamma.shape}")
+    if (g is None and vector) or (g is not None and g.shape != want):
+        raise ValueError(f"g must be {'' if vector else 'None or '}{list(want)} (log decays "
+                         f"{'per channel' if vector else 'none or per head'}), got "
+                         f"{None if g is None else g.shape}")
     V = v.shape[-1]
     if Tp % chunk or v.shape[1] != Tp:
         raise ValueError(f"q and v need Tp a multiple of chunk={chunk}, got {q.shape}, {v.shape}")
@@ -182,7 +205,7 @@ def layout(q, v, gamma, chunk, vector=False):
     rows = lambda d: pl.BlockSpec((None, None, chunk, d), lambda b, h, c: (b, h, c, 0))  # noqa: E731
     per_chunk = pl.BlockSpec((None, None, None, K), lambda b, h, c: (b, h, c, 0))
     in_specs = [tok(K), tok(K), tok(K), tok(V), tok()]
-    if gamma is not None:
+    if g is not None:
         in_specs.append(tok(K) if vector else tok())
     wy_specs = [rows(K), rows(V), rows(K), rows(K), rows(chunk), per_chunk, rows(chunk)]
     return in_specs, wy_specs, (B, H, Tp // chunk)
@@ -207,39 +230,37 @@ def wy_shapes(q, v, grid, chunk, args, dtype=jnp.float32):
                    out_struct((B, H, nc * chunk, chunk), jnp.float32, *args)]
 
 
-def wy_fwd(q, k, kw, v, beta, gamma, *, chunk, block_v, dots: Dots, num_warps, num_stages,
+def wy_fwd(q, k, kw, v, beta, g, *, chunk, block_v, dots: Dots, num_warps, num_stages,
            block_k=64, out_dtype=jnp.float32):
     """W, U, K̃ ⊙ Γ_C/Γ, Q ⊙ Γ [B, H, Tp, ·], P [B, H, Tp, C] (stored in ``out_dtype``) and Γ_C
     [B, H, NC, K] (float32): ``delta_rule.prepare``'s outputs by the same formulas (module
-    docstring), and T = (I + L)^-1 [B, H, Tp, C] (float32) for ``wy_bwd``. gamma: None or
-    [B, Tp, H]; ``block_k``: key columns per tile."""
-    in_specs, wy_specs, grid = layout(q, v, gamma, chunk)
-    args = [x for x in (q, k, kw, v, beta, gamma) if x is not None]
+    docstring), and T = (I + L)^-1 [B, H, Tp, C] (float32) for ``wy_bwd``. g: the log decays,
+    None or [B, Tp, H]; ``block_k``: key columns per tile."""
+    in_specs, wy_specs, grid = layout(q, v, g, chunk)
+    args = [x for x in (q, k, kw, v, beta, g) if x is not None]
     kernel = functools.partial(_fwd_kernel, dots=dots, block_v=block_v, block_k=block_k,
-                               has_decay=gamma is not None)
+                               has_decay=g is not None)
     return call(kernel, "wy_fwd", grid, in_specs, wy_specs,
                 wy_shapes(q, v, grid, chunk, args, out_dtype), args, dots, num_warps, num_stages)
 
 
-def wy_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *, chunk, block_v,
+def wy_bwd(q, k, kw, v, beta, g, T, dW, dU, dkw_t, dq_dec, dP, dgc, *, chunk, block_v,
            dots: Dots, num_warps, num_stages, block_k=64, P=None):
-    """Cotangents of q, k, kw [B, Tp, H, K], v [B, Tp, H, V], beta [B, Tp, H] and, if gamma is
-    given, of gamma and σ = γ_C − γ [B, Tp, H] (float32; module docstring), from those of
-    ``wy_fwd``'s outputs, its T and, with gamma, its P (module docstring; ValueError without
-    it); ``block_k``: the key columns per tile of the kernel's two sweeps."""
-    in_specs, wy_specs, grid = layout(q, v, gamma, chunk)
-    if (gamma is None) != (P is None):
-        raise ValueError("wy_bwd takes the forward's P exactly when gamma is given, got "
-                         f"gamma {'None' if gamma is None else 'given'}, "
+    """Cotangents of q, k, kw [B, Tp, H, K], v [B, Tp, H, V], beta [B, Tp, H] and, if given, of
+    the log decays g [B, Tp, H] (float32; module docstring), from those of ``wy_fwd``'s
+    outputs, its T and, with g, its P (module docstring; ValueError without it); ``block_k``:
+    the key columns per tile of the kernel's two sweeps."""
+    in_specs, wy_specs, grid = layout(q, v, g, chunk)
+    if (g is None) != (P is None):
+        raise ValueError("wy_bwd takes the forward's P exactly when g is given, got "
+                         f"g {'None' if g is None else 'given'}, "
                          f"P {'None' if P is None else 'given'}")
-    args = [x for x in (q, k, kw, v, beta, gamma) if x is not None]
+    args = [x for x in (q, k, kw, v, beta, g) if x is not None]
     saved = [T] + ([P] if P is not None else [])  # T's spec is the last, P's the fifth
     saved_specs = wy_specs[-1:] + wy_specs[4:5] * (P is not None)
     cts = [dW, dU, dkw_t, dq_dec, dP, dgc]
-    outs = args + args[-1:] * (gamma is not None)  # and σ's, laid out as γ
-    out_shape = [out_struct(x.shape, jnp.float32, *args, *saved, *cts) for x in outs]
+    out_shape = [out_struct(x.shape, jnp.float32, *args, *saved, *cts) for x in args]
     kernel = functools.partial(_bwd_kernel, dots=dots, block_v=block_v, block_k=block_k,
-                               has_decay=gamma is not None)
-    return call(kernel, "wy_bwd", grid, in_specs + saved_specs + wy_specs[:-1],
-                in_specs + in_specs[-1:] * (gamma is not None), out_shape, args + saved + cts,
-                dots, num_warps, num_stages)
+                               has_decay=g is not None)
+    return call(kernel, "wy_bwd", grid, in_specs + saved_specs + wy_specs[:-1], in_specs,
+                out_shape, args + saved + cts, dots, num_warps, num_stages)

@@ -12,7 +12,6 @@ from pallas_kernels.delta_rule import Options, _Config, _forward, prepare, resol
 from pallas_kernels.state_bwd_triton import split_backward
 from pallas_kernels.state_fwd_triton import split_forward
 from pallas_kernels.triton_common import Dots
-from precond_linattn.chunked.delta import decay_sums
 from precond_linattn.varlen import chunk_layout, to_chunks
 
 C, BV, SCALE, TOL = 16, 16, 0.7, 1e-5
@@ -22,7 +21,7 @@ KERNEL = dict(chunk=C, scale=SCALE, block_v=BV, dots=DOTS, num_warps=4, num_stag
 
 def kernel_inputs(x, decay, cu_seqlens, with_init):
     """make_inputs' tensors in the kernels' layout, as ``delta_rule_pallas`` builds it (head dims
-    are powers of two here, so nothing is padded): (config, q, k, k̃, v, β, γ, σ, initial, doc,
+    are powers of two here, so nothing is padded): (config, q, k, k̃, v, β, g, initial, doc,
     first, last)."""
     B, T = x["k"].shape[:2]
     layout = chunk_layout(B, T, C, cu_seqlens)
@@ -31,15 +30,12 @@ def kernel_inputs(x, decay, cu_seqlens, with_init):
     def flat(y):
         return to_chunks(y, layout).reshape(B, nc * C, *y.shape[2:])
 
-    gamma = sigma = None
-    if decay != "none":
-        g = to_chunks(x["log_decay"], layout)
-        gamma, sigma = (y.reshape(B, nc * C, *g.shape[3:]) for y in decay_sums(g, 2))
     last = jnp.zeros(layout.doc.shape, jnp.int32).at[layout.final_row, layout.final_chunk].set(1)
     cfg = _Config(C, decay, SCALE, None if cu_seqlens is None else layout.num_docs,
                   resolve(Options(block_v=BV), sixteen_bit=False), DOTS, DOTS)
     init = x["initial_state"] if with_init else None
-    return (cfg, *(flat(x[n]) for n in ("q", "k", "write_key", "v", "beta")), gamma, sigma, init,
+    g = None if decay == "none" else flat(x["log_decay"])
+    return (cfg, *(flat(x[n]) for n in ("q", "k", "write_key", "v", "beta")), g, init,
             layout.doc.astype(jnp.int32), layout.first.astype(jnp.int32), last)
 
 
@@ -47,10 +43,10 @@ def check_split(seed, decay, cu_seqlens=None, with_init=True, **shape):
     """Split forward == delta_fwd (o, final, chunk states); split backward == delta_bwd (partial
     sums over V tiles added up) on random dO and dfinal."""
     x = make_inputs(seed, decay, **shape)
-    cfg, q, k, kw, v, beta, gamma, sigma, init, doc, first, last = kernel_inputs(
+    cfg, q, k, kw, v, beta, g, init, doc, first, last = kernel_inputs(
         x, decay, cu_seqlens, with_init)
-    wy = prepare(cfg, q, k, kw, v, beta, gamma, sigma)
-    want = _forward(cfg, q, k, kw, v, beta, gamma, sigma, init, doc, first, last, True)
+    wy = prepare(cfg, q, k, kw, v, beta, g)
+    want = _forward(cfg, q, k, kw, v, beta, g, init, doc, first, last, True)
     got = split_forward(*wy, init, doc, first, last, num_docs=cfg.num_docs, store_states=True,
                         out_dtype=v.dtype, **KERNEL)
     assert len(got) == 4  # o, final, states and R for the backward
@@ -98,8 +94,8 @@ def test_serial_block_v():
     """``serial_block_v`` (the state passes' V tile) narrower than ``block_v``: the split forward
     and backward equal the defaults (64 value columns: serial tiles of 16, parallel tiles of 32)."""
     x = make_inputs(3, "scalar", v_dim=64)
-    cfg, q, k, kw, v, beta, gamma, sigma, init, doc, first, last = kernel_inputs(x, "scalar", None, True)
-    wy = prepare(cfg, q, k, kw, v, beta, gamma, sigma)
+    cfg, q, k, kw, v, beta, g, init, doc, first, last = kernel_inputs(x, "scalar", None, True)
+    wy = prepare(cfg, q, k, kw, v, beta, g)
     kernel = KERNEL | dict(block_v=32)
     want = split_forward(*wy, init, doc, first, last, num_docs=None, store_states=True, **kernel)
     got = split_forward(*wy, init, doc, first, last, num_docs=None, store_states=True,
@@ -123,8 +119,8 @@ def test_outputs_and_dout_products_in_the_serial_passes(decay):
     equal the separate kernels; packed documents, an initial state per document."""
     cu = jnp.asarray([0, 5, 22, 37], jnp.int32)
     x = make_inputs(5, decay, b=1, n_init=3)
-    cfg, q, k, kw, v, beta, gamma, sigma, init, doc, first, last = kernel_inputs(x, decay, cu, True)
-    wy = prepare(cfg, q, k, kw, v, beta, gamma, sigma)
+    cfg, q, k, kw, v, beta, g, init, doc, first, last = kernel_inputs(x, decay, cu, True)
+    wy = prepare(cfg, q, k, kw, v, beta, g)
     fwd = lambda **o: split_forward(*wy, init, doc, first, last,  # noqa: E731
                                     num_docs=cfg.num_docs, **KERNEL, **o)
     want = fwd(store_states=True)

@@ -12,36 +12,30 @@ from pallas_kernels import delta_rule as dr
 from pallas_kernels.triton_common import Dots
 from pallas_kernels.wy_triton import wy_bwd, wy_fwd
 from pallas_kernels.wy_vector_triton import wy_vector_bwd, wy_vector_fwd
-from precond_linattn.chunked.delta import chunk_grams
+from precond_linattn.chunked.delta import chunk_grams, decay_sums
 from conftest import rel_err, triton_kernels_lowered_for_cuda
 
 B, NC, H, K, V, C = 2, 3, 3, 16, 32, 16
 DOTS = Dots("tf32x3", interpret=True)
 
 
-def gamma_sigma(g):
-    """(γ, σ) [B, Tp, ...] from log decays g [B, NC, C, ...]: the in-chunk cumsum and σ =
-    γ_C − γ as the kernels form it (``delta_rule`` passes ``prepare`` σ as ``suffix_sums``, equal
-    up to rounding; here both sides see the same values)."""
-    shape = (g.shape[0], g.shape[1] * g.shape[2], *g.shape[3:])
-    gamma = jnp.cumsum(g, axis=2)
-    return gamma.reshape(shape), (gamma[:, :, -1:] - gamma).reshape(shape)
+def flat(g):
+    """Log decays [B, NC, C, ...] in the kernels' layout [B, Tp, ...]."""
+    return g.reshape(g.shape[0], g.shape[1] * g.shape[2], *g.shape[3:])
 
 
 def inputs(rand, decay, dtype, k_dim=K):
-    """q, k, kw [B, Tp, H, k_dim], v [B, Tp, H, V], beta, γ, σ (``gamma_sigma``, float32; None
-    without a decay)."""
+    """q, k, kw [B, Tp, H, k_dim], v [B, Tp, H, V], beta and the log decays g [B, Tp, H]
+    (float32; None without a decay)."""
     Tp = NC * C
     x = rand.delta_inputs(B, Tp, H, k_dim, V, decay="scalar" if decay == "scalar" else None,
                           dtype=dtype)
-    gamma = sigma = None
-    if decay == "scalar":
-        gamma, sigma = gamma_sigma(x["log_decay"].astype(jnp.float32).reshape(B, NC, C, H))
-    return x["q"], x["k"], x["write_key"], x["v"], x["beta"], gamma, sigma
+    g = None if decay != "scalar" else x["log_decay"].astype(jnp.float32)
+    return x["q"], x["k"], x["write_key"], x["v"], x["beta"], g
 
 
 def oracle(decay, ins, dtype=jnp.float32):
-    """``prepare``'s outputs and ``jax.vjp`` pullback, the inputs cast to ``dtype`` (γ, σ stay
+    """``prepare``'s outputs and ``jax.vjp`` pullback, the inputs cast to ``dtype`` (g stays
     float32)."""
     cfg = dr._Config(C, decay, 1.0, None, dr.Options(), DOTS, DOTS)
     cast = [None if x is None else x.astype(dtype) for x in ins[:5]] + list(ins[5:])
@@ -53,10 +47,10 @@ def kernels(ins, cts, block_v, block_k=64):
     with a decay); checks
     that T is (I + L)^-1 for ``chunk_grams``' L."""
     opts = dict(chunk=C, block_v=block_v, block_k=block_k, dots=DOTS, num_warps=4, num_stages=1)
-    ins = ins[:6]  # the kernels form σ themselves
     *wy, T = jax.jit(functools.partial(wy_fwd, **opts))(*ins)
     views = dr._views(dr._Config(C, "none", 1.0, None, dr.Options(), DOTS, DOTS), *ins)
-    L, _ = chunk_grams(*views[:3], views[4], views[5])
+    gamma = None if views[5] is None else decay_sums(views[5], 3)[0]
+    L, _ = chunk_grams(*views[:3], views[4], gamma)
     eye = jnp.eye(C)
     TL = jnp.einsum("bhncd,bhnde->bhnce", T.reshape(L.shape), L + eye, precision="highest")
     assert rel_err(TL, jnp.broadcast_to(eye, L.shape)) <= 1e-5
@@ -73,7 +67,7 @@ def check(got, want, tol, names):
 
 
 WY = ("W", "U", "kw_tail", "q_dec", "P", "gamma_C")
-GRADS = ("dq", "dk", "dkw", "dv", "dbeta", "dgamma", "dsigma")
+GRADS = ("dq", "dk", "dkw", "dv", "dbeta", "dg")
 
 
 @pytest.mark.parametrize("decay", ["none", "scalar"])
@@ -87,7 +81,7 @@ def test_fp32_matches_prepare(rand, decay, block_v, k_dim, block_k):
     want_grads = pullback(cts)
     got_wy, got_grads = kernels(ins, cts, block_v, block_k)
     check(got_wy, want_wy, 2e-6, WY)
-    check(list(got_grads) + [None, None] * (decay == "none"), want_grads, 2e-6, GRADS)
+    check(list(got_grads) + [None] * (decay == "none"), want_grads, 2e-6, GRADS)
 
 
 @pytest.mark.parametrize("decay", ["none", "scalar"])
@@ -100,7 +94,7 @@ def test_bf16_inputs(rand, decay):
     cts = tuple(rand.normal(*w.shape) for w in want_wy)
     got_wy, got_grads = kernels(ins, cts, 16)
     check(got_wy, want_wy, 2e-6, WY)
-    check(list(got_grads) + [None, None] * (decay == "none"), pullback(cts), 2e-6, GRADS)
+    check(list(got_grads) + [None] * (decay == "none"), pullback(cts), 2e-6, GRADS)
     bf16_grads = oracle(decay, ins, jnp.bfloat16)[1](cts)
     for name, a, b in zip(GRADS, got_grads, bf16_grads):
         assert b.dtype == ins[GRADS.index(name)].dtype, name
@@ -109,16 +103,16 @@ def test_bf16_inputs(rand, decay):
 
 def test_vector_decay_is_refused(rand):
     q, k, kw, v, beta, *_ = inputs(rand, "none", jnp.float32)
-    gamma = rand.normal(*q.shape)  # per-channel
-    with pytest.raises(ValueError, match="gamma"):
-        wy_fwd(q, k, kw, v, beta, gamma, chunk=C, block_v=16, dots=DOTS, num_warps=4,
+    g = rand.normal(*q.shape)  # per-channel
+    with pytest.raises(ValueError, match="log decays"):
+        wy_fwd(q, k, kw, v, beta, g, chunk=C, block_v=16, dots=DOTS, num_warps=4,
                num_stages=1)
 
 
 @pytest.mark.parametrize("decay", ["none", "scalar"])
 def test_pullback_takes_P_exactly_with_a_decay(rand, decay):
     """wy_bwd reads the forward's P for a decay's E term: missing (scalar) or stray (none) is a
-    ValueError naming P, not a silently wrong dγ."""
+    ValueError naming P, not a silently wrong dg."""
     ins = inputs(rand, decay, jnp.float32)
     x = jnp.zeros((B, H, ins[0].shape[1], C), jnp.float32)
     with pytest.raises(ValueError, match="P"):
@@ -134,14 +128,14 @@ def vector_case(rand, c, k_dim, dtype, block_k, decays):
     x = rand.delta_inputs(B, Tp, H, k_dim, V, decay="vector", dtype=dtype)
     lo, hi = (jnp.repeat(jnp.asarray(r, jnp.float32), k_dim // len(decays)) for r in zip(*decays))
     g = -(lo + (hi - lo) * jnp.asarray(rand.rng.uniform(size=(B, NC, c, H, k_dim)), jnp.float32))
-    ins = (x["q"], x["k"], x["write_key"], x["v"], x["beta"], *gamma_sigma(g))
+    ins = (x["q"], x["k"], x["write_key"], x["v"], x["beta"], flat(g))
     cfg = dr._Config(c, "vector", 1.0, None, dr.Options(), DOTS, DOTS)
     want_wy, pullback = jax.vjp(functools.partial(dr.prepare, cfg),
                                 *(a.astype(jnp.float32) for a in ins))
     cts = tuple(rand.normal(*w.shape) for w in want_wy)
     opts = dict(chunk=c, block_v=16, block_k=block_k, dots=DOTS, num_warps=4, num_stages=1)
-    *got_wy, T = jax.jit(functools.partial(wy_vector_fwd, **opts))(*ins[:6])
-    got_grads = jax.jit(functools.partial(wy_vector_bwd, **opts))(*ins[:6], T, *cts)
+    *got_wy, T = jax.jit(functools.partial(wy_vector_fwd, **opts))(*ins)
+    got_grads = jax.jit(functools.partial(wy_vector_bwd, **opts))(*ins, T, *cts)
     return (got_wy, got_grads), (want_wy, pullback(cts))
 
 
@@ -185,8 +179,8 @@ def test_vector_decay_paths(rand, monkeypatch, strong, block_k, poisoned, exact)
     from pallas_kernels import wy_vector_triton as wv
     real = wv._level
 
-    def level(g, g_ref, cols, h):
-        ex, ey, M = real(g, g_ref, cols, h)
+    def level(g, h, exact):
+        ex, ey, M = real(g, h, exact)
         return (ex + 1.0, ey + 1.0, M) if h == poisoned else (ex, ey, M)
 
     monkeypatch.setattr(wv, "_level", level)
@@ -222,26 +216,29 @@ def test_vector_whole_chunk_path_apart(rand, monkeypatch, strong, exact):
 
 
 @pytest.mark.parametrize("decay", ["scalar", "vector"])
-def test_dgamma_where_every_channel_decays_away(rand, monkeypatch, decay):
+def test_dg_where_every_channel_decays_away(rand, monkeypatch, decay):
     """Decays of 11-19 a token (per head or in every key column): each gram entry off the
     diagonal is below e^-11, so dγ is ~1e-5 of the terms it is formed from. The kernels and the
     plain-JAX chunk step (``prepare``) keep the diagonal (free of γ) out of dγ and K̃' on σ
-    instead of adding and cancelling their shares (that rounding was 3e-3 relative): every
-    cotangent of both in float32 within 1e-5 of ``prepare`` in float64."""
+    instead of adding and cancelling their shares (that rounding was 3e-3 relative), and sum
+    dg_t from dγ and dσ with only its own terms: every cotangent of both in float32 within
+    1e-5 of ``prepare`` in float64. The decays are multiples of 2^-6, so that their in-chunk
+    sums (up to 19 x 32 < 2^10) are exact in float32 and the comparison sees the dγ terms'
+    rounding, not γ's (float32's ulp at |γ| ~ 600 alone moves e^(γ_i − γ_j) by ~1e-5)."""
     c, k_dim = 32, 32
     Tp = NC * c
     x = rand.delta_inputs(B, Tp, H, k_dim, V, decay="vector")
     shape = (B, NC, c, H) + ((k_dim,) if decay == "vector" else ())
-    g = -(11.0 + 8.0 * jnp.asarray(rand.rng.uniform(size=shape), jnp.float32))
-    ins = (x["q"], x["k"], x["write_key"], x["v"], x["beta"], *gamma_sigma(g))
+    g = -jnp.round(64 * (11.0 + 8.0 * jnp.asarray(rand.rng.uniform(size=shape), jnp.float32))) / 64
+    ins = (x["q"], x["k"], x["write_key"], x["v"], x["beta"], flat(g))
     cfg = dr._Config(c, decay, 1.0, None, dr.Options(), DOTS, DOTS)
     wy32, pullback32 = jax.vjp(functools.partial(dr.prepare, cfg), *ins)
     cts = tuple(rand.normal(*w.shape) for w in wy32)
     opts = dict(chunk=c, block_v=16, block_k=64, dots=DOTS, num_warps=4, num_stages=1)
     fwd, bwd = (wy_vector_fwd, wy_vector_bwd) if decay == "vector" else (wy_fwd, wy_bwd)
-    *wy, T = jax.jit(functools.partial(fwd, **opts))(*ins[:6])
+    *wy, T = jax.jit(functools.partial(fwd, **opts))(*ins)
     P = {} if decay == "vector" else dict(P=wy[4])
-    got = jax.jit(functools.partial(bwd, **opts))(*ins[:6], T, *cts, **P)
+    got = jax.jit(functools.partial(bwd, **opts))(*ins, T, *cts, **P)
     real_view = dr._chunk_view
     monkeypatch.setattr(dr, "_chunk_view", lambda a, chunk: real_view(a, chunk).astype(jnp.float64))
     with jax.enable_x64(True):
@@ -253,27 +250,33 @@ def test_dgamma_where_every_channel_decays_away(rand, monkeypatch, decay):
     check(pullback32(cts), want, 1e-5, GRADS)
 
 
-@pytest.mark.parametrize("factored_blocks", [True, False])
-def test_vector_kernels_lower_for_cuda(factored_blocks):
-    """The per-channel WY forward and pullback (the block-size search, the levels' conds) go
-    through the Triton lowering for CUDA (no GPU needed: an abstract H100 mesh); K = V = 128,
-    C = 64, bf16, 8 warps as on the device."""
+@pytest.mark.parametrize("decay, factored_blocks", [("vector", True), ("vector", False),
+                                                    ("scalar", None)])
+def test_wy_kernels_lower_for_cuda(decay, factored_blocks):
+    """The WY forward and pullback go through the Triton lowering for CUDA (no GPU needed: an
+    abstract H100 mesh), with the in-kernel cumsum of the log decays and, per channel, the
+    block-size search and the levels' conds; K = V = 128, C = 64, bf16, warps as on the device."""
     b, t, c = 2, 128, 64
+    vector = decay == "vector"
     ins = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in [
         *[((b, t, H, 128), jnp.bfloat16)] * 4, ((b, t, H), jnp.bfloat16),
-        ((b, t, H, 128), jnp.float32)]]
-    opts = dict(chunk=c, block_v=64, block_k=64, dots=Dots(precision="tf32"), num_warps=8,
-                num_stages=2, factored_blocks=factored_blocks)
+        ((b, t, H) + (128,) * vector, jnp.float32)]]
+    opts = dict(chunk=c, block_v=64, block_k=64, dots=Dots(precision="tf32"),
+                num_warps=8 if vector else 4, num_stages=2)
+    fwd, bwd = (wy_vector_fwd, wy_vector_bwd) if vector else (wy_fwd, wy_bwd)
+    if vector:
+        opts["factored_blocks"] = factored_blocks
 
     def both(*xs):
-        *wy, T = wy_vector_fwd(*xs, **opts)
-        return wy_vector_bwd(*xs, T, *[jnp.ones(w.shape, jnp.float32) for w in wy], **opts)
+        *wy, T = fwd(*xs, **opts)
+        return bwd(*xs, T, *[jnp.ones(w.shape, jnp.float32) for w in wy], **opts,
+                   **({} if vector else dict(P=wy[4])))
 
     assert triton_kernels_lowered_for_cuda(both, ins, grad=False) == 2
 
 
-def test_vector_gamma_shape_is_checked(rand):
+def test_vector_decay_shape_is_checked(rand):
     q, k, kw, v, beta, *_ = inputs(rand, "none", jnp.float32)
-    with pytest.raises(ValueError, match="gamma"):
+    with pytest.raises(ValueError, match="log decays"):
         wy_vector_fwd(q, k, kw, v, beta, beta, chunk=C, block_v=16, dots=DOTS, num_warps=4,
                       num_stages=1)

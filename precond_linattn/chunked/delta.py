@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from precond_linattn.chunked.gram import decayed_gram
-from precond_linattn.numerics import einsum, f32
+from precond_linattn.numerics import einsum
 from precond_linattn.varlen import chunk_layout, from_chunks, reset, to_chunks
 
 
@@ -31,55 +31,48 @@ def _chunked(x, layout):
 
 
 def _masked_sums(x, axis, M):
-    """y_i = Σ_t M_it x_t along ``axis`` (M [C, C] of zeros and ones), as one batched float32
-    matmul over the other axes (exact products; on the GPU in place of XLA's reduce-window
-    cumsums, which cost ~4x a memory pass over [B, T, H, K] each way: runs 54-56)."""
+    """y_i = Σ_t M_it x_t along ``axis`` (M [C, C] of zeros and ones), as one batched matmul
+    over the other axes in x's dtype (exact products, each y_i a sum of only its own terms)."""
     C = x.shape[axis]
     pre, post = math.prod(x.shape[:axis]), math.prod(x.shape[axis + 1:])
-    y = lax.dot_general(jnp.broadcast_to(M, (pre, C, C)), x.reshape(pre, C, post),
+    y = lax.dot_general(jnp.broadcast_to(M.astype(x.dtype), (pre, C, C)), x.reshape(pre, C, post),
                         (((2,), (1,)), ((0,), (0,))), precision=lax.Precision.HIGHEST,
-                        preferred_element_type=jnp.float32)
+                        preferred_element_type=x.dtype)
     return y.reshape(x.shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _in_chunk_sums(g, axis, suffix):
-    """Along ``axis``: γ_i = Σ_{t<=i} g_t, or with ``suffix`` σ_i = Σ_{t>i} g_t; each output and
-    each gradient (dg_t = Σ_{i>=t} dγ_i, resp. Σ_{i<t} dσ_i) a sum of only its own terms, as
-    ``_masked_sums`` (a batched matmul both ways: the pullback applies Mᵀ)."""
-    return _masked_sums(g, axis, _sum_mask(g.shape[axis], suffix))
+def _strictly_upper(C):
+    """M_it = [t > i], float32 [C, C]."""
+    return (jnp.arange(C)[None, :] > jnp.arange(C)[:, None]).astype(jnp.float32)
 
 
-def _sum_mask(C, suffix):
-    """M_it = [t <= i] (prefix sums), or [t > i] with ``suffix``, float32 [C, C]."""
-    i, t = jnp.arange(C)[:, None], jnp.arange(C)[None, :]
-    return ((t > i) if suffix else (t <= i)).astype(jnp.float32)
-
-
-def _in_chunk_sums_fwd(g, axis, suffix):
-    return _in_chunk_sums(g, axis, suffix), None
-
-
-def _in_chunk_sums_bwd(axis, suffix, _, dy):
-    return (_masked_sums(dy, axis, _sum_mask(dy.shape[axis], suffix).T),)
-
-
-_in_chunk_sums.defvjp(_in_chunk_sums_fwd, _in_chunk_sums_bwd)
-
-
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def suffix_sums(g, axis):
-    """σ_i = Σ_{t>i} g_t along ``axis`` (0 at the last position): the exponent of Γ_C/Γ =
-    exp(σ), γ_C − γ_i formed without a difference, so that its pullback, dg_t = Σ_{i<t} dσ_i,
-    sums only its own terms: with γ_C − γ_i the last real row of a padded chunk (σ = 0 over the
-    pads) gave dγ two O(1) shares that cancel, whose rounding is all of dg where the chunk
-    decays away."""
-    return _in_chunk_sums(f32(g), axis, True)
+    """σ_i = Σ_{t>i} g_t of float log decays along ``axis`` (0 at the last position): the
+    exponent of Γ_C/Γ = exp(σ), γ_C − γ_i formed without a difference, so that its pullback,
+    dg_t = Σ_{i<t} dσ_i, sums only its own terms (with γ_C − γ_i the last real row of a padded
+    chunk, σ = 0 over the pads, gave dγ two O(1) shares that cancel, whose rounding is all of dg
+    where the chunk decays away). Both ways a batched matmul by a 0/1 mask (the WY kernels form
+    σ by the same mask; XLA's reverse cumsum and its transpose were reduce-windows on the GPU)."""
+    return _masked_sums(g, axis, _strictly_upper(g.shape[axis]))
+
+
+def _suffix_sums_fwd(g, axis):
+    return suffix_sums(g, axis), None
+
+
+def _suffix_sums_bwd(axis, _, dsigma):
+    return (_masked_sums(dsigma, axis, _strictly_upper(dsigma.shape[axis]).T),)
+
+
+suffix_sums.defvjp(_suffix_sums_fwd, _suffix_sums_bwd)
 
 
 def decay_sums(g, axis):
-    """(γ, σ) of per-token log decays g along the in-chunk ``axis``: the inclusive cumsum γ
-    (the log decay from the chunk start) and ``suffix_sums`` σ = γ_C − γ, float32."""
-    return _in_chunk_sums(f32(g), axis, False), suffix_sums(g, axis)
+    """(γ, σ) of per-token log decays g (float) along the in-chunk ``axis``: the inclusive
+    cumsum γ (the log decay from the chunk start; the WY kernels take the same cumsum) and
+    ``suffix_sums`` σ = γ_C − γ."""
+    return jnp.cumsum(g, axis), suffix_sums(g, axis)
 
 
 def _decay_factors(gamma, sigma, like):
