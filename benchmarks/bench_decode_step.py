@@ -7,7 +7,9 @@ It isolates the decode part of ``bench_generate.py`` (which compiles a prefill t
 model at 340M), so the OS-* decode gap against the host backbone is measured in ~20 s a variant.
 
     python benchmarks/bench_decode_step.py [--preset deltanet-340m] [--preconditioners none osgm]
-        [--fused off on] [--steps 64] [--tiny]
+        [--fused off on] [--launch 32/4 64/2 128/1] [--steps 64] [--tiny]
+
+``--launch BV/W ...``: the fused rows once per ``decode_step.Launch`` (V tile BV, W warps).
 """
 
 import argparse
@@ -20,6 +22,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from benchmarks.bench_generate import FUSED_DECODE, model_for
+from pallas_kernels.decode_step import Launch, default_launch
+
+
+def launch(text):
+    """A ``Launch`` from "BV/W"."""
+    try:
+        block_v, num_warps = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--launch takes BV/W, e.g. 32/4, got {text!r}") from None
+    return Launch(block_v, num_warps)
 
 
 def step_seconds(model, steps, runs=5, warmups=2):
@@ -54,6 +66,8 @@ def main():
     p.add_argument("--preconditioners", nargs="+", default=["none", "osgm"])
     p.add_argument("--fused", nargs="+", choices=list(FUSED_DECODE), default=["off", "on"],
                    help="LayerConfig.fused_decode of each row (bench_generate's --fused-decode)")
+    p.add_argument("--launch", nargs="+", type=launch, default=[Launch()],
+                   help="the fused kernel's V tile / warps, one set of fused rows each")
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--tiny", action="store_true")
     a = p.parse_args()
@@ -61,17 +75,20 @@ def main():
           flush=True)
     rows = []
     for fused in a.fused:
-        for pre in a.preconditioners:
-            t0 = time.perf_counter()
-            us = 1e6 * step_seconds(model_for(a.preset, pre, fused, a.tiny), a.steps)
-            rows.append(dict(preconditioner=pre, fused=fused, step_us=round(us, 1),
-                             wall_s=round(time.perf_counter() - t0)))
-            print(json.dumps(rows[-1]), flush=True)
+        for lc in a.launch if fused != "off" else [None]:
+            tag = fused if lc is None else f"{fused} {lc.block_v}/{lc.num_warps}"
+            for pre in a.preconditioners:
+                t0 = time.perf_counter()
+                with default_launch(lc):
+                    us = 1e6 * step_seconds(model_for(a.preset, pre, fused, a.tiny), a.steps)
+                rows.append(dict(preconditioner=pre, fused=tag, step_us=round(us, 1),
+                                 wall_s=round(time.perf_counter() - t0)))
+                print(json.dumps(rows[-1]), flush=True)
     host = {r["fused"]: r["step_us"] for r in rows if r["preconditioner"] == "none"}
-    print(f"\n{'preconditioner':16s} {'fused':>5s} {'step us':>8s} {'vs none':>8s}")
+    print(f"\n{'preconditioner':16s} {'fused':>9s} {'step us':>8s} {'vs none':>8s}")
     for r in rows:
         ratio = r["step_us"] / host[r["fused"]] if r["fused"] in host else float("nan")
-        print(f"{r['preconditioner']:16s} {r['fused']:>5s} {r['step_us']:8.1f} {ratio:8.3f}")
+        print(f"{r['preconditioner']:16s} {r['fused']:>9s} {r['step_us']:8.1f} {ratio:8.3f}")
 
 
 if __name__ == "__main__":

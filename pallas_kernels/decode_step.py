@@ -23,6 +23,7 @@ not powers of two >= 16 are zero-padded (``pow2_dim``) and the results sliced ba
 sharded). Without a GPU it runs in interpret mode.
 """
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -32,7 +33,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.partition import sharded_call
-from pallas_kernels.triton_common import MAX_HEAD_DIM, interpret_default, out_struct, pad_last, pow2_dim
+from pallas_kernels.triton_common import (
+    MAX_HEAD_DIM, TraceDefaults, interpret_default, out_struct, pad_last, pow2_dim)
 from precond_linattn.ops.osgm import check_osgm_hyper
 from precond_linattn.reference.osgm import clip_box
 from precond_linattn.validation import check_array, check_scale, check_tensor
@@ -50,6 +52,30 @@ class OSGMStep(NamedTuple):
     retention: jax.Array | None = None
     beta_aware: bool = True
     eps: float = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """The kernel's launch: block_v, the V tile BV of a program (a power of two >= 16; min(block_v,
+    padded V)), and num_warps, warps a program (GPU only). Untuned: no device measurement yet."""
+
+    block_v: int = 32
+    num_warps: int = 4
+
+    def __post_init__(self):
+        if not isinstance(self.block_v, int) or self.block_v < 16 or self.block_v & (self.block_v - 1):
+            raise ValueError(f"block_v must be a power of two >= 16, got {self.block_v!r}")
+        if self.num_warps not in (1, 2, 4, 8):
+            raise ValueError(f"num_warps must be 1, 2, 4 or 8, got {self.num_warps!r}")
+
+
+_LAUNCH = TraceDefaults("default_launch", Launch, Launch())
+
+
+def default_launch(launch: Launch | None):
+    """Calls traced inside take ``launch`` where they name none, as the layers' ``step`` does (a
+    benchmark's sweep); None keeps the current one."""
+    return _LAUNCH.use(launch)
 
 
 def supports(*, K: int) -> bool:
@@ -161,7 +187,7 @@ def _spec(kind, K, BV):
 
 
 def decode_step(q, k, v, beta, state, *, log_decay=None, write_key=None, osgm=None, scale=None,
-                block_v=32, num_warps=4, interpret=None):
+                launch: Launch | None = None, interpret=None):
     """One decoding token of a layer's delta rule, with its preconditioner, in one kernel:
     ``osgm_step`` then ``delta_rule_step`` (the module docstring's equations).
 
@@ -172,8 +198,7 @@ def decode_step(q, k, v, beta, state, *, log_decay=None, write_key=None, osgm=No
       write_key: k̃ [B, H, K] computed elsewhere (ATK's ``atk_step``); None: k̃ = k, or OSGM's.
       osgm: ``OSGMStep`` (d, retention, hyper-parameters): k̃ = d ⊙ k and d's update; None: none.
       scale: query scale (a Python number), default K ** -0.5.
-      block_v: the V tile BV (a power of two >= 16; min(block_v, padded V)).
-      num_warps: warps a program (GPU only).
+      launch: the kernel's ``Launch`` (V tile, warps); None: ``default_launch``'s.
       interpret: run in interpret mode; None: unless the default backend is a GPU.
 
     Returns:
@@ -187,8 +212,9 @@ def decode_step(q, k, v, beta, state, *, log_decay=None, write_key=None, osgm=No
     hyper = None if osgm is None else (
         *(_static(f"osgm.{n}", getattr(osgm, n)) for n in ("eta", "d_min", "d_max")), osgm.beta_aware,
         _static("osgm.eps", osgm.eps))
-    if not isinstance(block_v, int) or block_v < 16 or block_v & (block_v - 1):
-        raise ValueError(f"block_v must be a power of two >= 16, got {block_v!r}")
+    launch = _LAUNCH.current if launch is None else launch
+    if not isinstance(launch, Launch):
+        raise ValueError(f"launch must be a decode_step.Launch or None, got {launch!r}")
     Kp, Vp = pow2_dim(K), pow2_dim(V)
     padded = Kp != K or Vp != V
     if padded:
@@ -205,7 +231,7 @@ def decode_step(q, k, v, beta, state, *, log_decay=None, write_key=None, osgm=No
             inputs["retention"] = (osgm.retention, "scalar")
     kernel = functools.partial(_kernel, names=tuple(inputs), decay=decay, hyper=hyper,
                                scale=_static("scale", scale))
-    o, S, d = _call(kernel, inputs, min(block_v, Vp), num_warps,
+    o, S, d = _call(kernel, inputs, min(launch.block_v, Vp), launch.num_warps,
                     interpret_default() if interpret is None else interpret)
     if padded:
         o, S, d = o[..., :V], S[:, :, :K, :V], None if d is None else d[..., :K]

@@ -18,7 +18,6 @@ rows and heads stay sharded; with packed documents only heads). Without a GPU th
 interpret mode.
 """
 
-import contextlib
 import dataclasses
 import functools
 
@@ -33,7 +32,8 @@ from pallas_kernels.osgm_triton import AUX, BETA, DOC, FIRST, LAST, RET, osgm_bw
 from pallas_kernels.partition import match_types, sharded_call
 from pallas_kernels.token_pieces import auto_pieces, chain, rows, unrows
 from pallas_kernels.triton_common import (
-    MAX_HEAD_DIM, aux_rows, doc_columns, interpret_default, pad_last, pow2_dim, vary_alike)
+    MAX_HEAD_DIM, TraceDefaults, aux_rows, doc_columns, interpret_default, pad_last, pow2_dim,
+    vary_alike)
 from precond_linattn.chunked.osgm_picard import coefficients, cotangents, picard_iterate
 from precond_linattn.numerics import f32
 from precond_linattn.varlen import segments
@@ -92,7 +92,7 @@ class Options:
                 raise ValueError(f"Options.{name} must be a bool, got {getattr(self, name)!r}")
 
 
-_DEFAULT = [Options()]  # the options of calls that name none (``default_options``)
+_DEFAULT = TraceDefaults("default_options", Options, Options())  # of calls that name none
 
 # ``picard_iters=None``: the Picard sweeps (over ``auto_pieces``) where the token loops would run
 # few one-warp programs over a long row. RESULTS run 50 (APF phase 1, bf16, H = 8, T = 2048, 4
@@ -113,19 +113,12 @@ def picard_by_shape(options: Options, *, B: int, H: int, T: int, packed: bool) -
     return dataclasses.replace(options, picard_iters=PICARD_ITERS if few else 0)
 
 
-@contextlib.contextmanager
 def default_options(options: Options | None):
     """Calls traced inside take ``options`` where they name none, as ``impl="pallas"`` /
     ``"auto"`` through the layers and models do (e.g. a benchmark of a model with the Picard
     sweeps); None keeps the current ones. Trace-time only: a function jitted and traced before
     keeps its kernels."""
-    if not isinstance(options, Options | None):
-        raise ValueError(f"default_options takes an osgm_precond.Options or None, got {options!r}")
-    _DEFAULT.append(_DEFAULT[-1] if options is None else options)
-    try:
-        yield options
-    finally:
-        _DEFAULT.pop()
+    return _DEFAULT.use(options)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,7 +358,7 @@ def osgm_pallas(k, beta, retention, eta, d_min, d_max, beta_aware, eps, initial_
     Raises ValueError for a head dim the kernels cannot take or traced hyper-parameters."""
     del chunk_size
     B, T, H, K = k.shape
-    options = picard_by_shape(_DEFAULT[-1] if options is None else options, B=B, H=H, T=T,
+    options = picard_by_shape(_DEFAULT.current if options is None else options, B=B, H=H, T=T,
                               packed=cu_seqlens is not None)
     if not supports(K=K, dtype=k.dtype):
         raise ValueError(f"impl='pallas' takes head dims K <= {MAX_HEAD_DIM}, got K={K}; "

@@ -15,6 +15,7 @@ Inside ``jax.shard_map(check_vma=True)`` every value carries the mesh axes it va
 of each ``custom_vjp`` are made to agree by ``vary_alike`` (outside shard_map both sets are empty).
 """
 
+import contextlib
 import dataclasses
 
 import jax
@@ -168,3 +169,29 @@ def prefetched_loop(n, reverse, prefetch, loads, body, carry):
 
     queue = tuple(loads(at(i)) for i in range(prefetch))
     return lax.fori_loop(0, n, step, (carry, queue))[0]
+
+
+class TraceDefaults:
+    """The value that calls traced inside ``use(value)`` take where they name none (e.g. a
+    benchmark sets a kernel's options for every layer of a model): a stack whose top is
+    ``current``. Trace-time only: a function jitted and traced before keeps its kernels."""
+
+    def __init__(self, name, kind, value):
+        self._name, self._kind, self._stack = name, kind, [value]
+
+    @property
+    def current(self):
+        return self._stack[-1]
+
+    @contextlib.contextmanager
+    def use(self, value):
+        """``value`` (a ``kind``; None keeps the current one) as the default inside the block;
+        ValueError naming the setter (``name``) for another type."""
+        if not isinstance(value, self._kind | None):
+            raise ValueError(f"{self._name} takes a {self._kind.__module__}.{self._kind.__name__} "
+                             f"or None, got {value!r}")
+        self._stack.append(self.current if value is None else value)
+        try:
+            yield value
+        finally:
+            self._stack.pop()

@@ -16,7 +16,8 @@ import pytest
 from flax import nnx
 
 from conftest import assert_close, run_python, triton_kernels_lowered_for_cuda
-from pallas_kernels.decode_step import OSGMStep, decode_step
+from pallas_kernels import decode_step as ds
+from pallas_kernels.decode_step import Launch, OSGMStep, decode_step
 from precond_linattn.layers import LayerConfig, OSGMConfig, PrecondDeltaAttention
 from precond_linattn.ops.delta import delta_rule_step
 from precond_linattn.ops.osgm import osgm_step
@@ -83,20 +84,20 @@ def assert_matches_unfused(x, o_tol, **options):
     ("vector", "write_key")])
 def test_matches_ops(decay, precond, rand):
     """K = 32 ≠ V = 64 in two V tiles (block_v 32), B = 2 rows, H = 3 heads, float32."""
-    assert_matches_unfused(make_inputs(rand, 32, 64, decay, precond), 1e-5, block_v=32)
+    assert_matches_unfused(make_inputs(rand, 32, 64, decay, precond), 1e-5, launch=Launch(32))
 
 
 @pytest.mark.parametrize("precond", ["osgm_apf", "write_key"])
 def test_padded_head_dims(precond, rand):
     """K = 24, V = 40 (not powers of two): zero-padded to 32 and 64, two V tiles, sliced back."""
-    assert_matches_unfused(make_inputs(rand, 24, 40, "vector", precond), 1e-5, block_v=32)
+    assert_matches_unfused(make_inputs(rand, 24, 40, "vector", precond), 1e-5, launch=Launch(32))
 
 
 @pytest.mark.parametrize("precond", ["osgm_apf", "osgm_free", "none"])
 def test_bf16_inputs(precond, rand):
     """bf16 q, k, v, β (float32 S, d): o in bf16; OSGM's k̃ rounded to bf16 as ``osgm_step`` does."""
     x = make_inputs(rand, 32, 32, "vector", precond, dtype=jnp.bfloat16)
-    assert_matches_unfused(x, BF16_ULP, block_v=16)
+    assert_matches_unfused(x, BF16_ULP, launch=Launch(16))
 
 
 def test_scale(rand):
@@ -106,6 +107,33 @@ def test_scale(rand):
     o_ref, _ = delta_rule_step(x["q"], x["k"], x["v"], x["beta"], x["state"],
                                log_decay=x["log_decay"], scale=0.3)
     assert_close(o, o_ref, 1e-5, "o")
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(block_v=24), "block_v must be a power of two >= 16, got 24"),
+    (dict(num_warps=3), "num_warps must be 1, 2, 4 or 8, got 3")])
+def test_bad_launch(fields, match):
+    with pytest.raises(ValueError, match=match):
+        Launch(**fields)
+
+
+def test_default_launch_reaches_calls_that_name_none(rand, monkeypatch):
+    """``default_launch`` sets the V tile and warps of calls that name no launch (as the layers'
+    ``step``); None keeps the enclosing one; the call's own launch wins; anything else is refused."""
+    seen = []
+    real = ds._call
+    monkeypatch.setattr(ds, "_call", lambda kernel, inputs, BV, warps, interp: (
+        seen.append((BV, warps)), real(kernel, inputs, BV, warps, interp))[1])
+    x = make_inputs(rand, 16, 64, None, "none")
+    with ds.default_launch(Launch(16, 2)):
+        with ds.default_launch(None):
+            decode_step(**x, interpret=True)
+        decode_step(**x, launch=Launch(64, 1), interpret=True)
+    decode_step(**x, interpret=True)
+    assert seen == [(16, 2), (64, 1), (32, 4)]
+    with pytest.raises(ValueError, match="default_launch"):
+        with ds.default_launch(dict(block_v=16)):
+            pass
 
 
 @pytest.mark.parametrize("change, match", [
@@ -125,7 +153,7 @@ def test_scale(rand):
      r"osgm.retention must have shape \[B, H\]"),
     (dict(osgm=OSGMStep(jnp.ones((B, H, 16)), 0.1, 2.0, 0.5)), "osgm.d_max must be >= osgm.d_min"),
     (dict(scale=float("nan")), "scale must be a finite scalar"),
-    (dict(block_v=24), "block_v must be a power of two >= 16, got 24"),
+    (dict(launch=(32, 4)), "launch must be a decode_step.Launch"),
 ])
 def test_errors(change, match):
     """Bad arguments raise a ValueError naming the argument."""
@@ -163,7 +191,7 @@ def test_lowers_for_cuda(decay, precond):
         x = dict(zip(names, args))
         if osgm is not None:
             x["osgm"] = OSGMStep(x.pop("d"), 0.003, 0.5, 2.0, retention=x.pop("retention"))
-        return decode_step(**x, block_v=64, interpret=False)
+        return decode_step(**x, launch=Launch(64), interpret=False)
 
     dtypes = dict(q=jnp.bfloat16, k=jnp.bfloat16, v=jnp.bfloat16, write_key=jnp.bfloat16)
     args = [jax.ShapeDtypeStruct(s, dtypes.get(n, jnp.float32)) for n, s in shapes.items()]
@@ -173,7 +201,8 @@ def test_lowers_for_cuda(decay, precond):
 SHARDED = """
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
-from pallas_kernels.decode_step import OSGMStep, decode_step
+from pallas_kernels import decode_step as ds
+from pallas_kernels.decode_step import Launch, OSGMStep, decode_step
 mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
 rng = np.random.default_rng(0)
 x = [jnp.asarray(rng.uniform(0.1, 1.0, s), jnp.float32)
