@@ -13,7 +13,6 @@ over chunks.
 """
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -31,14 +30,12 @@ def _chunked(x, layout):
 
 
 def _masked_sums(x, axis, M):
-    """y_i = Σ_t M_it x_t along ``axis`` (M [C, C] of zeros and ones), as one batched matmul
-    over the other axes in x's dtype (exact products, each y_i a sum of only its own terms)."""
-    C = x.shape[axis]
-    pre, post = math.prod(x.shape[:axis]), math.prod(x.shape[axis + 1:])
-    y = lax.dot_general(jnp.broadcast_to(M.astype(x.dtype), (pre, C, C)), x.reshape(pre, C, post),
-                        (((2,), (1,)), ((0,), (0,))), precision=lax.Precision.HIGHEST,
-                        preferred_element_type=x.dtype)
-    return y.reshape(x.shape)
+    """y_i = Σ_t M_it x_t along ``axis`` (M [C, C] of zeros and ones), one matmul in x's dtype
+    (exact products, each y_i a sum of only its own terms). No reshape merges the other axes:
+    a sharded batch or head axis stays sharded (a merged one was all-gathered on a mesh)."""
+    y = lax.dot_general(x, M.astype(x.dtype), (((axis,), (1,)), ((), ())),
+                        precision=lax.Precision.HIGHEST, preferred_element_type=x.dtype)
+    return jnp.moveaxis(y, -1, axis)
 
 
 def _strictly_upper(C):
