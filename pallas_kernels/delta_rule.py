@@ -115,7 +115,10 @@ class Options:
     in parallel (``sequence_split``: an extra pass with K more value columns and a chain of p
     small products buy p times the programs; dense rows, the chunks a multiple of it); None:
     ``sequence_split.auto_pieces`` with the Mosaic passes over dense rows (more than 1 only where
-    B H V / 64 CTAs leave most SMs idle, e.g. B = 1), else 1."""
+    B H V / 64 CTAs leave most SMs idle, e.g. B = 1), else 1. ``mask_precision``: with a
+    per-channel decay, that of the WY kernels' dots of 0/1 masks (the in-chunk sums σ and dg and
+    the one-hot row selections, which must be exact): "ieee" (fp32 FMA) or "bf16x6" (six
+    tensor-core passes, exact where one operand is a 0/1 mask: ``triton_common``)."""
 
     precision: str | None = None
     parallel_precision: str | None = None
@@ -137,6 +140,7 @@ class Options:
     vector_wy: str = "kernel"  # "kernel" | "halving" | "xla": the per-channel-decay WY step
     serial_backend: str | None = None  # split: "triton" | "mosaic" serial state passes
     sequence_pieces: int | None = None  # mosaic: the serial passes over pieces run in parallel
+    mask_precision: str = "ieee"  # per-channel WY kernels: the exact 0/1-mask dots
 
     def __post_init__(self):
         tiles = dict(block_v=self.block_v, block_k=self.block_k)
@@ -146,6 +150,9 @@ class Options:
             if not isinstance(n, int) or isinstance(n, bool) or n < 16 or n & (n - 1):
                 raise ValueError(f"Options.{name} must be a power of two >= 16 (tiles cover the "
                                  f"padded head dims), got {n!r}")
+        if self.mask_precision not in ("ieee", "bf16x6"):
+            raise ValueError("Options.mask_precision must be 'ieee' or 'bf16x6' (exact for 0/1 "
+                             f"masks), got {self.mask_precision!r}")
         if self.vector_wy not in ("xla", "kernel", "halving"):
             raise ValueError("Options.vector_wy must be 'xla', 'kernel' or 'halving', got "
                              f"{self.vector_wy!r}")
@@ -291,7 +298,7 @@ def _wy_kernel(cfg, kernel, ins, cts=None):
         dots, warps = cfg.pdots, o.pullback_warps or (o.num_warps if cfg.decay == "none" else 8)
     static = {} if cts is not None else dict(out_dtype=jnp.dtype(o.wy_dtype))
     if cfg.decay == "vector":
-        static["factored_blocks"] = o.vector_wy == "kernel"
+        static |= dict(factored_blocks=o.vector_wy == "kernel", mask_precision=o.mask_precision)
     outs = _kernel_call(cfg, kernel, args, axes, out_axes, chunk=cfg.chunk, block_v=o.block_v,
                         block_k=o.wy_block_k or o.block_k, dots=dots, num_warps=warps,
                         num_stages=o.num_stages, **static)

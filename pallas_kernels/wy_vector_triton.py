@@ -261,11 +261,11 @@ def _diagonal_vjp(gk, gq, q, k, kw):
 
 
 def _fwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, W_ref, U_ref, kwt_ref, qd_ref,
-                P_ref, gc_ref, T_ref, *, dots, block_v, block_k, factored_blocks):
+                P_ref, gc_ref, T_ref, *, dots, block_v, block_k, factored_blocks, mask_precision):
     """One chunk's W, U, K̃', Q', P, Γ_C and T (module docstring), by key tiles of ``block_k``."""
     C, K = k_ref.shape
     key_tiles = tiles(K, block_k)
-    exact = Dots("ieee", dots.interpret)
+    exact = Dots(mask_precision, dots.interpret)
     (A, P), _ = _grams(q_ref, k_ref, kw_ref, g_ref, dots, exact, key_tiles, factored_blocks)
     beta = beta_ref[...].astype(f32)
     i, j = iota2(C)
@@ -286,13 +286,13 @@ def _fwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, W_ref, U_ref, kwt_
 
 def _bwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, T_ref, dW_ref, dU_ref, dkwt_ref,
                 dqd_ref, dP_ref, dgc_ref, dq_ref, dk_ref, dkw_ref, dv_ref, db_ref, dg_ref,
-                *, dots, block_v, block_k, factored_blocks):
+                *, dots, block_v, block_k, factored_blocks, mask_precision):
     """One chunk's dQ, dK, dK̃, dV, dβ and dg (from dγ and dσ, module docstring), T read from the
     forward, in two sweeps over key tiles of ``block_k`` (dT and dβ first; then, after dL, each
     tile's cotangents, Tᵀ dW recomputed per tile)."""
     C, K = k_ref.shape
     key_tiles = tiles(K, block_k)
-    exact = Dots("ieee", dots.interpret)
+    exact = Dots(mask_precision, dots.interpret)
     (A,), sizes = _grams(q_ref, k_ref, kw_ref, g_ref, dots, exact, key_tiles, factored_blocks,
                          with_p=False)
     T = T_ref[...]
@@ -337,31 +337,35 @@ def _bwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, T_ref, dW_ref, dU_
 
 
 def wy_vector_fwd(q, k, kw, v, beta, g, *, chunk, block_v, dots: Dots, num_warps,
-                  num_stages, block_k=64, out_dtype=jnp.float32, factored_blocks=True):
+                  num_stages, block_k=64, out_dtype=jnp.float32, factored_blocks=True,
+                  mask_precision="ieee"):
     """``wy_triton.wy_fwd`` for a per-channel decay, g [B, Tp, H, K] (the log decays):
     W, U, K̃', Q' [B, H, Tp, ·], P [B, H, Tp, C] (in ``out_dtype``) and Γ_C [B, H, NC, K], equal to
     ``delta_rule.prepare``'s outputs (module docstring), and T [B, H, Tp, C] for the pullback;
     ``block_k``: key columns per tile (the grams are sums over key tiles); ``factored_blocks``
     False: every tile by halving down to single rows (an ablation: exact, slower where a tile's
-    blocks could factor)."""
+    blocks could factor); ``mask_precision``: the 0/1-mask dots' ("ieee" or "bf16x6", both
+    exact: ``delta_rule.Options.mask_precision``)."""
     in_specs, wy_specs, grid = layout(q, v, g, chunk, vector=True)
     args = [q, k, kw, v, beta, g]
     kernel = functools.partial(_fwd_kernel, dots=dots, block_v=block_v, block_k=block_k,
-                               factored_blocks=factored_blocks)
+                               factored_blocks=factored_blocks, mask_precision=mask_precision)
     return call(kernel, "wy_vector_fwd", grid, in_specs, wy_specs,
                 wy_shapes(q, v, grid, chunk, args, out_dtype), args, dots, num_warps, num_stages)
 
 
 def wy_vector_bwd(q, k, kw, v, beta, g, T, dW, dU, dkw_t, dq_dec, dP, dgc, *, chunk,
-                  block_v, dots: Dots, num_warps, num_stages, block_k=64, factored_blocks=True):
+                  block_v, dots: Dots, num_warps, num_stages, block_k=64, factored_blocks=True,
+                  mask_precision="ieee"):
     """Cotangents of q, k, kw [B, Tp, H, K], v [B, Tp, H, V], beta [B, Tp, H] and the log decays
     g [B, Tp, H, K] (float32) from those of ``wy_vector_fwd``'s outputs and its T (module
-    docstring); ``block_k``: key columns per tile; ``factored_blocks`` as ``wy_vector_fwd``'s."""
+    docstring); ``block_k``: key columns per tile; ``factored_blocks`` and ``mask_precision`` as
+    ``wy_vector_fwd``'s."""
     in_specs, wy_specs, grid = layout(q, v, g, chunk, vector=True)
     args = [q, k, kw, v, beta, g]
     cts = [T, dW, dU, dkw_t, dq_dec, dP, dgc]
     out_shape = [out_struct(x.shape, f32, *args, *cts) for x in args]
     kernel = functools.partial(_bwd_kernel, dots=dots, block_v=block_v, block_k=block_k,
-                               factored_blocks=factored_blocks)
+                               factored_blocks=factored_blocks, mask_precision=mask_precision)
     return call(kernel, "wy_vector_bwd", grid, in_specs + wy_specs[-1:] + wy_specs[:-1],
                 in_specs, out_shape, args + cts, dots, num_warps, num_stages)

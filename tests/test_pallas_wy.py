@@ -250,12 +250,14 @@ def test_dg_where_every_channel_decays_away(rand, monkeypatch, decay):
     check(pullback32(cts), want, 1e-5, GRADS)
 
 
-@pytest.mark.parametrize("decay, factored_blocks", [("vector", True), ("vector", False),
-                                                    ("scalar", None)])
-def test_wy_kernels_lower_for_cuda(decay, factored_blocks):
+@pytest.mark.parametrize("decay, factored_blocks, mask_precision", [
+    ("vector", True, "ieee"), ("vector", False, "ieee"), ("vector", True, "bf16x6"),
+    ("scalar", None, None)])
+def test_wy_kernels_lower_for_cuda(decay, factored_blocks, mask_precision):
     """The WY forward and pullback go through the Triton lowering for CUDA (no GPU needed: an
     abstract H100 mesh), with the in-kernel cumsum of the log decays and, per channel, the
-    block-size search and the levels' conds; K = V = 128, C = 64, bf16, warps as on the device."""
+    block-size search, the levels' conds and the 0/1-mask dots at either exact precision;
+    K = V = 128, C = 64, bf16, warps as on the device."""
     b, t, c = 2, 128, 64
     vector = decay == "vector"
     ins = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in [
@@ -265,7 +267,7 @@ def test_wy_kernels_lower_for_cuda(decay, factored_blocks):
                 num_warps=8 if vector else 4, num_stages=2)
     fwd, bwd = (wy_vector_fwd, wy_vector_bwd) if vector else (wy_fwd, wy_bwd)
     if vector:
-        opts["factored_blocks"] = factored_blocks
+        opts |= dict(factored_blocks=factored_blocks, mask_precision=mask_precision)
 
     def both(*xs):
         *wy, T = fwd(*xs, **opts)
