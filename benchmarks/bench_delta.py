@@ -203,8 +203,9 @@ def breakdown(core, x, reps, options):
     multiple of 64) with kernel ``options``: forward = WY (``wy_fwd``, or ``prepare`` in XLA for
     a per-channel decay), serial state pass, chunk outputs; backward = WY again, dO products,
     serial state pass, per-chunk cotangents, WY pullback (``wy_bwd`` or ``prepare``'s vjp). The
-    WY kernels take the log decays g and sum them in each chunk (v8.8; until v8.7 the XLA glue
-    around them, γ and σ and their pullback, was an item of its own: 0.31-0.37 ms for KDA)."""
+    scalar WY kernels sum the log decays in each chunk themselves (v8.8); with a per-channel
+    decay ``wy`` and ``wy_pullback`` include the XLA glue of γ and of dg from dγ and dσ (until
+    v8.7 an item of its own, ``decays``: 0.31-0.37 ms for KDA)."""
     from pallas_kernels import delta_rule as dr
     from pallas_kernels import state_bwd_triton as sb
     from pallas_kernels import state_fwd_triton as sf
@@ -267,7 +268,7 @@ def breakdown(core, x, reps, options):
 def variant(v):
     """Options from precision/block_v/num_warps[/num_stages][/fused][/recompute][/vxla|/vhalving][/pP]
     [/kN][/wkN][/bwN][/wwN][/sN][/hbf16|/h32][/wbf16][/qP][/oserial|/okernel][/dserial|/dkernel]
-    [/mosaic|/triton][/cpN][/mx6] (vxla / vhalving:
+    [/mosaic|/triton][/cpN] (vxla / vhalving:
     ``Options.vector_wy`` = "xla" / "halving"; pP: ``Options.parallel_precision`` = P, e.g. ptf32, pbf16;
     kN: ``Options.block_k`` = N; wkN: ``Options.wy_block_k`` = N; bwN:
     ``Options.pullback_warps`` = N; wwN: ``Options.wy_warps`` = N; sN:
@@ -277,8 +278,7 @@ def variant(v):
     oserial / okernel: ``Options.output_in_serial`` True / False; dserial / dkernel:
     ``Options.dout_in_serial`` True / False (``breakdown`` ignores both: it times the separate
     kernels);
-    mosaic / triton: ``Options.serial_backend``; cpN: ``Options.sequence_pieces`` = N; mx6:
-    ``Options.mask_precision`` = "bf16x6"). Unnamed
+    mosaic / triton: ``Options.serial_backend``; cpN: ``Options.sequence_pieces`` = N). Unnamed
     options keep their defaults."""
     f = v.split("/")
     flags = [t for t in f[3:] if not t.isdigit()]
@@ -310,8 +310,7 @@ def variant(v):
                    dout_in_serial=True if "dserial" in flags else False if "dkernel" in flags
                    else None,
                    serial_backend=next((t for t in flags if t in ("mosaic", "triton")), None),
-                   sequence_pieces=pieces[0] if pieces else None,
-                   mask_precision="bf16x6" if "mx6" in flags else "ieee")
+                   sequence_pieces=pieces[0] if pieces else None)
 
 
 def variant_tag(opt):
@@ -331,8 +330,7 @@ def variant_tag(opt):
             + {True: "/oserial", False: "/okernel", None: ""}[opt.output_in_serial]
             + {True: "/dserial", False: "/dkernel", None: ""}[opt.dout_in_serial]
             + (f"/{opt.serial_backend}" if opt.serial_backend else "")
-            + (f"/cp{opt.sequence_pieces}" if opt.sequence_pieces else "")
-            + ("/mx6" if opt.mask_precision == "bf16x6" else ""))
+            + (f"/cp{opt.sequence_pieces}" if opt.sequence_pieces else ""))
 
 
 def jla_ops():

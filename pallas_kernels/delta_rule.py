@@ -115,10 +115,7 @@ class Options:
     in parallel (``sequence_split``: an extra pass with K more value columns and a chain of p
     small products buy p times the programs; dense rows, the chunks a multiple of it); None:
     ``sequence_split.auto_pieces`` with the Mosaic passes over dense rows (more than 1 only where
-    B H V / 64 CTAs leave most SMs idle, e.g. B = 1), else 1. ``mask_precision``: with a
-    per-channel decay, that of the WY kernels' dots of 0/1 masks (the in-chunk sums σ and dg and
-    the one-hot row selections, which must be exact): "ieee" (fp32 FMA) or "bf16x6" (six
-    tensor-core passes, exact where one operand is a 0/1 mask: ``triton_common``)."""
+    B H V / 64 CTAs leave most SMs idle, e.g. B = 1), else 1."""
 
     precision: str | None = None
     parallel_precision: str | None = None
@@ -140,7 +137,6 @@ class Options:
     vector_wy: str = "kernel"  # "kernel" | "halving" | "xla": the per-channel-decay WY step
     serial_backend: str | None = None  # split: "triton" | "mosaic" serial state passes
     sequence_pieces: int | None = None  # mosaic: the serial passes over pieces run in parallel
-    mask_precision: str = "ieee"  # per-channel WY kernels: the exact 0/1-mask dots
 
     def __post_init__(self):
         tiles = dict(block_v=self.block_v, block_k=self.block_k)
@@ -150,9 +146,6 @@ class Options:
             if not isinstance(n, int) or isinstance(n, bool) or n < 16 or n & (n - 1):
                 raise ValueError(f"Options.{name} must be a power of two >= 16 (tiles cover the "
                                  f"padded head dims), got {n!r}")
-        if self.mask_precision not in ("ieee", "bf16x6"):
-            raise ValueError("Options.mask_precision must be 'ieee' or 'bf16x6' (exact for 0/1 "
-                             f"masks), got {self.mask_precision!r}")
         if self.vector_wy not in ("xla", "kernel", "halving"):
             raise ValueError("Options.vector_wy must be 'xla', 'kernel' or 'halving', got "
                              f"{self.vector_wy!r}")
@@ -231,8 +224,15 @@ def prepare(cfg, q, k, kw, v, beta, g):
     the log decays g (None: no decay) through their in-chunk sums γ and σ (``decay_sums``).
 
     Returns W, U, K̃ ⊙ exp σ, Q ⊙ Γ [B, H, Tp, ·], P [B, H, Tp, C], Γ_C [B, H, NC, K]."""
-    qc, kc, kwc, vc, bc, gv = _views(cfg, q, k, kw, v, beta, g)
-    gamma, sigma = (None, None) if gv is None else decay_sums(gv, 3)
+    return prepare_sums(cfg, q, k, kw, v, beta,
+                        *((None, None) if g is None else _decay_sums(cfg, g)))
+
+
+def prepare_sums(cfg, q, k, kw, v, beta, gamma, sigma):
+    """``prepare`` from the in-chunk sums γ and σ of the log decays (the kernels' layout
+    [B, Tp, H(, K)]; None without a decay): the per-channel WY kernels' oracle, which take γ
+    and form σ as γ_C − γ."""
+    qc, kc, kwc, vc, bc, gamma, sigma = _views(cfg, q, k, kw, v, beta, gamma, sigma)
     W, U, kw_tail, q_dec, P, Gam_C = chunk_wy(
         qc, kc, kwc, vc, bc, gamma, sigma,
         solve=lambda L, rhs: cfg.dots.nn(unit_lower_inverse(L, cfg.dots), rhs))
@@ -280,14 +280,28 @@ def _xla_wy(cfg):
     return cfg.decay == "vector" and cfg.options.vector_wy == "xla"
 
 
+def _log_decay_grads(cfg, g, dgamma, dsigma):
+    """dg [B, Tp, H, K] from the per-channel WY pullback's dγ and dσ: the pullback of
+    ``_decay_sums`` (XLA)."""
+    return jax.vjp(functools.partial(_decay_sums, cfg), g)[1]((dgamma, dsigma))[0]
+
+
 def _wy_kernel(cfg, kernel, ins, cts=None):
     """``kernel(*ins)`` (a forward of ``_wy_kernels``), or ``kernel(*ins, *cts)`` (a pullback:
     cotangents of q, k, kw, v, beta and g, cast to the inputs' dtypes; None for a missing g),
     through ``_kernel_call``; ``ins`` = (q, k, kw, v, beta, g), then the forward's T (and P) for
-    a pullback."""
+    a pullback. The scalar-decay kernels sum g in each chunk themselves; the per-channel ones
+    gather rows of γ (the pivots of their factored grams), so γ comes from XLA (``_gamma``) and
+    their dγ and dσ go back to dg there (``_log_decay_grads``): in-kernel sums cost them 3x the
+    code and 10x the spills (NOTES, v8.8)."""
     o = cfg.options
-    in_axes = (_WY_IN | (dict(g="b t h k") if cfg.decay == "vector" else {}) | _WY_T
+    vector = cfg.decay == "vector"
+    in_axes = (_WY_IN | (dict(g="b t h k") if vector else {}) | _WY_T
                | (dict(P=_WY_OUT["dP"]) if cfg.decay == "scalar" else {}))
+    g = ins[5]
+    if vector:  # the kernels' argument is γ
+        in_axes = {("gamma" if n == "g" else n): a for n, a in in_axes.items()}
+        ins = ins[:5] + (_gamma(cfg, g),) + tuple(ins[6:])
     args, axes = dict(zip(in_axes, ins)), dict(in_axes)
     out_axes = tuple(_WY_OUT.values()) + tuple(_WY_T.values())
     dots, warps = cfg.dots, o.wy_warps or (8 if cfg.decay == "vector" else o.num_warps)
@@ -295,15 +309,18 @@ def _wy_kernel(cfg, kernel, ins, cts=None):
         args |= dict(zip(_WY_OUT, cts))
         axes |= _WY_OUT
         out_axes = tuple(a for a, x in zip(in_axes.values(), ins[:6]) if x is not None)
+        out_axes += out_axes[-1:] * vector  # dσ, laid out as γ
         dots, warps = cfg.pdots, o.pullback_warps or (o.num_warps if cfg.decay == "none" else 8)
     static = {} if cts is not None else dict(out_dtype=jnp.dtype(o.wy_dtype))
-    if cfg.decay == "vector":
-        static |= dict(factored_blocks=o.vector_wy == "kernel", mask_precision=o.mask_precision)
+    if vector:
+        static["factored_blocks"] = o.vector_wy == "kernel"
     outs = _kernel_call(cfg, kernel, args, axes, out_axes, chunk=cfg.chunk, block_v=o.block_v,
                         block_k=o.wy_block_k or o.block_k, dots=dots, num_warps=warps,
                         num_stages=o.num_stages, **static)
     if cts is None:
         return outs
+    if vector:
+        outs = outs[:5] + (_log_decay_grads(cfg, g, *outs[5:]),)
     outs = iter(outs)
     return tuple(None if x is None else next(outs).astype(x.dtype) for x in ins[:6])
 
@@ -342,11 +359,18 @@ _WY_ARGS = ("W", "U", "kw", "q", "P", "gc")  # the recurrence kernels' names for
 _WY_AXES = dict(zip(_WY_ARGS, _WY_OUT.values()))
 
 
-def _gamma(cfg, g):
-    """The in-chunk cumsum γ of the log decays g in the kernels' layout [B, Tp, H(, K)] (the
-    fused kernels' input; the split pipeline's WY kernels sum g themselves)."""
+def _decay_sums(cfg, g):
+    """(γ, σ) = ``decay_sums`` of the log decays g over each chunk, in the kernels' layout
+    [B, Tp, H(, K)]."""
     B, Tp = g.shape[:2]
-    return decay_sums(g.reshape(B, Tp // cfg.chunk, cfg.chunk, *g.shape[2:]), 2)[0].reshape(g.shape)
+    sums = decay_sums(g.reshape(B, Tp // cfg.chunk, cfg.chunk, *g.shape[2:]), 2)
+    return tuple(x.reshape(g.shape) for x in sums)
+
+
+def _gamma(cfg, g):
+    """The in-chunk cumsum γ of the log decays g in the kernels' layout (the fused kernels' and
+    the per-channel WY kernels' input; the scalar WY kernels sum g themselves)."""
+    return _decay_sums(cfg, g)[0]
 
 
 def _forward(cfg, q, k, kw, v, beta, g, init, doc, first, last, store_states, wy=None):

@@ -4,11 +4,9 @@ also serve the plain-JAX ``delta_rule.prepare``, batched over leading dims).
 The lowering takes 2-D dots only (every dimension >= 16), power-of-two tensor sizes, and no slicing
 of loaded values (load the rows you need from a ref instead). float32 dots run on tensor cores at
 the precision named here: "tf32" (one pass, operands rounded to 10 mantissa bits), "tf32x3"
-(three passes, about fp32), "ieee" (CUDA cores, exact fp32, slow), "bf16" (operands rounded to
+(three passes, about fp32), "ieee" (CUDA cores, exact fp32, slow) or "bf16" (operands rounded to
 bfloat16, products exact, float32 accumulation: twice tf32's tensor-core rate and half its
-operand registers) or "bf16x6" (each operand split into three bfloat16 parts, six tensor-core
-passes: where one operand is exact in bfloat16, e.g. a 0/1 mask, every product is exact, as
-with "ieee"). In interpret mode (CPU) float32 dots are exact fp32 (XLA:CPU has no tf32),
+operand registers). In interpret mode (CPU) float32 dots are exact fp32 (XLA:CPU has no tf32),
 and "bf16" rounds the operands there too. The token-loop kernels (OSGM, ATK) share
 ``column`` (a scalar out of a loaded per-token row) and ``prefetched_loop``.
 
@@ -29,7 +27,6 @@ _PRESETS = {
     "tf32": lax.DotAlgorithmPreset.TF32_TF32_F32,
     "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
     "ieee": lax.DotAlgorithmPreset.F32_F32_F32,
-    "bf16x6": lax.DotAlgorithmPreset.BF16_BF16_F32_X6,
 }
 
 

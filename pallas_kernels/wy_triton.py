@@ -187,14 +187,15 @@ def _bwd_kernel(*refs, dots, block_v, block_k, has_decay):
         dg_ref[...] = to_log_decays(dgamma, e)
 
 
-def layout(q, v, g, chunk, vector=False):
+def layout(q, v, g, chunk, vector=False, name="g"):
     """(the inputs' block specs, the WY tensors' block specs, grid (B, H, NC)): one chunk per
-    program. g (log decays): None or [B, Tp, H], or with ``vector`` [B, Tp, H, K]. Raises
+    program. g (the decays, the argument ``name``: the log decays here, their in-chunk cumsum
+    for ``wy_vector_triton``): None or [B, Tp, H], or with ``vector`` [B, Tp, H, K]. Raises
     ValueError for another g shape or Tp not a multiple of chunk."""
     B, Tp, H, K = q.shape
     want = (B, Tp, H, K) if vector else (B, Tp, H)
     if (g is None and vector) or (g is not None and g.shape != want):
-        raise ValueError(f"g must be {'' if vector else 'None or '}{list(want)} (log decays "
+        raise ValueError(f"{name} must be {'' if vector else 'None or '}{list(want)} (decays "
                          f"{'per channel' if vector else 'none or per head'}), got "
                          f"{None if g is None else g.shape}")
     V = v.shape[-1]

@@ -1,21 +1,14 @@
 """Per-chunk WY tensors of the delta core with a per-channel (KDA) decay and their pullback,
 Pallas Triton lowering: ``wy_triton``'s grid, layout and formulas with γ [C, K] per channel.
 
-In a chunk (g the per-token log decays [C, K], γ = their cumsum down the rows, the cumulative
-log decay from the chunk start per channel, non-increasing down the rows, Γ = exp γ,
-e_ij = exp(γ_i − γ_j) [K]):
+In a chunk (γ the cumulative log decay from the chunk start per channel, non-increasing down the
+rows, Γ = exp γ, e_ij = exp(γ_i − γ_j) [K]):
 
     A_ij = Σ_k k_ik k̃_jk e_ijk    P_ij = Σ_k q_ik k̃_jk e_ijk    (i >= j, else 0)
     L = strict_tril(Diag(β) A)    T = (I + L)^-1                  (doubling product)
     W = T Diag(β)(K ⊙ Γ)    U = T Diag(β) V    K̃' = K̃ ⊙ exp σ    Q' = Q ⊙ Γ    Γ_C = exp γ_C [K]
 
-The kernels take g: γ is a cumsum of the key tile in the kernel, the rows of γ that the factors
-pivot on (γ_m, γ_r, γ_C below) are selected from it (a masked sum, or for a row per row a
-one-hot [C, C] dot at fp32 "ieee" precision: exact), σ = Σ_{t>i} g_t is a dot of the strictly
-upper 0/1 mask with g (exact: as γ_C − γ it was off by ulp(γ_C), 1e-5 relative in K̃' where a
-chunk decays by hundreds), and the pullback returns dg_t = Σ_{i>=t} dγ_i + Σ_{i<t} dσ_i as two
-[C, C] x [C, BK] dots of 0/1 masks at "ieee" precision (every dg a sum of only its own terms;
-Pallas's Triton lowering has no reverse cumsum, and a total minus a prefix would cancel).
+(σ = γ_C − γ as in ``wy_triton``: formed from γ, its cotangent returned apart.)
 
 exp(γ_i − γ_j) overflows over a whole chunk for i < j. Per key tile, s is the largest power of two
 <= C for which every |γ_i − γ_m(i)| <= DIAG_BOUND, m(i) = s⌊i/s⌋ + s/2 the middle row of i's
@@ -79,40 +72,27 @@ def _heights(C):
     return [(C >> n, (C >> n).bit_length() - 1) for n in range(1, C.bit_length())]
 
 
-def _select_rows(g, rows, exact):
-    """[g[rows[i]]]_i [C, BK]: a row of the tile g for each row i, as a one-hot dot (``exact``,
-    "ieee": the products are 1·x and 0·x, the sums exact), since a loaded tile cannot be
-    gathered from."""
-    i, t = iota2(g.shape[0])
-    return exact.nn(jnp.where(t == rows[:, None], 1.0, 0.0), g)
-
-
-def _row(g, r):
-    """Row r of the tile g, [BK] (a masked column sum: exact)."""
-    return jnp.sum(jnp.where(_row_ids(*g.shape) == r, g, 0.0), axis=0)
-
-
-def _level(g, h, exact):
+def _level(g, g_ref, cols, h):
     """(ex, ey, M) of halving level h (module docstring): ex = exp(γ − γ_r) on lower-half rows,
-    ey = exp(γ_r − γ) on upper-half rows (0 elsewhere) [C, BK] for a key tile's γ = g (γ_r
-    selected row by row), and M [C, C] the level's entries, those that (X ⊙ ex)(Y ⊙ ey)ᵀ
-    gives."""
+    ey = exp(γ_r − γ) on upper-half rows (0 elsewhere) [C, BK] for the key columns ``cols`` (g = γ
+    there; γ_r gathered row by row from ``g_ref``), and M [C, C] the level's entries, those that
+    (X ⊙ ex)(Y ⊙ ey)ᵀ gives."""
     C, BK = g.shape
     rows = lax.broadcasted_iota(jnp.int32, (C,), 0)
     i, j = iota2(C)
-    gr = _select_rows(g, rows // (2 * h) * (2 * h) + h, exact)
+    gr = g_ref[rows // (2 * h) * (2 * h) + h, cols].astype(f32)
     low = _row_ids(C, BK) % (2 * h) >= h
     ex = jnp.exp(jnp.where(low, g - gr, -jnp.inf))
     ey = jnp.exp(jnp.where(low, -jnp.inf, gr - g))
     return ex, ey, (i // (2 * h) == j // (2 * h)) & (i % (2 * h) >= h) & (j % (2 * h) < h)
 
 
-def _to_middles(g, ls, exact):
-    """γ − γ_m(i) [C, BK] for a key tile's γ = g, m(i) the middle row of i's block of s = 2^ls
-    rows (``ls`` may be traced)."""
+def _to_middles(g, g_ref, cols, ls):
+    """γ − γ_m(i) [C, BK] for the key columns ``cols`` (g = γ there), m(i) the middle row of i's
+    block of s = 2^ls rows (``ls`` may be traced)."""
     rows = lax.broadcasted_iota(jnp.int32, (g.shape[0],), 0)
     middle = ((rows >> ls) << ls) + ((1 << ls) >> 1)
-    return g - _select_rows(g, middle, exact)
+    return g - g_ref[middle, cols].astype(f32)
 
 
 def _factorable(x):
@@ -120,27 +100,27 @@ def _factorable(x):
     return jnp.max(jnp.max(jnp.abs(x), axis=1)) <= DIAG_BOUND
 
 
-def _to_middle(g):
-    """γ − γ_{C/2} [C, BK] for a key tile's γ = g: the factors of s = C, the middle row selected
-    once and broadcast (``_to_middles`` at s = C selects it row by row)."""
-    return g - _row(g, g.shape[0] // 2)[None, :]
+def _to_middle(g, g_ref, cols):
+    """γ − γ_{C/2} [C, BK] for the key columns ``cols`` (g = γ there): the factors of s = C,
+    the middle row read once and broadcast (``_to_middles`` at s = C gathers it row by row)."""
+    return g - g_ref[g.shape[0] // 2, cols].astype(f32)[None, :]
 
 
-def _block_size(g, top, exact):
+def _block_size(g, g_ref, cols, top):
     """log2 s (module docstring): from s = 2^top down to the first block size whose blocks all
     factor."""
     def shrink(carry):
         ls = carry[0] - 1
-        return ls, _factorable(_to_middles(g, ls, exact))
+        return ls, _factorable(_to_middles(g, g_ref, cols, ls))
 
     return lax.while_loop(lambda carry: jnp.logical_not(carry[1]), shrink,
-                          (top, _factorable(_to_middles(g, top, exact))))[0]
+                          (top, _factorable(_to_middles(g, g_ref, cols, top))))[0]
 
 
-def _block(g, ls, diagonal, exact):
+def _block(g, g_ref, cols, ls, diagonal):
     """(ex, ey, M) of the factored s-blocks (s = 2^ls): ex = exp(γ − γ_m), ey = exp(γ_m − γ)
     [C, BK] and M [C, C] the entries i > j (i >= j with ``diagonal``) within one block."""
-    x = _to_middles(g, ls, exact)
+    x = _to_middles(g, g_ref, cols, ls)
     i, j = iota2(g.shape[0])
     return jnp.exp(x), jnp.exp(-x), ((i > j) | (diagonal & (i == j))) & ((i >> ls) == (j >> ls))
 
@@ -152,29 +132,11 @@ def _gram_blocks(grams, rows, kw, ex, ey, M, dots):
 
 
 def _tile(refs, cols):
-    """The key columns ``cols`` of each ref, float32 [C, BK], the last (the log decays) as their
-    cumsum γ down the rows."""
-    *xs, g = [r[:, cols].astype(f32) for r in refs]
-    return [*xs, jnp.cumsum(g, axis=0)]
+    """The key columns ``cols`` of each ref, float32 [C, BK]."""
+    return [r[:, cols].astype(f32) for r in refs]
 
 
-def _suffix_sums(g_ref, cols, exact):
-    """σ_i = Σ_{t>i} g_t [C, BK] for the key columns ``cols`` of the log decays (a dot of the
-    strictly upper 0/1 mask: each a sum of only its own terms, as ``chunked.delta.suffix_sums``)."""
-    g = g_ref[:, cols].astype(f32)
-    i, t = iota2(g.shape[0])
-    return exact.nn(jnp.where(t > i, 1.0, 0.0), g)
-
-
-def to_log_decays(dgamma, dsigma, exact):
-    """dg_t = Σ_{i>=t} dγ_i + Σ_{i<t} dσ_i [C, BK]: the pullback of γ (``_tile``'s cumsum) and
-    σ = Σ_{i>t} g_i, as two dots of 0/1 masks (``exact``: each dg a sum of only its own terms)."""
-    t, i = iota2(dgamma.shape[0])
-    return (exact.nn(jnp.where(i >= t, 1.0, 0.0), dgamma)
-            + exact.nn(jnp.where(i < t, 1.0, 0.0), dsigma))
-
-
-def _tile_grams(grams, rows, kw, g, dots, exact, factored_blocks):
+def _tile_grams(grams, rows, kw, g, g_ref, cols, dots, factored_blocks):
     """(grams + one key tile's share (``_grams``), log2 s): the whole chunk in one factored dot
     where it factors (s = C, the common case, kept apart from the search: run 51 measured the
     general path at s = C 0.55 ms slower in the forward), else s by ``_block_size``, the halving
@@ -184,17 +146,17 @@ def _tile_grams(grams, rows, kw, g, dots, exact, factored_blocks):
     top = C.bit_length() - 1
 
     def general(grams, ls):  # ls: the first candidate, log2 C − 1
-        ls = _block_size(g, ls, exact) if factored_blocks else jnp.int32(0)
+        ls = _block_size(g, g_ref, cols, ls) if factored_blocks else jnp.int32(0)
         for h, lh in _heights(C):
             grams = lax.cond(lh >= ls,
-                             lambda gr, h=h: _gram_blocks(gr, rows, kw, *_level(g, h, exact),
-                                                          dots),
+                             lambda gr, h=h: _gram_blocks(gr, rows, kw,
+                                                          *_level(g, g_ref, cols, h), dots),
                              lambda gr: gr, grams)
-        return _gram_blocks(grams, rows, kw, *_block(g, ls, True, exact), dots), ls
+        return _gram_blocks(grams, rows, kw, *_block(g, g_ref, cols, ls, True), dots), ls
 
     if not factored_blocks:
         return general(grams, None)
-    x = _to_middle(g)
+    x = _to_middle(g, g_ref, cols)
     i, j = iota2(C)
     whole = _factorable(x)
     # log2 s: top where whole, else the search's start; traced (the Triton lowering cannot
@@ -205,14 +167,15 @@ def _tile_grams(grams, rows, kw, g, dots, exact, factored_blocks):
         general, grams, top - 1 + whole.astype(jnp.int32))
 
 
-def _grams(q_ref, k_ref, kw_ref, g_ref, dots, exact, key_tiles, factored_blocks, with_p=True):
+def _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, factored_blocks, with_p=True):
     """((A, P) [C, C] (module docstring; zero above the diagonal), summed over the key tiles,
     without ``with_p`` only (A,); each key tile's log2 s, for the pullback)."""
     C = k_ref.shape[0]
     grams, sizes = (jnp.zeros((C, C), f32),) * (2 if with_p else 1), []
     for cols in key_tiles:
         q, k, kw, g = _tile((q_ref, k_ref, kw_ref, g_ref), cols)
-        grams, ls = _tile_grams(grams, (k, q)[:len(grams)], kw, g, dots, exact, factored_blocks)
+        grams, ls = _tile_grams(grams, (k, q)[:len(grams)], kw, g, g_ref, cols, dots,
+                                factored_blocks)
         sizes.append(ls)
     return grams, sizes
 
@@ -229,24 +192,24 @@ def _add(xs, ys):
     return tuple(x + y for x, y in zip(xs, ys))
 
 
-def _grams_vjp(GK, GQ, q, k, kw, g, ls, dots, exact):
-    """(dK_A, dQ_P, dK̃_AP) [C, BK] for one key tile (q, k, kw, γ = g): the pullback of (A, P) =
-    ``_grams`` along (G_K, G_Q) in K, Q and K̃ (module docstring), through the same whole chunk,
-    or levels and blocks, as there (``ls``: the tile's log2 s from ``_grams``), without the
-    diagonal's share (``_diagonal_vjp``)."""
+def _grams_vjp(GK, GQ, q, k, kw, g, g_ref, cols, ls, dots):
+    """(dK_A, dQ_P, dK̃_AP) [C, BK] for the key columns ``cols`` (q, k, kw, g their tiles): the
+    pullback of (A, P) = ``_grams`` along (G_K, G_Q) in K, Q and K̃ (module docstring), through
+    the same whole chunk, or levels and blocks, as there (``ls``: the tile's log2 s from
+    ``_grams``), without the diagonal's share (``_diagonal_vjp``)."""
     C = g.shape[0]
     i, j = iota2(C)
 
     def whole():
-        x = _to_middle(g)
+        x = _to_middle(g, g_ref, cols)
         return _blocks_vjp(GK, GQ, q, k, kw, jnp.exp(x), jnp.exp(-x), i > j, dots)
 
     def general():
-        acc = _blocks_vjp(GK, GQ, q, k, kw, *_block(g, ls, False, exact), dots)
+        acc = _blocks_vjp(GK, GQ, q, k, kw, *_block(g, g_ref, cols, ls, False), dots)
         for h, lh in _heights(C):
             acc = lax.cond(lh >= ls,
                            lambda a, h=h: _add(a, _blocks_vjp(GK, GQ, q, k, kw,
-                                                              *_level(g, h, exact), dots)),
+                                                              *_level(g, g_ref, cols, h), dots)),
                            lambda a: a, acc)
         return acc
 
@@ -261,12 +224,11 @@ def _diagonal_vjp(gk, gq, q, k, kw):
 
 
 def _fwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, W_ref, U_ref, kwt_ref, qd_ref,
-                P_ref, gc_ref, T_ref, *, dots, block_v, block_k, factored_blocks, mask_precision):
+                P_ref, gc_ref, T_ref, *, dots, block_v, block_k, factored_blocks):
     """One chunk's W, U, K̃', Q', P, Γ_C and T (module docstring), by key tiles of ``block_k``."""
     C, K = k_ref.shape
     key_tiles = tiles(K, block_k)
-    exact = Dots(mask_precision, dots.interpret)
-    (A, P), _ = _grams(q_ref, k_ref, kw_ref, g_ref, dots, exact, key_tiles, factored_blocks)
+    (A, P), _ = _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, factored_blocks)
     beta = beta_ref[...].astype(f32)
     i, j = iota2(C)
     T = unit_lower_inverse(jnp.where(i > j, beta[:, None] * A, 0.0), dots)
@@ -276,24 +238,23 @@ def _fwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, W_ref, U_ref, kwt_
     u_fwd(T, b, v_ref, U_ref, dots, block_v)
     for cols in key_tiles:
         q, k, kw, g = _tile((q_ref, k_ref, kw_ref, g_ref), cols)
-        g_last = _row(g, C - 1)
+        g_last = g_ref[C - 1, cols].astype(f32)
         Gam = jnp.exp(g)
         W_ref[:, cols] = dots.nn(T, b * Gam * k).astype(W_ref.dtype)
-        kwt_ref[:, cols] = (kw * jnp.exp(_suffix_sums(g_ref, cols, exact))).astype(kwt_ref.dtype)
+        kwt_ref[:, cols] = (kw * jnp.exp(g_last[None, :] - g)).astype(kwt_ref.dtype)
         qd_ref[:, cols] = (q * Gam).astype(qd_ref.dtype)
         gc_ref[cols] = jnp.exp(g_last)
 
 
 def _bwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, T_ref, dW_ref, dU_ref, dkwt_ref,
-                dqd_ref, dP_ref, dgc_ref, dq_ref, dk_ref, dkw_ref, dv_ref, db_ref, dg_ref,
-                *, dots, block_v, block_k, factored_blocks, mask_precision):
-    """One chunk's dQ, dK, dK̃, dV, dβ and dg (from dγ and dσ, module docstring), T read from the
-    forward, in two sweeps over key tiles of ``block_k`` (dT and dβ first; then, after dL, each
-    tile's cotangents, Tᵀ dW recomputed per tile)."""
+                dqd_ref, dP_ref, dgc_ref, dq_ref, dk_ref, dkw_ref, dv_ref, db_ref, dg_ref, ds_ref,
+                *, dots, block_v, block_k, factored_blocks):
+    """One chunk's dQ, dK, dK̃, dV, dβ, dγ and dσ (module docstring), T read from the forward, in two
+    sweeps over key tiles of ``block_k`` (dT and dβ first; then, after dL, each tile's
+    cotangents, Tᵀ dW recomputed per tile)."""
     C, K = k_ref.shape
     key_tiles = tiles(K, block_k)
-    exact = Dots(mask_precision, dots.interpret)
-    (A,), sizes = _grams(q_ref, k_ref, kw_ref, g_ref, dots, exact, key_tiles, factored_blocks,
+    (A,), sizes = _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, factored_blocks,
                          with_p=False)
     T = T_ref[...]
     i, j = iota2(C)
@@ -318,54 +279,51 @@ def _bwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, T_ref, dW_ref, dU_
     for cols, ls in zip(key_tiles, sizes):
         q, k, kw, g = _tile((q_ref, k_ref, kw_ref, g_ref), cols)
         GQ = jnp.where(i >= j, dP_ref[...], 0.0)
-        dkA, dqP, dkwAP = _grams_vjp(GK, GQ, q, k, kw, g, ls, dots, exact)
+        dkA, dqP, dkwAP = _grams_vjp(GK, GQ, q, k, kw, g, g_ref, cols, ls, dots)
         dg_grams = k * dkA + q * dqP - kw * dkwAP
         dkA, dqP, dkwAP = _add((dkA, dqP, dkwAP), _diagonal_vjp(gk, gq, q, k, kw))
-        g_last = _row(g, C - 1)
+        g_last = g_ref[C - 1, cols].astype(f32)
         Gam = jnp.exp(g)
         dKg = dots.tn(T_ref[...], dW_ref[:, cols])
         wk = Gam * k * dKg
         dqd, dkwt = dqd_ref[:, cols], dkwt_ref[:, cols]
-        tail = jnp.exp(_suffix_sums(g_ref, cols, exact))
+        tail = jnp.exp(g_last[None, :] - g)
         dk_ref[:, cols] = dkA + b * Gam * dKg
         dq_ref[:, cols] = dqP + dqd * Gam
         dkw_ref[:, cols] = dkwAP + dkwt * tail
         at_last = _row_ids(C, k.shape[1]) == C - 1
-        dgamma = (dg_grams + b * wk + dqd * q * Gam
-                  + jnp.where(at_last, (jnp.exp(g_last) * dgc_ref[cols])[None, :], 0.0))
-        dg_ref[:, cols] = to_log_decays(dgamma, dkwt * kw * tail, exact)  # K̃' = K̃ ⊙ exp σ
+        dg_ref[:, cols] = (dg_grams + b * wk + dqd * q * Gam
+                           + jnp.where(at_last, (jnp.exp(g_last) * dgc_ref[cols])[None, :], 0.0))
+        ds_ref[:, cols] = dkwt * kw * tail  # K̃' = K̃ ⊙ exp σ
 
 
-def wy_vector_fwd(q, k, kw, v, beta, g, *, chunk, block_v, dots: Dots, num_warps,
-                  num_stages, block_k=64, out_dtype=jnp.float32, factored_blocks=True,
-                  mask_precision="ieee"):
-    """``wy_triton.wy_fwd`` for a per-channel decay, g [B, Tp, H, K] (the log decays):
+def wy_vector_fwd(q, k, kw, v, beta, gamma, *, chunk, block_v, dots: Dots, num_warps,
+                  num_stages, block_k=64, out_dtype=jnp.float32, factored_blocks=True):
+    """``wy_triton.wy_fwd`` for a per-channel decay, gamma [B, Tp, H, K] (the in-chunk cumsum):
     W, U, K̃', Q' [B, H, Tp, ·], P [B, H, Tp, C] (in ``out_dtype``) and Γ_C [B, H, NC, K], equal to
     ``delta_rule.prepare``'s outputs (module docstring), and T [B, H, Tp, C] for the pullback;
     ``block_k``: key columns per tile (the grams are sums over key tiles); ``factored_blocks``
     False: every tile by halving down to single rows (an ablation: exact, slower where a tile's
-    blocks could factor); ``mask_precision``: the 0/1-mask dots' ("ieee" or "bf16x6", both
-    exact: ``delta_rule.Options.mask_precision``)."""
-    in_specs, wy_specs, grid = layout(q, v, g, chunk, vector=True)
-    args = [q, k, kw, v, beta, g]
+    blocks could factor)."""
+    in_specs, wy_specs, grid = layout(q, v, gamma, chunk, vector=True, name="gamma")
+    args = [q, k, kw, v, beta, gamma]
     kernel = functools.partial(_fwd_kernel, dots=dots, block_v=block_v, block_k=block_k,
-                               factored_blocks=factored_blocks, mask_precision=mask_precision)
+                               factored_blocks=factored_blocks)
     return call(kernel, "wy_vector_fwd", grid, in_specs, wy_specs,
                 wy_shapes(q, v, grid, chunk, args, out_dtype), args, dots, num_warps, num_stages)
 
 
-def wy_vector_bwd(q, k, kw, v, beta, g, T, dW, dU, dkw_t, dq_dec, dP, dgc, *, chunk,
-                  block_v, dots: Dots, num_warps, num_stages, block_k=64, factored_blocks=True,
-                  mask_precision="ieee"):
-    """Cotangents of q, k, kw [B, Tp, H, K], v [B, Tp, H, V], beta [B, Tp, H] and the log decays
-    g [B, Tp, H, K] (float32) from those of ``wy_vector_fwd``'s outputs and its T (module
-    docstring); ``block_k``: key columns per tile; ``factored_blocks`` and ``mask_precision`` as
+def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *, chunk,
+                  block_v, dots: Dots, num_warps, num_stages, block_k=64, factored_blocks=True):
+    """Cotangents of q, k, kw [B, Tp, H, K], v [B, Tp, H, V], beta [B, Tp, H], gamma and
+    σ = γ_C − γ [B, Tp, H, K] (float32) from those of ``wy_vector_fwd``'s outputs and its T
+    (module docstring); ``block_k``: key columns per tile; ``factored_blocks`` as
     ``wy_vector_fwd``'s."""
-    in_specs, wy_specs, grid = layout(q, v, g, chunk, vector=True)
-    args = [q, k, kw, v, beta, g]
+    in_specs, wy_specs, grid = layout(q, v, gamma, chunk, vector=True, name="gamma")
+    args = [q, k, kw, v, beta, gamma]
     cts = [T, dW, dU, dkw_t, dq_dec, dP, dgc]
-    out_shape = [out_struct(x.shape, f32, *args, *cts) for x in args]
+    out_shape = [out_struct(x.shape, f32, *args, *cts) for x in args + [gamma]]  # σ as γ
     kernel = functools.partial(_bwd_kernel, dots=dots, block_v=block_v, block_k=block_k,
-                               factored_blocks=factored_blocks, mask_precision=mask_precision)
+                               factored_blocks=factored_blocks)
     return call(kernel, "wy_vector_bwd", grid, in_specs + wy_specs[-1:] + wy_specs[:-1],
-                in_specs, out_shape, args + cts, dots, num_warps, num_stages)
+                in_specs + in_specs[-1:], out_shape, args + cts, dots, num_warps, num_stages)

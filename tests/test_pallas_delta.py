@@ -165,8 +165,6 @@ def test_vector_wy_matches_reference(vector_wy, save_wy, wy_block_k):
     assert_runs_match(got, run("reference", x, cu), 2e-5)
     with pytest.raises(ValueError, match="vector_wy"):
         Options(vector_wy="triton")
-    with pytest.raises(ValueError, match="mask_precision"):
-        Options(mask_precision="tf32")
     for name, bad in [("block_k", 24), ("wy_block_k", 8), ("block_v", None), ("block_v", 48),
                       ("serial_block_v", True)]:
         with pytest.raises(ValueError, match=f"Options.{name} must be a power of two"):

@@ -24,6 +24,14 @@ def flat(g):
     return g.reshape(g.shape[0], g.shape[1] * g.shape[2], *g.shape[3:])
 
 
+def gamma_sigma(g):
+    """(γ, σ) [B, Tp, ...] from log decays g [B, NC, C, ...] as the per-channel kernels see them:
+    the in-chunk cumsum and σ = γ_C − γ as they form it (the op passes ``prepare`` σ as
+    ``suffix_sums``, equal up to rounding; here both sides see the same values)."""
+    gamma = jnp.cumsum(g, axis=2)
+    return flat(gamma), flat(gamma[:, :, -1:] - gamma)
+
+
 def inputs(rand, decay, dtype, k_dim=K):
     """q, k, kw [B, Tp, H, k_dim], v [B, Tp, H, V], beta and the log decays g [B, Tp, H]
     (float32; None without a decay)."""
@@ -104,7 +112,7 @@ def test_bf16_inputs(rand, decay):
 def test_vector_decay_is_refused(rand):
     q, k, kw, v, beta, *_ = inputs(rand, "none", jnp.float32)
     g = rand.normal(*q.shape)  # per-channel
-    with pytest.raises(ValueError, match="log decays"):
+    with pytest.raises(ValueError, match="g must be None or"):
         wy_fwd(q, k, kw, v, beta, g, chunk=C, block_v=16, dots=DOTS, num_warps=4,
                num_stages=1)
 
@@ -120,22 +128,25 @@ def test_pullback_takes_P_exactly_with_a_decay(rand, decay):
                dots=DOTS, num_warps=4, num_stages=1)
 
 
+GRADS_SUMS = GRADS[:-1] + ("dgamma", "dsigma")  # the per-channel kernels' cotangents
+
+
 def vector_case(rand, c, k_dim, dtype, block_k, decays):
-    """(the kernels' WY outputs, pullback; ``prepare``'s, on the same values in float32) for
+    """(the kernels' WY outputs, pullback; ``prepare_sums``', on the same values in float32) for
     per-channel decays −U(lo, hi) per token, ``decays`` a list of (lo, hi), one per equal run of
     key columns."""
     Tp = NC * c
     x = rand.delta_inputs(B, Tp, H, k_dim, V, decay="vector", dtype=dtype)
     lo, hi = (jnp.repeat(jnp.asarray(r, jnp.float32), k_dim // len(decays)) for r in zip(*decays))
     g = -(lo + (hi - lo) * jnp.asarray(rand.rng.uniform(size=(B, NC, c, H, k_dim)), jnp.float32))
-    ins = (x["q"], x["k"], x["write_key"], x["v"], x["beta"], flat(g))
+    ins = (x["q"], x["k"], x["write_key"], x["v"], x["beta"], *gamma_sigma(g))
     cfg = dr._Config(c, "vector", 1.0, None, dr.Options(), DOTS, DOTS)
-    want_wy, pullback = jax.vjp(functools.partial(dr.prepare, cfg),
+    want_wy, pullback = jax.vjp(functools.partial(dr.prepare_sums, cfg),
                                 *(a.astype(jnp.float32) for a in ins))
     cts = tuple(rand.normal(*w.shape) for w in want_wy)
     opts = dict(chunk=c, block_v=16, block_k=block_k, dots=DOTS, num_warps=4, num_stages=1)
-    *got_wy, T = jax.jit(functools.partial(wy_vector_fwd, **opts))(*ins)
-    got_grads = jax.jit(functools.partial(wy_vector_bwd, **opts))(*ins, T, *cts)
+    *got_wy, T = jax.jit(functools.partial(wy_vector_fwd, **opts))(*ins[:6])
+    got_grads = jax.jit(functools.partial(wy_vector_bwd, **opts))(*ins[:6], T, *cts)
     return (got_wy, got_grads), (want_wy, pullback(cts))
 
 
@@ -150,7 +161,7 @@ def test_vector_decay_matches_prepare(rand, c, k_dim, dtype, block_k):
     (got_wy, got_grads), (want_wy, want_grads) = vector_case(rand, c, k_dim, dtype, block_k,
                                                              [(0.01, 20.0)])
     check(got_wy, want_wy, 2e-6, WY)
-    check(got_grads, want_grads, 2e-6, GRADS)
+    check(got_grads, want_grads, 2e-6, GRADS_SUMS)
 
 
 MILD = [(0.01, 0.5)] * 3  # the first 24 of 32 key columns
@@ -179,8 +190,8 @@ def test_vector_decay_paths(rand, monkeypatch, strong, block_k, poisoned, exact)
     from pallas_kernels import wy_vector_triton as wv
     real = wv._level
 
-    def level(g, h, exact):
-        ex, ey, M = real(g, h, exact)
+    def level(g, g_ref, cols, h):
+        ex, ey, M = real(g, g_ref, cols, h)
         return (ex + 1.0, ey + 1.0, M) if h == poisoned else (ex, ey, M)
 
     monkeypatch.setattr(wv, "_level", level)
@@ -192,7 +203,7 @@ def test_vector_decay_paths(rand, monkeypatch, strong, block_k, poisoned, exact)
     (got_wy, got_grads), (want_wy, want_grads) = vector_case(rand, 32, 32, jnp.float32, block_k,
                                                              decays)
     check(got_wy, want_wy, 2e-6, WY)
-    check(got_grads, want_grads, 2e-6, GRADS)
+    check(got_grads, want_grads, 2e-6, GRADS_SUMS)
 
 
 @pytest.mark.parametrize("strong, exact", [((0.01, 0.5), True), ((3.0, 4.5), False)],
@@ -230,34 +241,37 @@ def test_dg_where_every_channel_decays_away(rand, monkeypatch, decay):
     x = rand.delta_inputs(B, Tp, H, k_dim, V, decay="vector")
     shape = (B, NC, c, H) + ((k_dim,) if decay == "vector" else ())
     g = -jnp.round(64 * (11.0 + 8.0 * jnp.asarray(rand.rng.uniform(size=shape), jnp.float32))) / 64
-    ins = (x["q"], x["k"], x["write_key"], x["v"], x["beta"], flat(g))
+    vector = decay == "vector"
+    base = (x["q"], x["k"], x["write_key"], x["v"], x["beta"])
+    ins = base + (gamma_sigma(g) if vector else (flat(g),))
+    oracle = dr.prepare_sums if vector else dr.prepare  # the per-channel kernels take γ, σ
     cfg = dr._Config(c, decay, 1.0, None, dr.Options(), DOTS, DOTS)
-    wy32, pullback32 = jax.vjp(functools.partial(dr.prepare, cfg), *ins)
+    wy32, pullback32 = jax.vjp(functools.partial(oracle, cfg), *ins)
     cts = tuple(rand.normal(*w.shape) for w in wy32)
     opts = dict(chunk=c, block_v=16, block_k=64, dots=DOTS, num_warps=4, num_stages=1)
-    fwd, bwd = (wy_vector_fwd, wy_vector_bwd) if decay == "vector" else (wy_fwd, wy_bwd)
-    *wy, T = jax.jit(functools.partial(fwd, **opts))(*ins)
-    P = {} if decay == "vector" else dict(P=wy[4])
-    got = jax.jit(functools.partial(bwd, **opts))(*ins, T, *cts, **P)
+    fwd, bwd = (wy_vector_fwd, wy_vector_bwd) if vector else (wy_fwd, wy_bwd)
+    *wy, T = jax.jit(functools.partial(fwd, **opts))(*ins[:6])
+    P = {} if vector else dict(P=wy[4])
+    got = jax.jit(functools.partial(bwd, **opts))(*ins[:6], T, *cts, **P)
     real_view = dr._chunk_view
     monkeypatch.setattr(dr, "_chunk_view", lambda a, chunk: real_view(a, chunk).astype(jnp.float64))
     with jax.enable_x64(True):
-        wy64, pullback64 = jax.vjp(functools.partial(dr.prepare, cfg),
+        wy64, pullback64 = jax.vjp(functools.partial(oracle, cfg),
                                    *(a.astype(jnp.float64) for a in ins))
         want = pullback64(tuple(ct.astype(w.dtype) for ct, w in zip(cts, wy64)))
         want = [np.asarray(w, np.float64) for w in want]
-    check(got, want, 1e-5, GRADS)
-    check(pullback32(cts), want, 1e-5, GRADS)
+    names = GRADS_SUMS if vector else GRADS
+    check(got, want, 1e-5, names)
+    check(pullback32(cts), want, 1e-5, names)
 
 
-@pytest.mark.parametrize("decay, factored_blocks, mask_precision", [
-    ("vector", True, "ieee"), ("vector", False, "ieee"), ("vector", True, "bf16x6"),
-    ("scalar", None, None)])
-def test_wy_kernels_lower_for_cuda(decay, factored_blocks, mask_precision):
+@pytest.mark.parametrize("decay, factored_blocks", [("vector", True), ("vector", False),
+                                                    ("scalar", None)])
+def test_wy_kernels_lower_for_cuda(decay, factored_blocks):
     """The WY forward and pullback go through the Triton lowering for CUDA (no GPU needed: an
-    abstract H100 mesh), with the in-kernel cumsum of the log decays and, per channel, the
-    block-size search, the levels' conds and the 0/1-mask dots at either exact precision;
-    K = V = 128, C = 64, bf16, warps as on the device."""
+    abstract H100 mesh), the scalar ones with their in-kernel sums of the log decays, the
+    per-channel ones with the block-size search and the levels' conds; K = V = 128, C = 64,
+    bf16, warps as on the device."""
     b, t, c = 2, 128, 64
     vector = decay == "vector"
     ins = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in [
@@ -267,7 +281,7 @@ def test_wy_kernels_lower_for_cuda(decay, factored_blocks, mask_precision):
                 num_warps=8 if vector else 4, num_stages=2)
     fwd, bwd = (wy_vector_fwd, wy_vector_bwd) if vector else (wy_fwd, wy_bwd)
     if vector:
-        opts |= dict(factored_blocks=factored_blocks, mask_precision=mask_precision)
+        opts["factored_blocks"] = factored_blocks
 
     def both(*xs):
         *wy, T = fwd(*xs, **opts)
@@ -279,6 +293,6 @@ def test_wy_kernels_lower_for_cuda(decay, factored_blocks, mask_precision):
 
 def test_vector_decay_shape_is_checked(rand):
     q, k, kw, v, beta, *_ = inputs(rand, "none", jnp.float32)
-    with pytest.raises(ValueError, match="log decays"):
+    with pytest.raises(ValueError, match="gamma must be"):
         wy_vector_fwd(q, k, kw, v, beta, beta, chunk=C, block_v=16, dots=DOTS, num_warps=4,
                       num_stages=1)
