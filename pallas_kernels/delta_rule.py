@@ -288,20 +288,16 @@ def _log_decay_grads(cfg, g, dgamma, dsigma):
 
 def _wy_kernel(cfg, kernel, ins, cts=None):
     """``kernel(*ins)`` (a forward of ``_wy_kernels``), or ``kernel(*ins, *cts)`` (a pullback:
-    cotangents of q, k, kw, v, beta and g, cast to the inputs' dtypes; None for a missing g),
-    through ``_kernel_call``; ``ins`` = (q, k, kw, v, beta, g), then the forward's T (and P) for
-    a pullback. The scalar-decay kernels sum g in each chunk themselves; the per-channel ones
-    gather rows of γ (the pivots of their factored grams), so γ comes from XLA (``_gamma``) and
-    their dγ and dσ go back to dg there (``_log_decay_grads``): in-kernel sums cost them 3x the
-    code and 10x the spills (NOTES, v8.8)."""
+    cotangents of ``ins[:6]`` cast to their dtypes, None for a missing decay, and with a
+    per-channel decay σ's after γ's), through ``_kernel_call``; ``ins`` = (q, k, kw, v, beta,
+    the decay input: g, or γ for the per-channel kernels, ``_kernel_ins``), then the forward's
+    T (and P) for a pullback."""
     o = cfg.options
     vector = cfg.decay == "vector"
     in_axes = (_WY_IN | (dict(g="b t h k") if vector else {}) | _WY_T
                | (dict(P=_WY_OUT["dP"]) if cfg.decay == "scalar" else {}))
-    g = ins[5]
-    if vector:  # the kernels' argument is γ
+    if vector:  # the per-channel kernels' argument is γ
         in_axes = {("gamma" if n == "g" else n): a for n, a in in_axes.items()}
-        ins = ins[:5] + (_gamma(cfg, g),) + tuple(ins[6:])
     args, axes = dict(zip(in_axes, ins)), dict(in_axes)
     out_axes = tuple(_WY_OUT.values()) + tuple(_WY_T.values())
     dots, warps = cfg.dots, o.wy_warps or (8 if cfg.decay == "vector" else o.num_warps)
@@ -319,10 +315,9 @@ def _wy_kernel(cfg, kernel, ins, cts=None):
                         num_stages=o.num_stages, **static)
     if cts is None:
         return outs
-    if vector:
-        outs = outs[:5] + (_log_decay_grads(cfg, g, *outs[5:]),)
     outs = iter(outs)
-    return tuple(None if x is None else next(outs).astype(x.dtype) for x in ins[:6])
+    return tuple(None if x is None else next(outs).astype(x.dtype)
+                 for x in ins[:6] + ins[5:6] * vector)
 
 
 def _stored(cfg, wy):
@@ -332,14 +327,26 @@ def _stored(cfg, wy):
     return tuple(x.astype(dtype) for x in wy[:5]) + (wy[5],)
 
 
+def _kernel_ins(cfg, ins):
+    """The WY kernels' inputs for ``ins`` = (q, k, kw, v, beta, g): the same, but γ for g with a
+    per-channel decay. The scalar-decay kernels sum g in each chunk themselves; the per-channel
+    ones gather rows of γ (the pivots of their factored grams), so γ comes from XLA
+    (``_gamma``), and their dγ and dσ go back to dg there (``_wy_pullback``): in-kernel sums
+    cost them 3x the code and 10x the spills (NOTES, v8.8)."""
+    return tuple(ins[:5]) + (_gamma(cfg, ins[5]),) if cfg.decay == "vector" else tuple(ins)
+
+
 def _wy(cfg, ins):
     """The six WY tensors of ``ins`` = (q, k, kw, v, beta, g) and what their kernel pullback
-    needs besides ``ins``: (T,) from the kernels ((T, P) with a scalar decay), () from
-    ``prepare`` in plain JAX (per-channel decay, ``vector_wy="xla"``)."""
+    needs besides ``ins``: (T,) from the kernels ((T, P) with a scalar decay, (T, γ) with a
+    per-channel one: γ is computed once), () from ``prepare`` in plain JAX (per-channel decay,
+    ``vector_wy="xla"``)."""
     if _xla_wy(cfg):
         return _stored(cfg, prepare(cfg, *ins)), ()
-    wy = _wy_kernel(cfg, _wy_kernels(cfg)[0], ins)
-    return wy[:6], wy[6:] + ((wy[4],) if cfg.decay == "scalar" else ())  # T (and P: wy_bwd)
+    kins = _kernel_ins(cfg, ins)
+    wy = _wy_kernel(cfg, _wy_kernels(cfg)[0], kins)
+    last = {"none": (), "scalar": (wy[4],), "vector": kins[5:6]}[cfg.decay]
+    return wy[:6], wy[6:] + last  # T and P for wy_bwd, T and γ for wy_vector_bwd
 
 
 def _wy_pullback(cfg, ins, extra=None):
@@ -351,7 +358,15 @@ def _wy_pullback(cfg, ins, extra=None):
     wy = None
     if extra is None:
         wy, extra = _wy(cfg, ins)
-    return wy, functools.partial(_wy_kernel, cfg, _wy_kernels(cfg)[1], tuple(ins) + extra)
+    if cfg.decay != "vector":
+        return wy, functools.partial(_wy_kernel, cfg, _wy_kernels(cfg)[1], tuple(ins) + extra)
+    (T, gamma), g = extra, ins[5]
+
+    def pullback(cts):
+        *grads, dgamma, dsigma = _wy_kernel(cfg, wy_vector_bwd, tuple(ins[:5]) + (gamma, T), cts)
+        return (*grads, _log_decay_grads(cfg, g, dgamma, dsigma))
+
+    return wy, pullback
 
 
 _STATE_AXES = dict(triton="b h c k v", mosaic="b h c v k")  # the saved chunk states' layout

@@ -49,8 +49,9 @@ def suffix_sums(g, axis):
     exponent of Γ_C/Γ = exp(σ), γ_C − γ_i formed without a difference, so that its pullback,
     dg_t = Σ_{i<t} dσ_i, sums only its own terms (with γ_C − γ_i the last real row of a padded
     chunk, σ = 0 over the pads, gave dγ two O(1) shares that cancel, whose rounding is all of dg
-    where the chunk decays away). Both ways a batched matmul by a 0/1 mask (the WY kernels form
-    σ by the same mask; XLA's reverse cumsum and its transpose were reduce-windows on the GPU)."""
+    where the chunk decays away). Both ways a batched matmul by a 0/1 mask (the scalar WY kernels
+    form σ by the same mask; XLA's reverse cumsum and its transpose were reduce-windows on the
+    GPU)."""
     return _masked_sums(g, axis, _strictly_upper(g.shape[axis]))
 
 
