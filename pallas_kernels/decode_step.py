@@ -36,7 +36,7 @@ from pallas_kernels.partition import sharded_call
 from pallas_kernels.triton_common import (
     MAX_HEAD_DIM, TraceDefaults, interpret_default, out_struct, pad_last, pow2_dim)
 from precond_linattn.ops.osgm import check_osgm_hyper
-from precond_linattn.reference.osgm import clip_box
+from precond_linattn.reference.osgm import osgm_step_fn
 from precond_linattn.validation import check_array, check_scale, check_tensor
 
 
@@ -94,15 +94,11 @@ def _static(name: str, value) -> float:
 
 
 def _osgm_update(k, d, beta, r, hyper, kw_dtype):
-    """(k̃ = d ⊙ k rounded to ``kw_dtype``, d_new = clip(r d + w (1 − g ⟨d, s⟩) s)) of one token,
-    float32 K-vectors, exactly as ``osgm_step_fn``."""
+    """(k̃ = d ⊙ k rounded to ``kw_dtype``, as ``osgm_step`` returns it, and d_new) of one token:
+    ``osgm_step_fn`` on float32 K-vectors."""
     eta, d_min, d_max, beta_aware, eps = hyper
-    s = k * k
-    n = jnp.maximum(jnp.sum(s), eps)
-    g = beta if beta_aware else 1.0
-    u = eta * g / n * (1.0 - g * jnp.sum(d * s))
-    kept = d if r is None else r * d
-    return (d * k).astype(kw_dtype).astype(jnp.float32), clip_box(kept + u * s, d_min, d_max)
+    kw, d_new = osgm_step_fn(d, k, beta, r, eta, d_min, d_max, beta_aware, eps)
+    return kw.astype(kw_dtype).astype(jnp.float32), d_new
 
 
 def _delta_update(S, q, k, kw, v, beta, alpha, scale):

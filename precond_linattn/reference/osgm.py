@@ -12,7 +12,6 @@ bound (a coordinate on a bound stays pinned there), the convention the chunked f
 
 import jax.numpy as jnp
 
-from precond_linattn.numerics import einsum
 from precond_linattn.reference.delta import scan_tokens
 from precond_linattn.varlen import segments
 
@@ -29,7 +28,7 @@ def osgm_step_fn(d, k, beta, r, eta, d_min, d_max, beta_aware, eps):
     s = k * k
     n = jnp.maximum(jnp.sum(s, axis=-1), eps)
     g = beta if beta_aware else jnp.ones_like(beta)
-    u = eta * g / n * (1.0 - g * einsum("...k,...k->...", d, s))
+    u = eta * g / n * (1.0 - g * jnp.sum(d * s, axis=-1))  # a sum, not a dot: also in kernels
     kept = d if r is None else r[..., None] * d
     return d * k, clip_box(kept + u[..., None] * s, d_min, d_max)
 
