@@ -51,6 +51,7 @@ from precond_linattn.layers.init import a_log_init, dt_bias_init, normal
 from precond_linattn.layers.norm import RMSNorm
 from precond_linattn.ops.atk import atk_precondition, atk_step
 from precond_linattn.ops.delta import delta_rule, delta_rule_step
+from precond_linattn.ops.dispatch import choose_impl
 from precond_linattn.ops.osgm import osgm_precondition, osgm_step
 
 
@@ -282,8 +283,7 @@ class PrecondDeltaAttention(nnx.Module):
         c = self.config
         if c.fused_decode is not None:
             return c.fused_decode
-        return c.impl == "pallas" or (c.impl == "auto" and jax.default_backend() == "gpu" and
-                                      decode_step.supports(K=c.head_k_dim))
+        return choose_impl("decode_step", c.impl, K=c.head_k_dim) == "pallas"
 
     def _fused_core_step(self, q, k, v, beta, g, pre, cache):
         """(o, S, preconditioner state) of one token by ``decode_step``, one kernel: k̃ = k, or
