@@ -77,7 +77,8 @@ def table(report: str, wall_ms: float | None):
     for row in csv.DictReader(io.StringIO(lines)):
         if row.get("Metric Name") != METRIC:
             continue
-        scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}[row["Metric Unit"]]
+        scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3,
+                 "msecond": 1e3}[row["Metric Unit"]]
         entry = by_name[row["Kernel Name"][:70]]
         entry[0] += 1
         entry[1] += float(row["Metric Value"].replace(",", "")) * scale
