@@ -103,7 +103,7 @@ def u_bwd(T, b, v_ref, dU_ref, dv_ref, dots, block_v):
         v, dU = v_ref[:, cols].astype(jnp.float32), dU_ref[:, cols]
         dT = dT + dots.nt(dU, b * v)
         dVb = dots.tn(T, dU)
-        dv_ref[:, cols] = b * dVb
+        dv_ref[:, cols] = (b * dVb).astype(dv_ref.dtype)
         db = db + jnp.sum(dVb * v, axis=1)
     return dT, db
 
@@ -161,7 +161,7 @@ def _bwd_kernel(*refs, dots, block_v, block_k, has_decay):
         dT = dT + dots.nt(dW, b * Gcol * k)
     # T = (I + L)^-1, L = strict_tril(Diag(β) A);  P = tril(Q K̃ᵀ ⊙ D)
     dL = jnp.where(i > j, -dots.nt(dots.tn(T, dT), T), 0.0)
-    db_ref[...] = db + s + jnp.sum(dL * A, axis=1)
+    db_ref[...] = (db + s + jnp.sum(dL * A, axis=1)).astype(db_ref.dtype)
     GK = b * dL * D
     dP = jnp.where(i >= j, dP_ref[...], 0.0)
     GQ = dP * D
@@ -170,11 +170,12 @@ def _bwd_kernel(*refs, dots, block_v, block_k, has_decay):
     e = qd = 0.0  # rowsum(dK̃' ⊙ K̃'), rowsum(dQ' ⊙ Q')
     for cols in key_tiles:
         k, kw, q = k_ref[:, cols], kw_ref[:, cols], q_ref[:, cols]
-        dk_ref[:, cols] = b * Gcol * dots.tn(T, dW_ref[:, cols]) + dots.nn(GK, kw)
+        dk_ref[:, cols] = (b * Gcol * dots.tn(T, dW_ref[:, cols])
+                           + dots.nn(GK, kw)).astype(dk_ref.dtype)
         dkwt = dkwt_ref[:, cols]
-        dkw_ref[:, cols] = dots.tn(GK, k) + dots.tn(GQ, q) + dkwt * tcol
+        dkw_ref[:, cols] = (dots.tn(GK, k) + dots.tn(GQ, q) + dkwt * tcol).astype(dkw_ref.dtype)
         dqd = dqd_ref[:, cols]
-        dq_ref[:, cols] = dots.nn(GQ, kw) + dqd * Gcol
+        dq_ref[:, cols] = (dots.nn(GQ, kw) + dqd * Gcol).astype(dq_ref.dtype)
         if has_decay:
             e = e + tail * jnp.sum(dkwt * kw.astype(f32), axis=1)
             qd = qd + Gam * jnp.sum(dqd * q.astype(f32), axis=1)
@@ -184,7 +185,7 @@ def _bwd_kernel(*refs, dots, block_v, block_k, has_decay):
         at_last = lax.broadcasted_iota(jnp.int32, (C,), 0) == C - 1
         dgamma = (beta * s + jnp.sum(E, axis=1) - jnp.sum(E, axis=0) + qd
                   + jnp.where(at_last, gc * jnp.sum(dgc_ref[...]), 0.0))
-        dg_ref[...] = to_log_decays(dgamma, e)
+        dg_ref[...] = to_log_decays(dgamma, e).astype(dg_ref.dtype)
 
 
 def layout(q, v, g, chunk, vector=False, name="g"):
@@ -248,7 +249,8 @@ def wy_fwd(q, k, kw, v, beta, g, *, chunk, block_v, dots: Dots, num_warps, num_s
 def wy_bwd(q, k, kw, v, beta, g, T, dW, dU, dkw_t, dq_dec, dP, dgc, *, chunk, block_v,
            dots: Dots, num_warps, num_stages, block_k=64, P=None):
     """Cotangents of q, k, kw [B, Tp, H, K], v [B, Tp, H, V], beta [B, Tp, H] and, if given, of
-    the log decays g [B, Tp, H] (float32; module docstring), from those of ``wy_fwd``'s
+    the log decays g [B, Tp, H] (each in its input's dtype, rounded once from the float32 sums:
+    no separate casts; module docstring), from those of ``wy_fwd``'s
     outputs, its T and, with g, its P (module docstring; ValueError without it); ``block_k``:
     the key columns per tile of the kernel's two sweeps."""
     in_specs, wy_specs, grid = layout(q, v, g, chunk)
@@ -260,7 +262,7 @@ def wy_bwd(q, k, kw, v, beta, g, T, dW, dU, dkw_t, dq_dec, dP, dgc, *, chunk, bl
     saved = [T] + ([P] if P is not None else [])  # T's spec is the last, P's the fifth
     saved_specs = wy_specs[-1:] + wy_specs[4:5] * (P is not None)
     cts = [dW, dU, dkw_t, dq_dec, dP, dgc]
-    out_shape = [out_struct(x.shape, jnp.float32, *args, *saved, *cts) for x in args]
+    out_shape = [out_struct(x.shape, x.dtype, *args, *saved, *cts) for x in args]
     kernel = functools.partial(_bwd_kernel, dots=dots, block_v=block_v, block_k=block_k,
                                has_decay=g is not None)
     return call(kernel, "wy_bwd", grid, in_specs + saved_specs + wy_specs[:-1], in_specs,

@@ -270,7 +270,7 @@ def _bwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, T_ref, dW_ref, dU_
         dT = dT + dots.nt(dW, b * Gk)
     # T = (I + L)^-1, L = strict_tril(Diag(β) A); P = tril(...)
     dL = jnp.where(i > j, -dots.nt(dots.tn(T, dT), T), 0.0)
-    db_ref[...] = db + jnp.sum(dL * A, axis=1)
+    db_ref[...] = (db + jnp.sum(dL * A, axis=1)).astype(db_ref.dtype)
     GK = b * dL
     gk = jnp.sum(jnp.where(i == j, GK, 0.0), axis=1)[:, None]  # the diagonal's cotangents
     gq = jnp.sum(jnp.where(i == j, dP_ref[...], 0.0), axis=1)[:, None]
@@ -288,9 +288,9 @@ def _bwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, T_ref, dW_ref, dU_
         wk = Gam * k * dKg
         dqd, dkwt = dqd_ref[:, cols], dkwt_ref[:, cols]
         tail = jnp.exp(g_last[None, :] - g)
-        dk_ref[:, cols] = dkA + b * Gam * dKg
-        dq_ref[:, cols] = dqP + dqd * Gam
-        dkw_ref[:, cols] = dkwAP + dkwt * tail
+        dk_ref[:, cols] = (dkA + b * Gam * dKg).astype(dk_ref.dtype)
+        dq_ref[:, cols] = (dqP + dqd * Gam).astype(dq_ref.dtype)
+        dkw_ref[:, cols] = (dkwAP + dkwt * tail).astype(dkw_ref.dtype)
         at_last = _row_ids(C, k.shape[1]) == C - 1
         dg_ref[:, cols] = (dg_grams + b * wk + dqd * q * Gam
                            + jnp.where(at_last, (jnp.exp(g_last) * dgc_ref[cols])[None, :], 0.0))
@@ -315,14 +315,16 @@ def wy_vector_fwd(q, k, kw, v, beta, gamma, *, chunk, block_v, dots: Dots, num_w
 
 def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *, chunk,
                   block_v, dots: Dots, num_warps, num_stages, block_k=64, factored_blocks=True):
-    """Cotangents of q, k, kw [B, Tp, H, K], v [B, Tp, H, V], beta [B, Tp, H], gamma and
-    σ = γ_C − γ [B, Tp, H, K] (float32) from those of ``wy_vector_fwd``'s outputs and its T
+    """Cotangents of q, k, kw [B, Tp, H, K], v [B, Tp, H, V], beta [B, Tp, H] (each in its
+    input's dtype, rounded once from the float32 sums), gamma and σ = γ_C − γ [B, Tp, H, K]
+    (float32) from those of ``wy_vector_fwd``'s outputs and its T
     (module docstring); ``block_k``: key columns per tile; ``factored_blocks`` as
     ``wy_vector_fwd``'s."""
     in_specs, wy_specs, grid = layout(q, v, gamma, chunk, vector=True, name="gamma")
     args = [q, k, kw, v, beta, gamma]
     cts = [T, dW, dU, dkw_t, dq_dec, dP, dgc]
-    out_shape = [out_struct(x.shape, f32, *args, *cts) for x in args + [gamma]]  # σ as γ
+    out_shape = [out_struct(x.shape, x.dtype, *args, *cts) for x in args]
+    out_shape.append(out_struct(gamma.shape, f32, *args, *cts))  # σ as γ
     kernel = functools.partial(_bwd_kernel, dots=dots, block_v=block_v, block_k=block_k,
                                factored_blocks=factored_blocks)
     return call(kernel, "wy_vector_bwd", grid, in_specs + wy_specs[-1:] + wy_specs[:-1],
