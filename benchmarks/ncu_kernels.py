@@ -11,7 +11,8 @@ its summed device time, then the sum against the call's wall time; their differe
 kernels do not account for (launch gaps, host round trips such as a ``while_loop``'s predicate).
 ncu serialises the kernels, so concurrent kernels would each count whole; XLA runs one stream.
 Targets: ``osgm``: phase 1 (``bench_osgm.phase1`` with a ``bench_osgm.variant``), ``delta``:
-the delta core (``bench_delta.op`` with a ``bench_delta.variant``); ``--grad``: forward and
+the delta core (``bench_delta.op`` with a ``bench_delta.variant``; ``--jla``:
+jax-linear-attention's kernel of the same backbone, ``bench_delta.jla_ops``); ``--grad``: forward and
 backward (the gradients the benches take), else the forward.
 """
 
@@ -43,7 +44,8 @@ def build(args):
     from benchmarks import bench_delta
     x, _ = bench_delta.make_inputs(jax.random.PRNGKey(0), B, T, H, K,
                                    bench_delta.DECAYS[args.core], jnp.bfloat16)
-    f = bench_delta.op("pallas", bench_delta.variant(args.variant))
+    f = (bench_delta.jla_ops()[args.core] if args.jla else
+         bench_delta.op("pallas", bench_delta.variant(args.variant)))
     if not args.grad:
         return jax.jit(lambda x: f(x)[0]), (x,)
     return jax.jit(jax.grad(lambda x: jnp.sum(f(x)[0].astype(jnp.float32) ** 2))), (x,)
@@ -100,6 +102,8 @@ def main():
     p.add_argument("--variant", default=None)
     p.add_argument("--core", default="gdn", choices=("deltanet", "gdn", "kda"))
     p.add_argument("--grad", action="store_true")
+    p.add_argument("--jla", action="store_true",
+                   help="delta: jax-linear-attention's symmetric-key kernel of --core instead")
     p.add_argument("--inner", action="store_true")
     p.add_argument("--ncu", default="ncu")
     args = p.parse_args()
@@ -112,7 +116,8 @@ def main():
            sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--inner"]
     run = subprocess.run(cmd, capture_output=True, text=True, check=False)
     wall = [float(w.split()[1]) for w in run.stdout.splitlines() if w.startswith("wall_ms ")]
-    print(f"== {args.target} {args.core if args.target == 'delta' else ''} {args.variant} "
+    print(f"== {args.target} {args.core if args.target == 'delta' else ''} "
+          f"{'jla' if args.jla else args.variant} "
           f"shape {args.shape} {'fwd+bwd' if args.grad else 'fwd'}")
     if run.returncode or not wall:
         print(run.stdout[-3000:], run.stderr[-3000:])

@@ -27,10 +27,10 @@ from jax import lax
 from jax.custom_batching import custom_vmap
 
 from pallas_kernels.osgm_sweep_triton import (
-    C, U_BWD, osgm_sweep, osgm_sweep_bwd, osgm_sweep_compose, osgm_sweep_compose_bwd)
+    G, U_BWD, W, osgm_sweep, osgm_sweep_bwd, osgm_sweep_compose, osgm_sweep_compose_bwd)
 from pallas_kernels.osgm_triton import AUX, BETA, DOC, FIRST, LAST, RET, osgm_bwd, osgm_fwd
 from pallas_kernels.partition import match_types, sharded_call
-from pallas_kernels.token_pieces import auto_pieces, chain, rows, unrows
+from pallas_kernels.token_pieces import auto_pieces, rows, unrows
 from pallas_kernels.triton_common import (
     MAX_HEAD_DIM, TraceDefaults, aux_rows, doc_columns, interpret_default, pad_last, pow2_dim,
     vary_alike)
@@ -61,7 +61,7 @@ class Options:
     sweeps once settled (a ``while_loop``: the GPU's host reads its predicate every sweep), or
     run exactly ``picard_iters`` of them unrolled and test once. ``picard_pieces``: each sweep
     over dense rows cut into that many sequence pieces (``token_pieces``: each piece's composed
-    map, a chain of p maps in XLA, then the sweep from the states entering the pieces; it must
+    map, then the sweep, whose programs chain the maps of the pieces before theirs; it must
     divide T); None (the default): ``auto_pieces`` halved until it divides T; 1: no split;
     packed documents never split."""
 
@@ -187,42 +187,30 @@ def _coefficients(cfg, k, aux):
 
 
 def _coupling(shares):
-    """A sweep's block shares [B, H, K / block_k, T] summed into its coupling [B, T, H]."""
-    return jnp.sum(shares, 2).transpose(0, 2, 1)
+    """A sweep's block shares [R, H, J, L] summed into its coupling [R, H, L]."""
+    return jnp.sum(shares, 2)
 
 
-def _whole_rows(out, p, state_piece):
-    """A sweep's outputs over p pieces ([shares [B p, H, J, T / p]], with ``emit`` also a sequence
-    [B p, T / p, H, K] and the pieces' states [B p, H, K]) as those of the whole rows: shares
-    [B, H, J, T], the sequence [B, T, H, K] and the state of piece ``state_piece`` [B, H, K]."""
-    Bp, H, J, L = out[0].shape
-    shares = out[0].reshape(Bp // p, p, H, J, L).transpose(0, 2, 3, 1, 4).reshape(-1, H, J, p * L)
-    if len(out) == 1:
-        return [shares]
-    return [shares, unrows(out[1], p), out[2].reshape(Bp // p, p, H, -1)[:, state_piece]]
+def _to_rows(a, p):
+    """A per-token coupling [B, T, H] in the sweeps' layout [B p, H, T / p]."""
+    return rows(a, p).transpose(0, 2, 1)
 
 
-def _sweep(cfg, k, coef, init, *, emit, emit_d):
-    """``osgm_sweep``'s outputs ([shares], with ``emit`` also k̃ or every d_t and the final d),
-    over ``cfg.pieces`` sequence pieces: each piece's map x ↦ clip(α x + b, lo, hi)
-    (``osgm_sweep_compose``, α = Π r_t), the chain of maps from the initial state, the sweep."""
-    def run(k, coef, init):
-        return _call(cfg, osgm_sweep, [k, coef, init], ["b t h k", "b t h a", "n h k"],
-                     ["b h j t"] + (["b t h k", "n h k"] if emit else []), emit=emit,
-                     emit_d=emit_d, block_k=cfg.options.picard_block_k)
+def _to_tokens(a, p):
+    """``_to_rows``' inverse."""
+    return unrows(a.transpose(0, 2, 1), p)
 
-    p = cfg.pieces
-    if p == 1:
-        return run(k, coef, init)
-    B, T, H, K = k.shape
-    pk, pc = rows(k, p), rows(coef, p)
-    b, lo, hi = (x.reshape(B, p, H, K) for x in _call(
-        cfg, osgm_sweep_compose, [pk, pc], ["b t h k", "b t h a"], ["n h k"] * 3,
-        block_k=cfg.options.picard_block_k))
-    alpha = jnp.prod(coef[..., RET].reshape(B, p, T // p, H), axis=2)[..., None]
-    entering = chain(lambda x, m: jnp.clip(m[0] * x + m[1], m[2], m[3]), (alpha, b, lo, hi),
-                     init)
-    return _whole_rows(run(pk, pc, entering.reshape(B * p, H, K)), p, -1)
+
+def _per_row(cfg, state):
+    """Each sequence's state [B, H, K] as each row's [B p, H, K] (packed or one piece: as is)."""
+    return state if cfg.packed or cfg.pieces == 1 else jnp.repeat(state, cfg.pieces, axis=0)
+
+
+def _piece_state(cfg, state, piece):
+    """Piece ``piece``'s state of each row [B p, H, K] as each sequence's [B, H, K]."""
+    if cfg.packed or cfg.pieces == 1:
+        return state
+    return state.reshape(-1, cfg.pieces, *state.shape[1:])[:, piece]
 
 
 def _token_forward(cfg, k, aux, init, *, emit_d):
@@ -234,24 +222,33 @@ def _picard_forward(cfg, k, aux, init, *, emit_d):
     """Sweeps with u_t = w_t (1 − g_t a_t) from the last sweep's a_t = ⟨d_t, s_t⟩ (the first from
     d frozen at its initial state) until a changes by at most PICARD_TOL (relative), then one
     sweep that emits: ((k̃ or every d_t, final), converged) (``_or_else`` falls back to the
-    token loop where ``Options.picard_iters`` sweeps do not get there)."""
-    H = k.shape[2]
+    token loop where ``Options.picard_iters`` sweeps do not get there). Over p pieces each sweep
+    is ``osgm_sweep_compose`` then ``osgm_sweep`` (which chains the pieces' maps itself)."""
+    H, p, o = k.shape[2], cfg.pieces, cfg.options
     s, _, g, w, _ = _coefficients(cfg, k, aux)
     if cfg.packed:  # each token's document's initial state
         start = init[aux[..., DOC].astype(jnp.int32), jnp.arange(H)]
     else:
         start = init[:, None]
+    pk, paux, starts = rows(k, p), rows(aux.at[..., W].set(w).at[..., G].set(g), p), _per_row(
+        cfg, init)
 
     def sweep(a, emit):
-        return _sweep(cfg, k, aux.at[..., BETA].set(w * (1.0 - g * a)), init, emit=emit,
-                      emit_d=emit_d)
+        maps = [] if p == 1 else _call(cfg, osgm_sweep_compose, [pk, paux, a],
+                                       ["b t h k", "b t h a", "b h t"], ["b h k"] * 4,
+                                       block_k=o.picard_block_k)
+        return _call(cfg, osgm_sweep, [pk, paux, a, starts, *maps],
+                     ["b t h k", "b t h a", "b h t", "n h k"] + ["b h k"] * len(maps),
+                     ["b h j t"] + (["b t h k", "n h k"] if emit else []), emit=emit,
+                     emit_d=emit_d, pieces=p, block_k=o.picard_block_k)
 
     def step(a):
         return _coupling(sweep(a, False)[0]), None
 
-    a, _, ok, _ = picard_iterate(step, jnp.sum(start * s, -1), PICARD_TOL,
-                                 cfg.options.picard_iters, cfg.options.picard_early_exit)
-    return tuple(sweep(a, True)[1:]), ok
+    a, _, ok, _ = picard_iterate(step, _to_rows(jnp.sum(start * s, -1), p), PICARD_TOL,
+                                 o.picard_iters, o.picard_early_exit)
+    _, out, final = sweep(a, True)
+    return (unrows(out, p), _piece_state(cfg, final, -1)), ok
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -280,54 +277,44 @@ def _scan_bwd(cfg, res, cts):
 _SEQ = ["b t h k", "b t h a", "b t h k", "b t h k", "n h k"]  # k, aux, d, dk̃, dfinal
 
 
-def _sweep_bwd(cfg, k, coef, d, dkw, dfinal, *, emit):
-    """``osgm_sweep_bwd``'s outputs ([shares], with ``emit`` also every μ_t and dinit), over
-    ``cfg.pieces`` sequence pieces: each piece's affine map Λ ↦ M ⊙ Λ + E
-    (``osgm_sweep_compose_bwd``), the chain of maps from the last piece down, the sweep."""
-    def run(*args):
-        return _call(cfg, osgm_sweep_bwd, list(args), _SEQ,
-                     ["b h j t"] + (["b t h k", "n h k"] if emit else []), emit=emit,
-                     block_k=cfg.options.picard_block_k)
-
-    p = cfg.pieces
-    if p == 1:
-        return run(k, coef, d, dkw, dfinal)
-    B, _, H, K = k.shape
-    pieces = [rows(x, p) for x in (k, coef, d, dkw)]
-    M, E = (x.reshape(B, p, H, K) for x in _call(
-        cfg, osgm_sweep_compose_bwd, pieces, _SEQ[:4], ["n h k"] * 2,
-        block_k=cfg.options.picard_block_k))
-    leaving = chain(lambda x, m: m[0] * x + m[1], (M, E), dfinal, reverse=True)
-    return _whole_rows(run(*pieces, leaving.reshape(B * p, H, K)), p, 0)
-
-
 def _token_backward(cfg, k, aux, d, dkw, dfinal):
     return _call(cfg, osgm_bwd, [k, aux, d, dkw, dfinal], _SEQ, ["b t h k", "b t h a", "n h k"])
 
 
 def _picard_backward(cfg, k, aux, d, dkw, dfinal):
-    """The adjoint by reverse sweeps (``osgm_sweep_bwd``) with c_t = −w_t g_t γ_t from the last
-    sweep's γ_t = ⟨μ_t, s_t⟩ (the first with γ = 0) until γ settles, then one sweep that emits
-    μ_t and dinit, the other cotangents elementwise (``osgm_triton``'s formulas): (cotangents,
-    converged) (``_or_else`` falls back to the token loop's reverse kernel)."""
+    """The adjoint by reverse sweeps (``osgm_sweep_bwd``, over pieces each after
+    ``osgm_sweep_compose_bwd``) with c_t = −w_t g_t γ_t from the last sweep's γ_t = ⟨μ_t, s_t⟩
+    (the first with γ = 0) until γ settles, then one sweep that emits μ_t and dinit, the other
+    cotangents elementwise (``osgm_triton``'s formulas): (cotangents, converged) (``_or_else``
+    falls back to the token loop's reverse kernel)."""
+    p, o = cfg.pieces, cfg.options
     coefs = _coefficients(cfg, k, aux)
     s, _, g, w, _ = coefs
-    base = aux.at[..., U_BWD].set(w * (1.0 - g * jnp.sum(d * s, -1)))
+    base = aux.at[..., U_BWD].set(w * (1.0 - g * jnp.sum(d * s, -1))).at[..., W].set(w)
+    pieces = [rows(x, p) for x in (k, base.at[..., G].set(g), d, dkw)]
+    ends = _per_row(cfg, dfinal)
 
     def sweep(gamma, emit):
-        return _sweep_bwd(cfg, k, base.at[..., C].set(-w * g * gamma), d, dkw, dfinal, emit=emit)
+        maps = [] if p == 1 else _call(cfg, osgm_sweep_compose_bwd, [*pieces, gamma],
+                                       _SEQ[:4] + ["b h t"], ["b h k"] * 2,
+                                       block_k=o.picard_block_k)
+        return _call(cfg, osgm_sweep_bwd, [*pieces, gamma, ends, *maps],
+                     _SEQ[:4] + ["b h t", "n h k"] + ["b h k"] * len(maps),
+                     ["b h j t"] + (["b t h k", "n h k"] if emit else []), emit=emit, pieces=p,
+                     block_k=o.picard_block_k)
 
     def step(gamma):
         return _coupling(sweep(gamma, False)[0]), None
 
-    gamma, _, ok, _ = picard_iterate(step, jnp.zeros_like(w), PICARD_TOL,
-                                     cfg.options.picard_iters, cfg.options.picard_early_exit)
+    gamma, _, ok, _ = picard_iterate(step, _to_rows(jnp.zeros_like(w), p), PICARD_TOL,
+                                     o.picard_iters, o.picard_early_exit)
 
     shares, mu, dinit = sweep(gamma, True)
     eta, _, _, eps = cfg.hyper
-    dk, dbeta, dr = cotangents(k.astype(jnp.float32), d, dkw.astype(jnp.float32), mu,
-                               _coupling(shares), coefs, eta, eps, cfg.beta_aware)
-    return (dk, jnp.zeros_like(aux).at[..., BETA].set(dbeta).at[..., RET].set(dr), dinit), ok
+    dk, dbeta, dr = cotangents(k.astype(jnp.float32), d, dkw.astype(jnp.float32), unrows(mu, p),
+                               _to_tokens(_coupling(shares), p), coefs, eta, eps, cfg.beta_aware)
+    return (dk, jnp.zeros_like(aux).at[..., BETA].set(dbeta).at[..., RET].set(dr),
+            _piece_state(cfg, dinit, 0)), ok
 
 
 _scan.defvjp(_scan_fwd, _scan_bwd)

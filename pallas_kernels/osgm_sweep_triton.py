@@ -1,8 +1,9 @@
 """One Picard sweep of the OSGM d scan (``precond_linattn.chunked.osgm_picard``) and of its
-adjoint as Pallas Triton-lowered kernels: the d recurrence for a GIVEN update u_t (the adjoint
-for a given coupling), so no reduction is on the per-token chain.
+adjoint as Pallas Triton-lowered kernels: the d recurrence for a GIVEN coupling, so no reduction
+is on the per-token chain.
 
-One program per (batch row, head, block of ``block_k`` coordinates) walks the tokens in order:
+One program per (row, head, block of ``block_k`` coordinates) walks the tokens in order, with
+u_t = w_t (1 − g_t a_t) from the LAST sweep's coupling a_t (an input):
 
     d_t = initial[doc] at a document's first token (packed), else the carried d
     a_ref[t] = Σ_{block} d_t ⊙ s_t            (s_t = k_t ⊙ k_t; the block's share of ⟨d_t, s_t⟩)
@@ -10,7 +11,7 @@ One program per (batch row, head, block of ``block_k`` coordinates) walks the to
 
 With ``emit`` it also writes k̃_t = d_t ⊙ k_t (or d_t itself with ``emit_d``) and the final d (per
 document if ``packed``), as ``osgm_triton.osgm_fwd`` does. The reverse sweep (``osgm_sweep_bwd``)
-is the adjoint's, for a GIVEN coupling term c_t = −w_t g_t γ_t (tokens in reverse; Λ the
+is the adjoint's, for c_t = −w_t g_t γ_t from the last sweep's γ_t (tokens in reverse; Λ the
 cotangent of d after token t, m_t the clip's free mask at the forward's d_t):
 
     Λ = dfinal[doc] at a document's last token, else the carried D
@@ -19,14 +20,16 @@ cotangent of d after token t, m_t the clip's free mask at the forward's d_t):
 
 and with ``emit`` writes every μ_t (the rest of the cotangents are elementwise in XLA).
 
-Over sequence pieces (``osgm_precond``, ``token_pieces``) each sweep first composes each piece's
-maps (``osgm_sweep_compose``: x ↦ clip(α x + b, lo, hi), the forward's maps compose into one of
-the same form; ``osgm_sweep_compose_bwd``: Λ ↦ M ⊙ Λ + E for the adjoint), so that a chain of p
-maps in XLA gives the state entering each piece before the sweep itself runs.
+Over sequence pieces (``osgm_precond``, ``token_pieces``: row b p + i is piece i of sequence b)
+each sweep first composes each piece's maps (``osgm_sweep_compose``: x ↦ clip(α x + b, lo, hi),
+the forward's maps compose into one of the same form; ``osgm_sweep_compose_bwd``: Λ ↦ M ⊙ Λ + E
+for the adjoint); the sweep's program for piece i then chains its entering state from its
+sequence's initial state through the maps of the pieces before it (``_entering``, p − 1 steps on
+[block_k] vectors), so a sweep is two kernels and no XLA in between.
 
-The per-token scalars travel in ``osgm_triton``'s aux rows (a forward sweep's u_t in the β
-column; a reverse sweep's c_t there and u_t in column 5; r in RET, the document columns as
-there); the token loop (groups of ``unroll`` tokens, rows ``prefetch`` groups ahead) is ``osgm_triton``'s.
+The per-token scalars travel in ``osgm_triton``'s aux rows: w_t and g_t in columns W and G, r_t
+in RET, a reverse sweep's u_t (the forward's) in U_BWD, the document columns as there; the token
+loop (groups of ``unroll`` tokens, rows ``prefetch`` groups ahead) is ``osgm_triton``'s.
 """
 
 import functools
@@ -36,142 +39,200 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.osgm_triton import (
-    BETA, DOC, FIRST, LAST, RET, _at_boundary, _aux_columns, _load_aux, _scalars, _store_at,
-    _token_loop)
+    DOC, FIRST, LAST, RET, _at_boundary, _load_aux, _scalars, _store_at, _token_loop)
 from pallas_kernels.triton_common import out_struct
 from precond_linattn.reference.osgm import clip_box
 
-U = BETA  # the aux column that carries u_t in a forward sweep
-C, U_BWD = BETA, 5  # a reverse sweep's columns: c_t = −w_t g_t γ_t and u_t
+U_BWD, W, G = 5, 6, 7  # aux columns: the forward's u_t (reverse sweeps), w_t and g_t
+BIG = 1e30  # the identity map's bounds (finite: r = 0 must not meet 0 · inf)
 
 
-def _kernel(k_ref, aux_ref, init_ref, a_ref, *out, bounds, packed, emit, emit_d, prefetch,
-            unroll, scalar_aux):
-    """The module docstring's sweep over this program's tokens and coordinates."""
+def _entering(start, maps, pieces, *, reverse=False):
+    """The state entering this program's piece i (its row r = b p + i): from ``start`` (its
+    sequence's initial state) through the maps of pieces 0..i−1, in order (``reverse``: the
+    adjoint's, from pieces p−1..i+1 down), read from ``maps`` (refs [B p, bk], the compose
+    kernels' outputs of every row): x ↦ clip(α x + b, lo, hi), or M ⊙ x + E (two maps)."""
+    if pieces == 1:
+        return start
+    r = pl.program_id(0)
+    i = r % pieces
+    base = r - i
+    order = range(pieces - 1, 0, -1) if reverse else range(pieces - 1)
+    x = start
+    for q in order:
+        m = [ref[base + q] for ref in maps]
+        y = m[0] * x + m[1] if len(m) == 2 else jnp.minimum(jnp.maximum(m[0] * x + m[1], m[2]),
+                                                              m[3])
+        x = jnp.where(q > i if reverse else q < i, y, x)
+    return x
+
+
+def _kernel(k_ref, aux_ref, a_prev_ref, init_ref, *refs, bounds, packed, emit, emit_d,
+            pieces, prefetch, unroll, scalar_aux):
+    """The module docstring's sweep over this program's tokens and coordinates, u_t formed from
+    the last sweep's coupling a_t."""
     d_min, d_max = bounds
+    maps, (a_ref, *out) = (refs[:4], refs[4:]) if pieces > 1 else ((), refs)
     out_ref, final_ref = out if emit else (None, None)
-    columns = _aux_columns(True, packed)
+    columns = (W, G, RET) + ((DOC, FIRST, LAST) if packed else ())
 
     def loads(t):
-        return k_ref[t].astype(jnp.float32), _load_aux(aux_ref, t, columns, scalar_aux)
+        return (k_ref[t].astype(jnp.float32), _load_aux(aux_ref, t, columns, scalar_aux),
+                a_prev_ref[t])
 
     def group(t0, rows, d):
-        scalars = [_scalars(aux, columns, scalar_aux) for _, aux in rows]
-        for i, ((k, _), sc) in enumerate(zip(rows, scalars)):
+        scalars = [_scalars(aux, columns, scalar_aux) for _, aux, _ in rows]
+        for i, ((k, _, a), sc) in enumerate(zip(rows, scalars)):
             if packed:
                 doc, d = _at_boundary(sc, FIRST, init_ref, d)
             s = k * k
             a_ref[t0 + i] = jnp.sum(d * s)
             if emit:
                 out_ref[t0 + i] = d if emit_d else (d * k).astype(out_ref.dtype)
-            d = clip_box(sc[RET] * d + sc[U] * s, d_min, d_max)
+            d = clip_box(sc[RET] * d + sc[W] * (1.0 - sc[G] * a) * s, d_min, d_max)
             if packed and emit:
                 _store_at(sc, LAST, final_ref, doc, d)
         return d
 
-    d0 = jnp.ones(k_ref.shape[-1:], jnp.float32) if packed else init_ref[...]
+    d0 = (jnp.ones(k_ref.shape[-1:], jnp.float32) if packed
+          else _entering(init_ref[...], maps, pieces))
     d = _token_loop(k_ref.shape[0], False, unroll, prefetch, loads, group, d0)
     if emit and not packed:
         final_ref[...] = d
 
 
-def _call(kernel, name, args, *, packed, block_k, emit, emit_dtype, num_warps, interpret):
-    """``kernel`` over (row, head, block of ``block_k`` coordinates); ``args``: [B, T, H, ·]
-    sequences (k first, the aux rows second) and last the [N, H, K] states. Results: the block
-    shares [B, H, K / block_k, T] and, with ``emit``, a sequence in ``emit_dtype`` and states."""
-    k, aux, state = args[0], args[1], args[-1]
+def _specs(k, aux, block_k):
+    """Block specs over (row, head, block of ``block_k`` coordinates): a [B, T, H, K] sequence,
+    the aux rows, a [B, H, T] coupling, a [B, H, K] state of the row, every row's [B, H, K]
+    state (a piece's map, read by the pieces after it), and a [B, H, K / block_k, T] share."""
     B, T, H, K = k.shape
-    N, bk = state.shape[0], min(block_k, K)
-    seq_k = pl.BlockSpec((None, T, None, bk), lambda b, h, j: (b, 0, h, j))
-    seq_aux = pl.BlockSpec((None, T, None, aux.shape[-1]), lambda b, h, j: (b, 0, h, 0))
-    if packed:
-        states = pl.BlockSpec((N, None, bk), lambda b, h, j: (0, h, j))
-    else:
-        states = pl.BlockSpec((None, None, bk), lambda b, h, j: (b, h, j))
-    shares = pl.BlockSpec((None, None, None, T), lambda b, h, j: (b, h, j, 0))
-    out_specs, out_shape = [shares], [out_struct((B, H, K // bk, T), jnp.float32, *args)]
-    if emit:
-        out_specs += [seq_k, states]
-        out_shape += [out_struct(k.shape, emit_dtype, *args),
-                      out_struct((N, H, K), jnp.float32, *args)]
+    bk = min(block_k, K)
+    return dict(
+        seq=pl.BlockSpec((None, T, None, bk), lambda b, h, j: (b, 0, h, j)),
+        aux=pl.BlockSpec((None, T, None, aux.shape[-1]), lambda b, h, j: (b, 0, h, 0)),
+        coupling=pl.BlockSpec((None, None, T), lambda b, h, j: (b, h, 0)),
+        state=pl.BlockSpec((None, None, bk), lambda b, h, j: (b, h, j)),
+        every_row=pl.BlockSpec((B, None, bk), lambda b, h, j: (0, h, j)),
+        shares=pl.BlockSpec((None, None, None, T), lambda b, h, j: (b, h, j, 0))), bk
+
+
+def _pallas(kernel, name, grid, in_specs, out_specs, out_shape, args, num_warps, interpret):
     return pl.pallas_call(
-        kernel, grid=(B, H, K // bk), in_specs=[seq_k, seq_aux] + [seq_k] * (len(args) - 3)
-        + [states], out_specs=out_specs, out_shape=out_shape,
+        kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret, name=name,
     )(*args)
 
 
-def osgm_sweep(k, aux, initial_state, *, hyper, beta_aware, packed, emit, emit_d, block_k,
-               prefetch, num_warps, unroll, scalar_aux, interpret):
-    """k [B, T, H, K]; aux [B, T, H, AUX] float32 (u_t in the β column); initial_state [N, H, K]
-    float32 (N = B unless ``packed``); hyper (η, d_min, d_max, ε): the bounds are used (η, ε and
-    ``beta_aware`` are folded into u). Returns [the block shares of ⟨d_t, s_t⟩ [B, H, K /
-    block_k, T] float32] and with ``emit`` also k̃ (k's dtype; every d_t float32 if
-    ``emit_d``) and the final d [N, H, K]."""
+def osgm_sweep(k, aux, a_prev, initial_state, *maps, hyper, beta_aware, packed, pieces,
+               emit, emit_d, block_k, prefetch, num_warps, unroll, scalar_aux, interpret):
+    """k [R, L, H, K] (R = B p rows of L = T / p tokens: piece i of row b is row b p + i); aux
+    [R, L, H, AUX] float32 (w_t and g_t in columns W, G; r_t in RET); a_prev [R, H, L] float32,
+    the last sweep's coupling a_t = ⟨d_t, s_t⟩ (u_t = w_t (1 − g_t a_t)); initial_state [N, H,
+    K] float32: each row's sequence's initial state (N = R), or per document if ``packed`` (p =
+    1); ``maps``: with p > 1 the four [R, H, K] maps (α, b, lo, hi) of ``osgm_sweep_compose``,
+    through which each piece chains its entering state; hyper (η, d_min, d_max, ε): the bounds
+    are used (η, ε and ``beta_aware`` are folded into w, g). Returns [the block shares of ⟨d_t,
+    s_t⟩ [R, H, K / block_k, L] float32] and with ``emit`` also k̃ (k's dtype; every d_t float32
+    if ``emit_d``) and each row's final d [N, H, K]."""
     del beta_aware
+    if (pieces > 1) != bool(maps) or (packed and pieces > 1):
+        raise ValueError(f"osgm_sweep takes the pieces' maps exactly when pieces > 1 (dense rows "
+                         f"only), got pieces={pieces}, {len(maps)} maps, packed={packed}")
+    R, L, H, K = k.shape
+    N = initial_state.shape[0]
+    spec, bk = _specs(k, aux, block_k)
+    states = pl.BlockSpec((N, None, bk), lambda b, h, j: (0, h, j)) if packed else spec["state"]
+    args = (k, aux, a_prev, initial_state, *maps)
+    out_specs, out_shape = [spec["shares"]], [out_struct((R, H, K // bk, L), jnp.float32, *args)]
+    if emit:
+        out_specs += [spec["seq"], states]
+        out_shape += [out_struct(k.shape, jnp.float32 if emit_d else k.dtype, *args),
+                      out_struct((N, H, K), jnp.float32, *args)]
     kernel = functools.partial(_kernel, bounds=hyper[1:3], packed=packed, emit=emit,
-                               emit_d=emit_d, prefetch=prefetch, unroll=unroll,
+                               emit_d=emit_d, pieces=pieces, prefetch=prefetch, unroll=unroll,
                                scalar_aux=scalar_aux)
-    return _call(kernel, "osgm_sweep", (k, aux, initial_state), packed=packed, block_k=block_k,
-                 emit=emit, emit_dtype=jnp.float32 if emit_d else k.dtype, num_warps=num_warps,
-                 interpret=interpret)
+    return _pallas(kernel, "osgm_sweep", (R, H, K // bk),
+                   [spec["seq"], spec["aux"], spec["coupling"], states]
+                   + [spec["every_row"]] * len(maps), out_specs, out_shape, args, num_warps,
+                   interpret)
 
 
-BIG = 1e30  # the identity map's bounds (finite: r = 0 must not meet 0 · inf)
-
-
-def _compose_kernel(k_ref, aux_ref, b_ref, lo_ref, hi_ref, *, bounds, prefetch, unroll,
-                    scalar_aux):
+def _compose_kernel(k_ref, aux_ref, a_prev_ref, alpha_ref, b_ref, lo_ref, hi_ref, *, bounds,
+                    prefetch, unroll, scalar_aux):
     """This program's tokens composed into the one map they apply (dense rows; ``osgm_sweep``'s
-    update, u_t in the β column): after them d is clip(α d_0 + b, lo, hi) with α = Π r_t (formed
-    in XLA), from the identity (b, lo, hi) = (0, −BIG, BIG) by, token by token,
+    update, u_t = w_t (1 − g_t a_t) from the last sweep's a_t): after them d is clip(α d_0 + b,
+    lo, hi), from the identity (α, b, lo, hi) = (1, 0, −BIG, BIG) by, token by token,
 
-        b ← r_t b + u_t s_t    lo ← clip(r_t lo + u_t s_t)    hi ← clip(r_t hi + u_t s_t)."""
+        α ← r_t α    b ← r_t b + u_t s_t    lo ← clip(r_t lo + u_t s_t)    hi ← clip(r_t hi + u_t s_t)."""
     d_min, d_max = bounds
-    columns = _aux_columns(True, False)
+    columns = (W, G, RET)
 
     def loads(t):
-        return k_ref[t].astype(jnp.float32), _load_aux(aux_ref, t, columns, scalar_aux)
+        return (k_ref[t].astype(jnp.float32), _load_aux(aux_ref, t, columns, scalar_aux),
+                a_prev_ref[t])
 
     def group(t0, rows, carry):
         del t0
-        b, lo, hi = carry
-        for k, aux in rows:
+        alpha, b, lo, hi = carry
+        for k, aux, a in rows:
             sc = _scalars(aux, columns, scalar_aux)
-            r, us = sc[RET], sc[U] * (k * k)
-            b, lo, hi = (r * b + us, clip_box(r * lo + us, d_min, d_max),
-                         clip_box(r * hi + us, d_min, d_max))
-        return b, lo, hi
+            r, us = sc[RET], sc[W] * (1.0 - sc[G] * a) * (k * k)
+            alpha, b, lo, hi = (r * alpha, r * b + us, clip_box(r * lo + us, d_min, d_max),
+                                clip_box(r * hi + us, d_min, d_max))
+        return alpha, b, lo, hi
 
     zero = jnp.zeros(k_ref.shape[-1:], jnp.float32)
-    b_ref[...], lo_ref[...], hi_ref[...] = _token_loop(
-        k_ref.shape[0], False, unroll, prefetch, loads, group, (zero, zero - BIG, zero + BIG))
+    alpha_ref[...], b_ref[...], lo_ref[...], hi_ref[...] = _token_loop(
+        k_ref.shape[0], False, unroll, prefetch, loads, group,
+        (zero + 1.0, zero, zero - BIG, zero + BIG))
 
 
-def _compose_bwd_kernel(k_ref, aux_ref, d_ref, dkw_ref, m_ref, e_ref, *, bounds, prefetch,
-                        unroll, scalar_aux):
+def osgm_sweep_compose(k, aux, a_prev, *, hyper, beta_aware, packed, block_k, prefetch,
+                       num_warps, unroll, scalar_aux, interpret):
+    """Each row's forward-sweep map (``_compose_kernel``; dense rows only): (α, b, lo, hi) [R, H,
+    K] float32 for k, aux and a_prev as ``osgm_sweep``'s."""
+    del beta_aware
+    if packed:
+        raise ValueError("osgm_sweep_compose takes dense rows (no cu_seqlens)")
+    R, L, H, K = k.shape
+    spec, bk = _specs(k, aux, block_k)
+    kernel = functools.partial(_compose_kernel, bounds=hyper[1:3], prefetch=prefetch,
+                               unroll=unroll, scalar_aux=scalar_aux)
+    return _pallas(kernel, "osgm_sweep_compose", (R, H, K // bk),
+                   [spec["seq"], spec["aux"], spec["coupling"]], [spec["state"]] * 4,
+                   [out_struct((R, H, K), jnp.float32, k, aux, a_prev)] * 4, (k, aux, a_prev),
+                   num_warps, interpret)
+
+
+def _coupling_c(sc, gamma):
+    """A reverse sweep's c_t = −w_t g_t γ_t from the last sweep's γ_t."""
+    return -sc[W] * sc[G] * gamma
+
+
+def _compose_bwd_kernel(k_ref, aux_ref, d_ref, dkw_ref, g_prev_ref, m_ref, e_ref, *, bounds,
+                        prefetch, unroll, scalar_aux):
     """This program's tokens (in reverse) composed into the one affine map of ``osgm_sweep_bwd``
     (dense rows): the cotangent at the first token is M ⊙ Λ + E for Λ that after the last, from
     the identity (M, E) = (1, 0) by, token by token (m_t the clip's free mask),
 
         M ← r_t m_t M    E ← r_t m_t E + c_t s_t + ∂k̃_t ⊙ k_t."""
     d_min, d_max = bounds
-    columns = (C, RET, U_BWD)
+    columns = (W, G, RET, U_BWD)
 
     def loads(t):
         return (k_ref[t].astype(jnp.float32), _load_aux(aux_ref, t, columns, scalar_aux),
-                d_ref[t], dkw_ref[t].astype(jnp.float32))
+                d_ref[t], dkw_ref[t].astype(jnp.float32), g_prev_ref[t])
 
     def group(t0, rows, carry):
         del t0
         M, E = carry
-        for k, aux, d, dkw in reversed(rows):
+        for k, aux, d, dkw, gamma in reversed(rows):
             sc = _scalars(aux, columns, scalar_aux)
             s = k * k
             p = sc[RET] * d + sc[U_BWD] * s
             rm = jnp.where((p > d_min) & (p < d_max), sc[RET], 0.0)
-            M, E = rm * M, rm * E + sc[C] * s + dkw * k
+            M, E = rm * M, rm * E + _coupling_c(sc, gamma) * s + dkw * k
         return M, E
 
     one = jnp.ones(k_ref.shape[-1:], jnp.float32)
@@ -179,65 +240,41 @@ def _compose_bwd_kernel(k_ref, aux_ref, d_ref, dkw_ref, m_ref, e_ref, *, bounds,
                                          (one, one - 1.0))
 
 
-def _compose_call(kernel, name, args, outputs, block_k, num_warps, interpret):
-    """``kernel`` over (row, head, block of ``block_k`` coordinates) of [B, T, H, ·] sequences
-    ``args`` (k first, the aux rows second): ``outputs`` maps [B, H, K] float32."""
-    k, aux = args[:2]
-    B, T, H, K = k.shape
-    bk = min(block_k, K)
-    seq_k = pl.BlockSpec((None, T, None, bk), lambda b, h, j: (b, 0, h, j))
-    seq_aux = pl.BlockSpec((None, T, None, aux.shape[-1]), lambda b, h, j: (b, 0, h, 0))
-    state = pl.BlockSpec((None, None, bk), lambda b, h, j: (b, h, j))
-    return pl.pallas_call(
-        kernel, grid=(B, H, K // bk), in_specs=[seq_k, seq_aux] + [seq_k] * (len(args) - 2),
-        out_specs=[state] * outputs,
-        out_shape=[out_struct((B, H, K), jnp.float32, *args)] * outputs,
-        compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=interpret, name=name,
-    )(*args)
-
-
-def osgm_sweep_compose(k, aux, *, hyper, beta_aware, packed, block_k, prefetch, num_warps,
-                       unroll, scalar_aux, interpret):
-    """Each row's forward-sweep map (``_compose_kernel``; dense rows only): (b, lo, hi) [B, H, K]
-    float32 for k [B, T, H, K] and aux as ``osgm_sweep``'s."""
-    del beta_aware
-    if packed:
-        raise ValueError("osgm_sweep_compose takes dense rows (no cu_seqlens)")
-    kernel = functools.partial(_compose_kernel, bounds=hyper[1:3], prefetch=prefetch,
-                               unroll=unroll, scalar_aux=scalar_aux)
-    return _compose_call(kernel, "osgm_sweep_compose", (k, aux), 3, block_k, num_warps,
-                         interpret)
-
-
-def osgm_sweep_compose_bwd(k, aux, d, dkw, *, hyper, beta_aware, packed, block_k, prefetch,
-                           num_warps, unroll, scalar_aux, interpret):
-    """Each row's reverse-sweep map (``_compose_bwd_kernel``; dense rows only): (M, E) [B, H, K]
-    float32 for k, aux, d, dkw as ``osgm_sweep_bwd``'s."""
+def osgm_sweep_compose_bwd(k, aux, d, dkw, g_prev, *, hyper, beta_aware, packed, block_k,
+                           prefetch, num_warps, unroll, scalar_aux, interpret):
+    """Each row's reverse-sweep map (``_compose_bwd_kernel``; dense rows only): (M, E) [R, H, K]
+    float32 for k, aux, d, dkw, g_prev as ``osgm_sweep_bwd``'s."""
     del beta_aware
     if packed:
         raise ValueError("osgm_sweep_compose_bwd takes dense rows (no cu_seqlens)")
+    R, L, H, K = k.shape
+    spec, bk = _specs(k, aux, block_k)
     kernel = functools.partial(_compose_bwd_kernel, bounds=hyper[1:3], prefetch=prefetch,
                                unroll=unroll, scalar_aux=scalar_aux)
-    return _compose_call(kernel, "osgm_sweep_compose_bwd", (k, aux, d, dkw), 2, block_k,
-                         num_warps, interpret)
+    args = (k, aux, d, dkw, g_prev)
+    return _pallas(kernel, "osgm_sweep_compose_bwd", (R, H, K // bk),
+                   [spec["seq"], spec["aux"], spec["seq"], spec["seq"], spec["coupling"]],
+                   [spec["state"]] * 2, [out_struct((R, H, K), jnp.float32, *args)] * 2, args,
+                   num_warps, interpret)
 
 
-def _bwd_kernel(k_ref, aux_ref, d_ref, dkw_ref, dfinal_ref, g_ref, *out, bounds, packed, emit,
-                prefetch, unroll, scalar_aux):
-    """The module docstring's reverse sweep over this program's tokens and coordinates."""
+def _bwd_kernel(k_ref, aux_ref, d_ref, dkw_ref, g_prev_ref, dfinal_ref, *refs, bounds, packed,
+                emit, pieces, prefetch, unroll, scalar_aux):
+    """The module docstring's reverse sweep over this program's tokens and coordinates, c_t
+    formed from the last sweep's γ_t."""
     d_min, d_max = bounds
+    maps, (g_ref, *out) = (refs[:2], refs[2:]) if pieces > 1 else ((), refs)
     mu_ref, dinit_ref = out if emit else (None, None)
-    columns = (C, RET, U_BWD) + ((DOC, FIRST, LAST) if packed else ())
+    columns = (W, G, RET, U_BWD) + ((DOC, FIRST, LAST) if packed else ())
 
     def loads(t):
         return (k_ref[t].astype(jnp.float32), _load_aux(aux_ref, t, columns, scalar_aux),
-                d_ref[t], dkw_ref[t].astype(jnp.float32))
+                d_ref[t], dkw_ref[t].astype(jnp.float32), g_prev_ref[t])
 
     def group(t0, rows, D):
-        scalars = [_scalars(aux, columns, scalar_aux) for _, aux, _, _ in rows]
+        scalars = [_scalars(aux, columns, scalar_aux) for _, aux, _, _, _ in rows]
         for i in reversed(range(len(rows))):
-            (k, _, d, dkw), sc = rows[i], scalars[i]
+            (k, _, d, dkw, gamma), sc = rows[i], scalars[i]
             s = k * k
             p = sc[RET] * d + sc[U_BWD] * s
             if packed:
@@ -246,26 +283,46 @@ def _bwd_kernel(k_ref, aux_ref, d_ref, dkw_ref, dfinal_ref, g_ref, *out, bounds,
             g_ref[t0 + i] = jnp.sum(mu * s)
             if emit:
                 mu_ref[t0 + i] = mu
-            D = sc[RET] * mu + sc[C] * s + dkw * k
+            D = sc[RET] * mu + _coupling_c(sc, gamma) * s + dkw * k
             if packed and emit:
                 _store_at(sc, FIRST, dinit_ref, doc, D)
         return D
 
-    D0 = jnp.zeros(k_ref.shape[-1:], jnp.float32) if packed else dfinal_ref[...]
+    D0 = (jnp.zeros(k_ref.shape[-1:], jnp.float32) if packed
+          else _entering(dfinal_ref[...], maps, pieces, reverse=True))
     D = _token_loop(k_ref.shape[0], True, unroll, prefetch, loads, group, D0)
     if emit and not packed:
         dinit_ref[...] = D
 
 
-def osgm_sweep_bwd(k, aux, d, dkw, dfinal, *, hyper, beta_aware, packed, emit, block_k,
-                   prefetch, num_warps, unroll, scalar_aux, interpret):
-    """k [B, T, H, K]; aux [B, T, H, AUX] float32 (c_t in the β column, r_t in RET, u_t in column
-    5); d [B, T, H, K] float32 (the forward's d_t); dkw [B, T, H, K]; dfinal [N, H, K] float32.
-    Returns [the block shares of γ_t [B, H, K / block_k, T] float32] and with ``emit`` also every
-    μ_t [B, T, H, K] and dinit [N, H, K], float32."""
+def osgm_sweep_bwd(k, aux, d, dkw, g_prev, dfinal, *maps, hyper, beta_aware, packed,
+                   pieces, emit, block_k, prefetch, num_warps, unroll, scalar_aux, interpret):
+    """k [R, L, H, K] (rows of pieces as ``osgm_sweep``'s); aux [R, L, H, AUX] float32 (w_t, g_t
+    in W, G, r_t in RET, the forward's u_t in column U_BWD); d [R, L, H, K] float32 (the
+    forward's d_t); dkw [R, L, H, K]; g_prev [R, H, L] float32, the last sweep's γ_t = ⟨μ_t,
+    s_t⟩ (c_t = −w_t g_t γ_t); dfinal [N, H, K] float32 (each row's sequence's, or per document
+    if ``packed``); ``maps``: with p > 1 the two [R, H, K] maps (M, E) of
+    ``osgm_sweep_compose_bwd``. Returns [the block shares of γ_t [R, H, K / block_k, L]
+    float32] and with ``emit`` also every μ_t [R, L, H, K] and each row's dinit [N, H, K],
+    float32."""
     del beta_aware
+    if (pieces > 1) != bool(maps) or (packed and pieces > 1):
+        raise ValueError(f"osgm_sweep_bwd takes the pieces' maps exactly when pieces > 1 (dense "
+                         f"rows only), got pieces={pieces}, {len(maps)} maps, packed={packed}")
+    R, L, H, K = k.shape
+    N = dfinal.shape[0]
+    spec, bk = _specs(k, aux, block_k)
+    states = pl.BlockSpec((N, None, bk), lambda b, h, j: (0, h, j)) if packed else spec["state"]
+    args = (k, aux, d, dkw, g_prev, dfinal, *maps)
+    out_specs, out_shape = [spec["shares"]], [out_struct((R, H, K // bk, L), jnp.float32, *args)]
+    if emit:
+        out_specs += [spec["seq"], states]
+        out_shape += [out_struct(k.shape, jnp.float32, *args),
+                      out_struct((N, H, K), jnp.float32, *args)]
     kernel = functools.partial(_bwd_kernel, bounds=hyper[1:3], packed=packed, emit=emit,
-                               prefetch=prefetch, unroll=unroll, scalar_aux=scalar_aux)
-    return _call(kernel, "osgm_sweep_bwd", (k, aux, d, dkw, dfinal), packed=packed,
-                 block_k=block_k, emit=emit, emit_dtype=jnp.float32, num_warps=num_warps,
-                 interpret=interpret)
+                               pieces=pieces, prefetch=prefetch, unroll=unroll,
+                               scalar_aux=scalar_aux)
+    return _pallas(kernel, "osgm_sweep_bwd", (R, H, K // bk),
+                   [spec["seq"], spec["aux"], spec["seq"], spec["seq"], spec["coupling"], states]
+                   + [spec["every_row"]] * len(maps), out_specs, out_shape, args, num_warps,
+                   interpret)

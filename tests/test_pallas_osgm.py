@@ -236,20 +236,23 @@ def test_picard_sweeps_match_reference(case, options, monkeypatch):
 @pytest.mark.parametrize("case, pieces", [("dense", 4), ("beta-free", 3)])
 def test_picard_sweeps_over_sequence_pieces(case, pieces, monkeypatch):
     """Sweeps over dense rows of T = 36 cut into pieces (of 9 or 12 tokens: groups of 16 never
-    fill one), the token loops poisoned: each piece's composed map, the chain and the sweep give
-    k̃, the final d and all gradients within 2e-5 of the reference (η = 2: the clip active, the
-    maps' bounds matter); the chains ran each way. A count that does not divide T is refused."""
-    from pallas_kernels import token_pieces
+    fill one), the token loops poisoned: each piece's composed map, the chain of the maps before
+    it (inside the sweep kernel) and the sweep give k̃, the final d and all gradients within 2e-5
+    of the reference (η = 2: the clip active, the maps' bounds matter; a piece started from the
+    sequence's initial state would be far off); the maps were composed each way. A count that
+    does not divide T is refused."""
     for name in ("_token_forward", "_token_backward"):
         monkeypatch.setattr(osgm_precond, name, poisoned(getattr(osgm_precond, name)))
-    chains, real = [], token_pieces.chain
-    monkeypatch.setattr(osgm_precond, "chain", lambda *a, **kw: chains.append(
-        kw.get("reverse", len(a) > 3 and a[3])) or real(*a, **kw))
+    composed = []
+    for name in ("osgm_sweep_compose", "osgm_sweep_compose_bwd"):
+        real = getattr(osgm_precond, name)
+        monkeypatch.setattr(osgm_precond, name, lambda *a, _name=name, _real=real, **kw:
+                            composed.append(_name) or _real(*a, **kw))
     x, kw = unrolled_case(case, 36)
     options = Options(picard_iters=16, picard_block_k=8, picard_pieces=pieces)
     grads = ("k", "beta", "initial_state") + (("retention",) if kw.get("retention", True) else ())
     assert_runs_match(run(options, x, **kw), run("reference", x, **kw), 2e-5, grads)
-    assert True in chains and False in chains
+    assert set(composed) == {"osgm_sweep_compose", "osgm_sweep_compose_bwd"}
     with pytest.raises(ValueError, match="picard_pieces"):
         precondition(Options(picard_iters=2, picard_pieces=5), x, **kw)
 
