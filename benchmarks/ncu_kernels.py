@@ -1,7 +1,7 @@
 """Device time of every kernel one call launches, read by Nsight Compute (ncu) on the device.
 
-    PYTHONPATH=. python3 benchmarks/ncu_kernels.py osgm --shape 1 2048 8 128 --variant 2/1/16/8/scalar/p4/cpauto --grad
-    PYTHONPATH=. python3 benchmarks/ncu_kernels.py delta --core gdn --variant auto/64/4 --grad
+    PYTHONPATH=. python3 benchmarks/ncu_kernels.py osgm --shape 1 2048 8 128 --grad
+    PYTHONPATH=. python3 benchmarks/ncu_kernels.py delta --core gdn --variant auto/64/4 --grad [--jla]
 
 The outer process runs itself under ``ncu --profile-from-start off --metrics
 gpu__time_duration.sum --clock-control none --cache-control none``; the inner one (``--inner``)
