@@ -5,7 +5,10 @@ exact clip, no host synchronisation). Backward (exact): under differentiation th
 writes every d_t (float32, kept as the residual; k̃ = d ⊙ k is formed from it), then the reverse
 kernel propagates λ = ∂L/∂d through the clipped recurrence and emits the cotangents of k, β, r
 and the initial state. The clip's derivative is that of ``reference.osgm.clip_box`` (0 on and
-beyond a bound).
+beyond a bound). With ``Options.picard_iters`` (chosen by shape by default) each way first runs
+Picard sweeps (``osgm_sweep_triton``); the token-loop kernels then run only for the sequences
+whose sweeps did not settle and keep the sweeps' results for the others (their skip flags: an
+exact fallback with no host round trip).
 
 Packed documents (``cu_seqlens``) need no chunk layout: the kernels restart d at each
 document's first token. Head dims are padded to a power of two >= 16 (keys with zeros, the
@@ -23,8 +26,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
-from jax.custom_batching import custom_vmap
 
 from pallas_kernels.osgm_sweep_triton import (
     G, U_BWD, W, osgm_sweep, osgm_sweep_bwd, osgm_sweep_compose, osgm_sweep_compose_bwd)
@@ -152,31 +153,32 @@ def _call(cfg, kernel, args, in_axes, out_axes, **static):
 
 
 def _forward(cfg, k, aux, init, emit_d):
+    """The token loop's results; with ``picard_iters`` the Picard sweeps' for the sequences whose
+    coupling settled, the token loop running only for the others (``osgm_fwd``'s skip flags:
+    an exact fallback without a host round trip)."""
+    settled = ()
     if cfg.options.picard_iters:
-        return _or_else(functools.partial(_picard_forward, cfg, emit_d=emit_d),
-                        functools.partial(_token_forward, cfg, emit_d=emit_d), k, aux, init)
-    return _token_forward(cfg, k, aux, init, emit_d=emit_d)
+        out, ok = _picard_forward(cfg, k, aux, init, emit_d=emit_d)
+        settled = (ok, *out)
+    return _token_forward(cfg, k, aux, init, emit_d=emit_d, settled=settled)
 
 
-def _or_else(attempt, fallback, *args):
-    """``attempt(*args)`` = (result, converged): the result if converged, else
-    ``fallback(*args)``, by one ``lax.cond``. Under ``vmap`` the predicate is that every row
-    converged (a batched predicate would make the cond a select: both branches would run)."""
-    @custom_vmap
-    def run(*args):
-        out, ok = attempt(*args)
-        return lax.cond(ok, lambda: out, lambda: fallback(*args))
-
-    @run.def_vmap
-    def _vmapped(axis_size, in_batched, *args):
-        del axis_size
-        axes = tuple(0 if b else None for b in in_batched)
-        out, ok = jax.vmap(attempt, in_axes=axes)(*args)
-        out = lax.cond(jnp.all(ok), lambda: out,
-                       lambda: jax.vmap(fallback, in_axes=axes)(*args))
-        return out, jax.tree.map(lambda _: True, out)
-
-    return run(*args)
+def _iterate(cfg, step, x0):
+    """(x after the Picard steps ``x ↦ step(x)`` from x0 [B p, H, L], [B] int32 flags: whether
+    each sequence's x settled, its last step changing it by at most PICARD_TOL relative to
+    max(|x|, 1)). ``picard_early_exit``: a ``while_loop`` until every sequence settled
+    (``picard_iterate``, whose predicate the GPU's host reads every step), else exactly
+    ``picard_iters`` steps, unrolled."""
+    o, B = cfg.options, x0.shape[0] // cfg.pieces
+    if o.picard_early_exit:
+        x, _, ok, _ = picard_iterate(lambda x: (step(x), None), x0, PICARD_TOL, o.picard_iters)
+        return x, jnp.broadcast_to(ok, (B,)).astype(jnp.int32)
+    x_old = x = x0
+    for _ in range(o.picard_iters):
+        x_old, x = x, step(x)
+    change = jnp.max(jnp.abs(x - x_old).reshape(B, -1), 1)
+    scale = jnp.maximum(jnp.max(jnp.abs(x).reshape(B, -1), 1), 1.0)
+    return x, (change <= PICARD_TOL * scale).astype(jnp.int32)
 
 
 def _coefficients(cfg, k, aux):
@@ -213,16 +215,20 @@ def _piece_state(cfg, state, piece):
     return state.reshape(-1, cfg.pieces, *state.shape[1:])[:, piece]
 
 
-def _token_forward(cfg, k, aux, init, *, emit_d):
-    return _call(cfg, osgm_fwd, [k, aux, init], ["b t h k", "b t h a", "n h k"],
-                 ["b t h k", "n h k"], emit_d=emit_d)
+_SETTLED = ["b", "b t h k", "n h k"]  # skip flags and the sweeps' results, as osgm_fwd's outputs
+
+
+def _token_forward(cfg, k, aux, init, *, emit_d, settled=()):
+    return _call(cfg, osgm_fwd, [k, aux, init, *settled],
+                 ["b t h k", "b t h a", "n h k"] + _SETTLED[:len(settled)], ["b t h k", "n h k"],
+                 emit_d=emit_d)
 
 
 def _picard_forward(cfg, k, aux, init, *, emit_d):
     """Sweeps with u_t = w_t (1 − g_t a_t) from the last sweep's a_t = ⟨d_t, s_t⟩ (the first from
-    d frozen at its initial state) until a changes by at most PICARD_TOL (relative), then one
-    sweep that emits: ((k̃ or every d_t, final), converged) (``_or_else`` falls back to the
-    token loop where ``Options.picard_iters`` sweeps do not get there). Over p pieces each sweep
+    d frozen at its initial state) until a settles (``_iterate``), then one sweep that emits:
+    ((k̃ or every d_t, final), [B] settled flags) (``_forward`` runs the token loop for the
+    sequences that did not settle within ``Options.picard_iters`` sweeps). Over p pieces each sweep
     is ``osgm_sweep_compose`` then ``osgm_sweep`` (which chains the pieces' maps itself)."""
     H, p, o = k.shape[2], cfg.pieces, cfg.options
     s, _, g, w, _ = _coefficients(cfg, k, aux)
@@ -242,11 +248,8 @@ def _picard_forward(cfg, k, aux, init, *, emit_d):
                      ["b h j t"] + (["b t h k", "n h k"] if emit else []), emit=emit,
                      emit_d=emit_d, pieces=p, block_k=o.picard_block_k)
 
-    def step(a):
-        return _coupling(sweep(a, False)[0]), None
-
-    a, _, ok, _ = picard_iterate(step, _to_rows(jnp.sum(start * s, -1), p), PICARD_TOL,
-                                 o.picard_iters, o.picard_early_exit)
+    a, ok = _iterate(cfg, lambda a: _coupling(sweep(a, False)[0]),
+                     _to_rows(jnp.sum(start * s, -1), p))
     _, out, final = sweep(a, True)
     return (unrows(out, p), _piece_state(cfg, final, -1)), ok
 
@@ -266,27 +269,29 @@ def _scan_fwd(cfg, k, aux, init):
 
 def _scan_bwd(cfg, res, cts):
     k, aux, d, init = res
-    if cfg.options.picard_iters:
-        dk, daux, dinit = _or_else(functools.partial(_picard_backward, cfg),
-                                   functools.partial(_token_backward, cfg), k, aux, d, *cts)
-    else:
-        dk, daux, dinit = _token_backward(cfg, k, aux, d, *cts)
+    settled = ()
+    if cfg.options.picard_iters:  # the token loop only where the sweeps did not settle
+        grads, ok = _picard_backward(cfg, k, aux, d, *cts)
+        settled = (ok, *grads)
+    dk, daux, dinit = _token_backward(cfg, k, aux, d, *cts, settled=settled)
     return match_types((dk.astype(k.dtype), daux, dinit), (k, aux, init))
 
 
 _SEQ = ["b t h k", "b t h a", "b t h k", "b t h k", "n h k"]  # k, aux, d, dk̃, dfinal
 
 
-def _token_backward(cfg, k, aux, d, dkw, dfinal):
-    return _call(cfg, osgm_bwd, [k, aux, d, dkw, dfinal], _SEQ, ["b t h k", "b t h a", "n h k"])
+def _token_backward(cfg, k, aux, d, dkw, dfinal, *, settled=()):
+    out = ["b t h k", "b t h a", "n h k"]
+    return _call(cfg, osgm_bwd, [k, aux, d, dkw, dfinal, *settled],
+                 _SEQ + (["b", *out] if settled else []), out)
 
 
 def _picard_backward(cfg, k, aux, d, dkw, dfinal):
     """The adjoint by reverse sweeps (``osgm_sweep_bwd``, over pieces each after
     ``osgm_sweep_compose_bwd``) with c_t = −w_t g_t γ_t from the last sweep's γ_t = ⟨μ_t, s_t⟩
     (the first with γ = 0) until γ settles, then one sweep that emits μ_t and dinit, the other
-    cotangents elementwise (``osgm_triton``'s formulas): (cotangents, converged) (``_or_else``
-    falls back to the token loop's reverse kernel)."""
+    cotangents elementwise (``osgm_triton``'s formulas): (cotangents, [B] settled flags)
+    (``_scan_bwd`` runs the token loop's reverse kernel for the other sequences)."""
     p, o = cfg.pieces, cfg.options
     coefs = _coefficients(cfg, k, aux)
     s, _, g, w, _ = coefs
@@ -303,11 +308,8 @@ def _picard_backward(cfg, k, aux, d, dkw, dfinal):
                      ["b h j t"] + (["b t h k", "n h k"] if emit else []), emit=emit, pieces=p,
                      block_k=o.picard_block_k)
 
-    def step(gamma):
-        return _coupling(sweep(gamma, False)[0]), None
-
-    gamma, _, ok, _ = picard_iterate(step, _to_rows(jnp.zeros_like(w), p), PICARD_TOL,
-                                     o.picard_iters, o.picard_early_exit)
+    gamma, ok = _iterate(cfg, lambda gamma: _coupling(sweep(gamma, False)[0]),
+                         _to_rows(jnp.zeros_like(w), p))
 
     shares, mu, dinit = sweep(gamma, True)
     eta, _, _, eps = cfg.hyper

@@ -103,8 +103,24 @@ def _token_loop(T, reverse, unroll, prefetch, loads, group, carry):
     return carry if reverse else last_group(carry)
 
 
-def _fwd_kernel(k_ref, aux_ref, init_ref, out_ref, final_ref, *, hyper, beta_aware, packed,
-                emit_d, prefetch, unroll, scalar_aux):
+def _unless_skipped(refs, n_in, skippable, body):
+    """``body(*inputs, *outputs)``, or with ``skippable`` (the inputs then followed by a [1] skip
+    flag and the given results, which the outputs alias) only where the flag is 0: elsewhere
+    the outputs keep the given results."""
+    if not skippable:
+        return body(*refs)
+    n_out = (len(refs) - n_in - 1) // 2
+    skip_ref, outs = refs[n_in], refs[len(refs) - n_out:]
+    pl.when(skip_ref[0] == 0)(lambda: body(*refs[:n_in], *outs))
+
+
+def _fwd_kernel(*refs, skippable, **static):
+    """``_fwd``, unless skipped (``_unless_skipped``)."""
+    _unless_skipped(refs, 3, skippable, functools.partial(_fwd, **static))
+
+
+def _fwd(k_ref, aux_ref, init_ref, out_ref, final_ref, *, hyper, beta_aware, packed, emit_d,
+         prefetch, unroll, scalar_aux):
     """k̃_t = d_t ⊙ k_t (or d_t itself if ``emit_d``), d_{t+1} = clip(r d_t + u s, d_min, d_max)
     for t in order; the final d (per document if ``packed``)."""
     eta, d_min, d_max, eps = hyper
@@ -131,8 +147,13 @@ def _fwd_kernel(k_ref, aux_ref, init_ref, out_ref, final_ref, *, hyper, beta_awa
         final_ref[...] = d
 
 
-def _bwd_kernel(k_ref, aux_ref, d_ref, dkw_ref, dfinal_ref, dk_ref, daux_ref, dinit_ref, *,
-                hyper, beta_aware, packed, prefetch, unroll, scalar_aux):
+def _bwd_kernel(*refs, skippable, **static):
+    """``_bwd``, unless skipped (``_unless_skipped``)."""
+    _unless_skipped(refs, 5, skippable, functools.partial(_bwd, **static))
+
+
+def _bwd(k_ref, aux_ref, d_ref, dkw_ref, dfinal_ref, dk_ref, daux_ref, dinit_ref, *, hyper,
+         beta_aware, packed, prefetch, unroll, scalar_aux):
     """The module docstring's reverse recurrence λ ← r μ + γ_a s + ∂k̃ ⊙ k for t descending, with
     ∂k_t, ∂β_t, ∂r_t per token and ∂d_1 = λ (per document if ``packed``)."""
     eta, d_min, d_max, eps = hyper
@@ -189,39 +210,58 @@ def _specs(T, K, num_docs, packed):
     return seq_k, seq_aux, state
 
 
-def osgm_fwd(k, aux, initial_state, *, hyper, beta_aware, packed, emit_d, prefetch, num_warps,
-             unroll, scalar_aux, interpret):
+def _skippable(specs, shapes, skip, results, n_in):
+    """In specs, input_output_aliases and extra arguments for ``skip`` [B] int32 (per batch row)
+    and the ``results`` that the outputs alias (None: no skipping)."""
+    if skip is None:
+        return [], {}, []
+    flag = pl.BlockSpec((1,), lambda b, h: (b,))
+    return [flag] + specs, {n_in + 1 + i: i for i in range(len(shapes))}, [skip, *results]
+
+
+def osgm_fwd(k, aux, initial_state, skip=None, *results, hyper, beta_aware, packed, emit_d,
+             prefetch, num_warps, unroll, scalar_aux, interpret):
     """k [B, T, H, K]; aux [B, T, H, AUX] float32; initial_state [N, H, K] float32 (N = B unless
-    ``packed``). Returns (k̃ in k's dtype, or every d_t float32 if ``emit_d``; final d [N, H, K])."""
+    ``packed``). Returns (k̃ in k's dtype, or every d_t float32 if ``emit_d``; final d [N, H, K]).
+    With ``skip`` [B] int32 and ``results`` (those two, e.g. from Picard sweeps): rows whose
+    flag is set keep the given results and run nothing (an exact fallback without a host
+    round trip)."""
     B, T, H, K = k.shape
     N = initial_state.shape[0]
     seq_k, seq_aux, state = _specs(T, K, N, packed)
-    kernel = functools.partial(_fwd_kernel, hyper=hyper, beta_aware=beta_aware, packed=packed,
-                               emit_d=emit_d, prefetch=prefetch, unroll=unroll,
-                               scalar_aux=scalar_aux)
+    out_specs = [seq_k, state]
+    out_shape = [out_struct(k.shape, jnp.float32 if emit_d else k.dtype, k, aux, initial_state),
+                 out_struct((N, H, K), jnp.float32, k, aux, initial_state)]
+    extra_specs, aliases, extra = _skippable(out_specs, out_shape, skip, results, 3)
+    kernel = functools.partial(_fwd_kernel, skippable=skip is not None, hyper=hyper,
+                               beta_aware=beta_aware, packed=packed, emit_d=emit_d,
+                               prefetch=prefetch, unroll=unroll, scalar_aux=scalar_aux)
     return pl.pallas_call(
-        kernel, grid=(B, H), in_specs=[seq_k, seq_aux, state], out_specs=[seq_k, state],
-        out_shape=[out_struct(k.shape, jnp.float32 if emit_d else k.dtype, k, aux, initial_state),
-                   out_struct((N, H, K), jnp.float32, k, aux, initial_state)],
+        kernel, grid=(B, H), in_specs=[seq_k, seq_aux, state] + extra_specs,
+        out_specs=out_specs, out_shape=out_shape, input_output_aliases=aliases,
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret, name="osgm_fwd",
-    )(k, aux, initial_state)
+    )(k, aux, initial_state, *extra)
 
 
-def osgm_bwd(k, aux, d, dkw, dfinal, *, hyper, beta_aware, packed, prefetch, num_warps, unroll,
-             scalar_aux, interpret):
+def osgm_bwd(k, aux, d, dkw, dfinal, skip=None, *results, hyper, beta_aware, packed, prefetch,
+             num_warps, unroll, scalar_aux, interpret):
     """Cotangents (dk [B, T, H, K], daux [B, T, H, AUX] (β and r columns), dinit [N, H, K]), all
-    float32, from d [B, T, H, K] (``osgm_fwd(emit_d=True)``), dk̃ and dfinal."""
+    float32, from d [B, T, H, K] (``osgm_fwd(emit_d=True)``), dk̃ and dfinal; ``skip`` and
+    ``results`` (those three) as ``osgm_fwd``'s."""
     B, T, H, K = k.shape
     N = dfinal.shape[0]
     seq_k, seq_aux, state = _specs(T, K, N, packed)
-    kernel = functools.partial(_bwd_kernel, hyper=hyper, beta_aware=beta_aware, packed=packed,
-                               prefetch=prefetch, unroll=unroll, scalar_aux=scalar_aux)
+    out_specs = [seq_k, seq_aux, state]
+    out_shape = [out_struct(shape, jnp.float32, k, aux, d, dkw, dfinal)
+                 for shape in (k.shape, aux.shape, (N, H, K))]
+    extra_specs, aliases, extra = _skippable(out_specs, out_shape, skip, results, 5)
+    kernel = functools.partial(_bwd_kernel, skippable=skip is not None, hyper=hyper,
+                               beta_aware=beta_aware, packed=packed, prefetch=prefetch,
+                               unroll=unroll, scalar_aux=scalar_aux)
     return pl.pallas_call(
-        kernel, grid=(B, H), in_specs=[seq_k, seq_aux, seq_k, seq_k, state],
-        out_specs=[seq_k, seq_aux, state],
-        out_shape=[out_struct(shape, jnp.float32, k, aux, d, dkw, dfinal)
-                   for shape in (k.shape, aux.shape, (N, H, K))],
+        kernel, grid=(B, H), in_specs=[seq_k, seq_aux, seq_k, seq_k, state] + extra_specs,
+        out_specs=out_specs, out_shape=out_shape, input_output_aliases=aliases,
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret, name="osgm_bwd",
-    )(k, aux, d, dkw, dfinal)
+    )(k, aux, d, dkw, dfinal, *extra)

@@ -25,7 +25,7 @@ import precond_linattn as pla
 from conftest import fixed_loss_step  # tests/ is this script's path
 from test_pallas_atk import make_inputs as atk_inputs
 from test_pallas_delta import make_inputs
-from test_pallas_osgm import make_inputs as osgm_inputs, poisoned
+from test_pallas_osgm import make_inputs as osgm_inputs, poison_token_loops
 
 B, C = 4, 16
 
@@ -159,8 +159,7 @@ def osgm_pieces_main():
         real = getattr(osgm_precond, name)
         setattr(osgm_precond, name, lambda *a, _name=name, _real=real, **kw:
                 composed.append(_name) or _real(*a, **kw))
-    for name in ("_token_forward", "_token_backward"):
-        setattr(osgm_precond, name, poisoned(getattr(osgm_precond, name)))
+    poison_token_loops(setattr)
     mesh = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2)
     x = osgm_inputs(0, b=B, t=20, n_init=B)
     options = Options(picard_iters=16, picard_block_k=8, picard_pieces=2)

@@ -207,10 +207,26 @@ PICARD = Options(picard_iters=16, picard_block_k=8)  # K = 24 padded to 32: 4 co
 
 
 def poisoned(f):
-    """``f`` with every float result replaced by NaN (to show which branch of a cond ran)."""
+    """``f`` with every float result replaced by NaN (to show which results were used)."""
     def g(*args, **kw):
         return jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), f(*args, **kw))
     return g
+
+
+def poison_token_loops(setattr_):
+    """Make the token-loop kernels write NaN wherever they run (their bodies, ``osgm_triton._fwd``
+    and ``_bwd``), so finite results show that they skipped every sequence (the Picard sweeps
+    settled); ``setattr_``: ``monkeypatch.setattr`` or ``setattr``."""
+    from pallas_kernels import osgm_triton
+
+    def nan_body(n_in):
+        def body(*refs, **static):
+            for ref in refs[n_in:]:
+                ref[...] = jnp.full(ref.shape, jnp.nan, ref.dtype)
+        return body
+
+    setattr_(osgm_triton, "_fwd", nan_body(3))
+    setattr_(osgm_triton, "_bwd", nan_body(5))
 
 
 @pytest.mark.parametrize("case, options", [
@@ -222,8 +238,7 @@ def test_picard_sweeps_match_reference(case, options, monkeypatch):
     that only the sweeps can give finite results: with the clip active (η = 2) k̃, the final d
     and all gradients within 2e-5 of the reference; at the paper's η = 0.003 k̃ and the final d.
     Also exactly 8 sweeps each way without early exit, with scalar aux loads."""
-    for name in ("_token_forward", "_token_backward"):
-        monkeypatch.setattr(osgm_precond, name, poisoned(getattr(osgm_precond, name)))
+    poison_token_loops(monkeypatch.setattr)
     x, kw = unrolled_case(case, 37)
     grads = ("k", "beta", "initial_state") + (("retention",) if kw.get("retention", True) else ())
     assert_runs_match(run(options, x, **kw), run("reference", x, **kw), 2e-5, grads)
@@ -241,8 +256,7 @@ def test_picard_sweeps_over_sequence_pieces(case, pieces, monkeypatch):
     of the reference (η = 2: the clip active, the maps' bounds matter; a piece started from the
     sequence's initial state would be far off); the maps were composed each way. A count that
     does not divide T is refused."""
-    for name in ("_token_forward", "_token_backward"):
-        monkeypatch.setattr(osgm_precond, name, poisoned(getattr(osgm_precond, name)))
+    poison_token_loops(monkeypatch.setattr)
     composed = []
     for name in ("osgm_sweep_compose", "osgm_sweep_compose_bwd"):
         real = getattr(osgm_precond, name)
@@ -261,7 +275,7 @@ def test_default_options_reach_calls_that_name_none(monkeypatch):
     """``default_options``: ``osgm_precondition(impl="pallas")``, as the layers call it, runs the
     Picard sweeps over pieces inside the context (the token loops poisoned: exact), the token
     loops again after it; None keeps the enclosing options; anything else is refused."""
-    monkeypatch.setattr(osgm_precond, "_token_forward", poisoned(osgm_precond._token_forward))
+    poison_token_loops(monkeypatch.setattr)
     x, kw = unrolled_case("dense", 36)
     want = precondition("reference", x, **kw)
     with osgm_precond.default_options(Options(picard_iters=16, picard_pieces=4)):
@@ -277,24 +291,12 @@ def test_default_options_reach_calls_that_name_none(monkeypatch):
 
 def test_picard_sweeps_under_vmap_skip_the_token_loops(monkeypatch):
     """vmap over rows (as the train step maps packed rows): the rows' results and gradients as
-    the batch's, and the token loops never run (under vmap the fallback's predicate is that
-    every row converged; a batched one would turn the cond into a select running both)."""
-    ran = []
-
-    def counted(f):
-        def g(*args, **kw):
-            jax.debug.callback(lambda: ran.append(f.__name__))
-            return f(*args, **kw)
-        return g
-
-    for name in ("_token_forward", "_token_backward"):
-        monkeypatch.setattr(osgm_precond, name, counted(getattr(osgm_precond, name)))
+    the batch's, and the token loops skip every row (their bodies poisoned: finite results)."""
     x, kw = unrolled_case("dense", 37)
+    batch = run(PICARD, x, **kw)
+    poison_token_loops(monkeypatch.setattr)
     rows = {n: a[:, None] for n, a in x.items()}  # two rows of batch 1
     per_row = jax.jit(jax.vmap(lambda x: run(PICARD, x, **kw)))(rows)
-    batch = run(PICARD, x, **kw)
-    jax.block_until_ready(per_row)
-    assert not ran
     for a, b in zip(jax.tree.leaves(per_row), jax.tree.leaves(batch)):
         np.testing.assert_allclose(a.reshape(b.shape), b, rtol=1e-5, atol=1e-6)
 
@@ -314,6 +316,27 @@ def test_picard_sweeps_fall_back_to_the_token_loop(monkeypatch):
     got, want = (run(o, x, **kw) for o in (Options(picard_iters=1), Options()))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_token_loops_skip_the_flagged_rows():
+    """``osgm_fwd`` / ``osgm_bwd`` with skip flags [1, 0]: row 0 keeps the given results (NaN
+    here) and row 1 is the plain kernel's, bit for bit, forward and reverse."""
+    from pallas_kernels.osgm_triton import AUX, BETA, RET, osgm_bwd, osgm_fwd
+    x = make_inputs(3, b=2, t=21)
+    aux = jnp.zeros((2, 21, H, AUX)).at[..., BETA].set(x["beta"]).at[..., RET].set(x["retention"])
+    static = dict(hyper=(0.5, D_MIN, D_MAX, 1e-6), beta_aware=True, packed=False, prefetch=2,
+                  num_warps=1, unroll=4, scalar_aux=True, interpret=True)
+    fwd_in = (x["k"], aux, x["initial_state"])
+    plain = osgm_fwd(*fwd_in, emit_d=True, **static)
+    skip = jnp.asarray([1, 0], jnp.int32)
+    nan = [jnp.full_like(a, jnp.nan) for a in plain]
+    got = osgm_fwd(*fwd_in, skip, *nan, emit_d=True, **static)
+    bwd_in = (x["k"], aux, plain[0], x["k"] * 0.5, x["initial_state"] * 0.1)
+    plain_bwd = osgm_bwd(*bwd_in, **static)
+    got_bwd = osgm_bwd(*bwd_in, skip, *[jnp.full_like(a, jnp.nan) for a in plain_bwd], **static)
+    for a, b in zip((*got, *got_bwd), (*plain, *plain_bwd)):
+        assert bool(jnp.all(jnp.isnan(a[0]))) and not bool(jnp.any(jnp.isnan(b[1])))
+        np.testing.assert_array_equal(a[1], b[1])
 
 
 @pytest.mark.parametrize("field, value", [("unroll", 0), ("unroll", 2.0), ("prefetch", 0),
