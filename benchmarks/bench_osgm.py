@@ -86,7 +86,7 @@ def variant(text):
     return Options(*numbers[:3], scalar_aux="scalar" in flags,
                    bwd_unroll=numbers[3] if len(numbers) == 4 else None,
                    picard_iters=picard[0] if picard else 0,
-                   picard_early_exit="fixed" not in flags,
+                   picard_early_exit=bool(picard) and "fixed" not in flags,
                    **({"picard_block_k": block[0]} if block else {}),
                    **({"picard_pieces": pieces[0]} if pieces else {}))
 

@@ -60,7 +60,8 @@ class Options:
     ``precond_linattn.chunked.osgm_picard`` has the algorithm and its convergence); 0: the token
     loops; None (the default): by shape, ``picard_by_shape``. ``picard_early_exit``: stop the
     sweeps once settled (a ``while_loop``: the GPU's host reads its predicate every sweep), or
-    run exactly ``picard_iters`` of them unrolled and test once. ``picard_pieces``: each sweep
+    (the default) run exactly ``picard_iters`` of them unrolled, each sequence's flag from its
+    last change, no host round trip. ``picard_pieces``: each sweep
     over dense rows cut into that many sequence pieces (``token_pieces``: each piece's composed
     map, then the sweep, whose programs chain the maps of the pieces before theirs; it must
     divide T); None (the default): ``auto_pieces`` halved until it divides T; 1: no split;
@@ -73,7 +74,7 @@ class Options:
     bwd_unroll: int | None = None
     picard_iters: int | None = None
     picard_block_k: int = 32
-    picard_early_exit: bool = True
+    picard_early_exit: bool = False
     picard_pieces: int | None = None
 
     def __post_init__(self):
@@ -99,8 +100,11 @@ _DEFAULT = TraceDefaults("default_options", Options, Options())  # of calls that
 # few one-warp programs over a long row. RESULTS run 50 (APF phase 1, bf16, H = 8, T = 2048, 4
 # sweeps over auto pieces against the token loops): B = 1 (8 programs) fwd / fwd+bwd 0.414 /
 # 0.588 ms against 0.583 / 1.110; B = 8 (64 programs) 0.711 / 1.622 against 0.685 / 1.382.
-# Below PICARD_MIN_T not measured: the token loops stay.
-PICARD_ITERS = 4
+# Below PICARD_MIN_T not measured: the token loops stay. Three sweeps without early exit since
+# RESULTS run 64 (v5.1, B = 1): fwd+bwd 0.459 ms against 0.618 with early exit after up to 4,
+# forward kernels 99.6 µs in 21 launches against 122.6 in 33, and no host round trip; the
+# paper's 340M settings settle in 3 (run 63's early exit stopped there).
+PICARD_ITERS = 3
 PICARD_BELOW_PROGRAMS = 32
 PICARD_MIN_T = 1024
 

@@ -162,7 +162,7 @@ def osgm_pieces_main():
     poison_token_loops(setattr)
     mesh = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2)
     x = osgm_inputs(0, b=B, t=20, n_init=B)
-    options = Options(picard_iters=16, picard_block_k=8, picard_pieces=2)
+    options = Options(picard_iters=16, picard_block_k=8, picard_pieces=2, picard_early_exit=True)
 
     def fn(x):
         return osgm_pallas(x["k"], x["beta"], x["retention"], 2.0, 0.5, 2.0, True, 1e-6,

@@ -203,7 +203,8 @@ def test_unrolled_matches_reference(case, options):
     assert_runs_match(got, run("reference", x, **kw), 2e-5, grads)
 
 
-PICARD = Options(picard_iters=16, picard_block_k=8)  # K = 24 padded to 32: 4 coordinate blocks
+# K = 24 padded to 32: 4 coordinate blocks; early exit: as many sweeps as the case needs
+PICARD = Options(picard_iters=16, picard_block_k=8, picard_early_exit=True)
 
 
 def poisoned(f):
@@ -263,7 +264,8 @@ def test_picard_sweeps_over_sequence_pieces(case, pieces, monkeypatch):
         monkeypatch.setattr(osgm_precond, name, lambda *a, _name=name, _real=real, **kw:
                             composed.append(_name) or _real(*a, **kw))
     x, kw = unrolled_case(case, 36)
-    options = Options(picard_iters=16, picard_block_k=8, picard_pieces=pieces)
+    options = Options(picard_iters=16, picard_block_k=8, picard_pieces=pieces,
+                      picard_early_exit=True)
     grads = ("k", "beta", "initial_state") + (("retention",) if kw.get("retention", True) else ())
     assert_runs_match(run(options, x, **kw), run("reference", x, **kw), 2e-5, grads)
     assert set(composed) == {"osgm_sweep_compose", "osgm_sweep_compose_bwd"}
@@ -278,7 +280,8 @@ def test_default_options_reach_calls_that_name_none(monkeypatch):
     poison_token_loops(monkeypatch.setattr)
     x, kw = unrolled_case("dense", 36)
     want = precondition("reference", x, **kw)
-    with osgm_precond.default_options(Options(picard_iters=16, picard_pieces=4)):
+    with osgm_precond.default_options(Options(picard_iters=16, picard_pieces=4,
+                                              picard_early_exit=True)):
         with osgm_precond.default_options(None):  # keeps the enclosing options
             got = precondition("pallas", x, **kw)
     for a, b, name in zip(got, want, ("k_write", "final")):
@@ -369,12 +372,14 @@ def test_lowers_for_cuda(options, packed):
     args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in (
         ((b, t, H, 128), jnp.bfloat16), ((b, t, H), jnp.bfloat16), ((b, t, H), jnp.bfloat16),
         ((n, H, 128), jnp.float32))]
-    # forward and backward; with Picard sweeps also a sweep and an emitting one each way
-    assert triton_kernels_lowered_for_cuda(loss, args) == 2 + 4 * bool(options.picard_iters)
+    # the token loops each way; with Picard sweeps (T = 37: one piece, no early exit) also
+    # picard_iters sweeps and an emitting one each way (None: the token loops at this shape)
+    n = options.picard_iters or 0
+    assert triton_kernels_lowered_for_cuda(loss, args) == 2 + 2 * (n + 1) * bool(n)
 
 
 @pytest.mark.parametrize("b, h, t, packed, iters", [
-    (1, 8, 2048, False, 4), (3, 10, 1024, False, 4), (4, 8, 2048, False, 0),
+    (1, 8, 2048, False, 3), (3, 10, 1024, False, 3), (4, 8, 2048, False, 0),
     (1, 8, 1023, False, 0), (1, 8, 2048, True, 0)])
 def test_picard_by_shape(b, h, t, packed, iters):
     """``picard_iters=None`` (the default): the sweeps where the token loops would run fewer
@@ -389,8 +394,8 @@ def test_picard_by_shape(b, h, t, packed, iters):
 @pytest.mark.parametrize("b, sweeps", [(1, True), (16, False)])
 def test_default_options_choose_the_sweeps_by_shape(b, sweeps):
     """``osgm_pallas`` with the default options at T = 1024: B · H = 2 lowers the sweeps over
-    pieces (forward, backward, each with its compose kernel, and the emitting ones), B · H = 32
-    the token loops only (K = 128, bf16, CUDA lowering without a GPU)."""
+    pieces (each way 3 sweeps and the emitting one, each with its compose kernel) besides the
+    token loops, B · H = 32 the token loops only (K = 128, bf16, CUDA lowering without a GPU)."""
     t = 1024
 
     def loss(k, beta, r, d0):
@@ -401,12 +406,13 @@ def test_default_options_choose_the_sweeps_by_shape(b, sweeps):
     args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in (
         ((b, t, H, 128), jnp.bfloat16), ((b, t, H), jnp.bfloat16), ((b, t, H), jnp.bfloat16),
         ((b, H, 128), jnp.float32))]
-    assert triton_kernels_lowered_for_cuda(loss, args) == 2 + 8 * sweeps
+    assert triton_kernels_lowered_for_cuda(loss, args) == 2 + 2 * 2 * (3 + 1) * sweeps
 
 
 def test_sweep_pieces_lower_for_cuda():
     """The sweeps over sequence pieces (each sweep: the pieces' composed maps, then the sweep)
-    go through the Triton lowering for CUDA; K = 128, bf16, T = 40 in 2 pieces."""
+    go through the Triton lowering for CUDA; K = 128, bf16, T = 40 in 2 pieces: each way 4
+    sweeps and the emitting one, each with its compose kernel, besides the token loops."""
     b, t = 2, 40
 
     def loss(k, beta, r, d0):
@@ -417,4 +423,4 @@ def test_sweep_pieces_lower_for_cuda():
     args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in (
         ((b, t, H, 128), jnp.bfloat16), ((b, t, H), jnp.bfloat16), ((b, t, H), jnp.bfloat16),
         ((b, H, 128), jnp.float32))]
-    assert triton_kernels_lowered_for_cuda(loss, args) == 2 + 8
+    assert triton_kernels_lowered_for_cuda(loss, args) == 2 + 2 * 2 * (4 + 1)
