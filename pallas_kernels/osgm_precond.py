@@ -28,14 +28,14 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.osgm_sweep_triton import (
-    G, U_BWD, W, osgm_sweep, osgm_sweep_bwd, osgm_sweep_compose, osgm_sweep_compose_bwd)
+    G, INV_N, U_BWD, W, osgm_sweep, osgm_sweep_bwd, osgm_sweep_compose, osgm_sweep_compose_bwd)
 from pallas_kernels.osgm_triton import AUX, BETA, DOC, FIRST, LAST, RET, osgm_bwd, osgm_fwd
 from pallas_kernels.partition import match_types, sharded_call
 from pallas_kernels.token_pieces import auto_pieces, rows, unrows
 from pallas_kernels.triton_common import (
     MAX_HEAD_DIM, TraceDefaults, aux_rows, doc_columns, interpret_default, pad_last, pow2_dim,
     vary_alike)
-from precond_linattn.chunked.osgm_picard import coefficients, cotangents, picard_iterate
+from precond_linattn.chunked.osgm_picard import beta_cotangent, coefficients, picard_iterate
 from precond_linattn.numerics import f32
 from precond_linattn.varlen import segments
 
@@ -293,14 +293,16 @@ def _token_backward(cfg, k, aux, d, dkw, dfinal, *, settled=()):
 def _picard_backward(cfg, k, aux, d, dkw, dfinal):
     """The adjoint by reverse sweeps (``osgm_sweep_bwd``, over pieces each after
     ``osgm_sweep_compose_bwd``) with c_t = −w_t g_t γ_t from the last sweep's γ_t = ⟨μ_t, s_t⟩
-    (the first with γ = 0) until γ settles, then one sweep that emits μ_t and dinit, the other
-    cotangents elementwise (``osgm_triton``'s formulas): (cotangents, [B] settled flags)
+    (the first with γ = 0) until γ settles, then one sweep that emits ∂k, the shares of ∂r and
+    dinit, ∂β elementwise (``osgm_picard.beta_cotangent``): (cotangents, [B] settled flags)
     (``_scan_bwd`` runs the token loop's reverse kernel for the other sequences)."""
-    p, o = cfg.pieces, cfg.options
+    p, o, (eta, _, _, eps) = cfg.pieces, cfg.options, cfg.hyper
     coefs = _coefficients(cfg, k, aux)
-    s, _, g, w, _ = coefs
-    base = aux.at[..., U_BWD].set(w * (1.0 - g * jnp.sum(d * s, -1))).at[..., W].set(w)
-    pieces = [rows(x, p) for x in (k, base.at[..., G].set(g), d, dkw)]
+    s, n, g, w, _ = coefs
+    a = jnp.sum(d * s, -1)
+    base = (aux.at[..., U_BWD].set(w * (1.0 - g * a)).at[..., W].set(w).at[..., G].set(g)
+            .at[..., INV_N].set(jnp.where(n > eps, 1.0 / n, 0.0)))
+    pieces = [rows(x, p) for x in (k, base, d, dkw)]
     ends = _per_row(cfg, dfinal)
 
     def sweep(gamma, emit):
@@ -309,18 +311,17 @@ def _picard_backward(cfg, k, aux, d, dkw, dfinal):
                                        block_k=o.picard_block_k)
         return _call(cfg, osgm_sweep_bwd, [*pieces, gamma, ends, *maps],
                      _SEQ[:4] + ["b h t", "n h k"] + ["b h k"] * len(maps),
-                     ["b h j t"] + (["b t h k", "n h k"] if emit else []), emit=emit, pieces=p,
-                     block_k=o.picard_block_k)
+                     ["b h j t"] + (["b t h k", "b h j t", "n h k"] if emit else []), emit=emit,
+                     pieces=p, block_k=o.picard_block_k)
 
     gamma, ok = _iterate(cfg, lambda gamma: _coupling(sweep(gamma, False)[0]),
                          _to_rows(jnp.zeros_like(w), p))
 
-    shares, mu, dinit = sweep(gamma, True)
-    eta, _, _, eps = cfg.hyper
-    dk, dbeta, dr = cotangents(k.astype(jnp.float32), d, dkw.astype(jnp.float32), unrows(mu, p),
-                               _to_tokens(_coupling(shares), p), coefs, eta, eps, cfg.beta_aware)
-    return (dk, jnp.zeros_like(aux).at[..., BETA].set(dbeta).at[..., RET].set(dr),
-            _piece_state(cfg, dinit, 0)), ok
+    _, dk, dr, dinit = sweep(gamma, True)
+    dbeta = beta_cotangent(_to_tokens(gamma, p), a, coefs, eta, cfg.beta_aware)
+    daux = jnp.zeros_like(aux).at[..., BETA].set(dbeta).at[..., RET].set(
+        _to_tokens(_coupling(dr), p))
+    return (unrows(dk, p), daux, _piece_state(cfg, dinit, 0)), ok
 
 
 _scan.defvjp(_scan_fwd, _scan_bwd)

@@ -18,7 +18,8 @@ cotangent of d after token t, m_t the clip's free mask at the forward's d_t):
     μ_t = m_t ⊙ Λ;  γ_ref[t] = Σ_{block} μ_t ⊙ s_t
     D = r_t μ_t + c_t s_t + ∂k̃_t ⊙ k_t        (∂L/∂d_t; dinit[doc] = D at its first token)
 
-and with ``emit`` writes every μ_t (the rest of the cotangents are elementwise in XLA).
+and with ``emit`` writes ∂k_t = 2 k_t ⊙ (u_t μ_t + c_t d_t + γ_n) + ∂k̃_t ⊙ d_t (γ_n = −γ_t u_t
+/ n̄_t) and the block shares of ∂r_t = ⟨μ_t, d_t⟩ (∂β_t, a per-token scalar, is XLA's).
 
 Over sequence pieces (``osgm_precond``, ``token_pieces``: row b p + i is piece i of sequence b)
 each sweep first composes each piece's maps (``osgm_sweep_compose``: x ↦ clip(α x + b, lo, hi),
@@ -44,6 +45,7 @@ from pallas_kernels.triton_common import out_struct
 from precond_linattn.reference.osgm import clip_box
 
 U_BWD, W, G = 5, 6, 7  # aux columns: the forward's u_t (reverse sweeps), w_t and g_t
+INV_N = 0  # an emitting reverse sweep's [n̄_t > ε] / n̄_t, in the β column (β enters as g_t)
 BIG = 1e30  # the identity map's bounds (finite: r = 0 must not meet 0 · inf)
 
 
@@ -116,6 +118,21 @@ def _specs(k, aux, block_k):
         shares=pl.BlockSpec((None, None, None, T), lambda b, h, j: (b, h, j, 0))), bk
 
 
+def _sweep_specs(name, args, n_in, pieces, packed, block_k):
+    """(``_specs``, the state spec, [the shares' out spec], [their struct]) of a sweep over
+    ``args`` = (k, aux, ..., its [N, H, K] state (the ``n_in``-th), the pieces' maps); ValueError
+    unless the maps come exactly with p > 1 over dense rows."""
+    k, aux, maps = args[0], args[1], args[n_in:]
+    if (pieces > 1) != bool(maps) or (packed and pieces > 1):
+        raise ValueError(f"{name} takes the pieces' maps exactly when pieces > 1 (dense rows "
+                         f"only), got pieces={pieces}, {len(maps)} maps, packed={packed}")
+    R, L, H, K = k.shape
+    spec, bk = _specs(k, aux, block_k)
+    N = args[n_in - 1].shape[0]
+    states = pl.BlockSpec((N, None, bk), lambda b, h, j: (0, h, j)) if packed else spec["state"]
+    return spec, states, [spec["shares"]], [out_struct((R, H, K // bk, L), jnp.float32, *args)]
+
+
 def _pallas(kernel, name, grid, in_specs, out_specs, out_shape, args, num_warps, interpret):
     return pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
@@ -136,23 +153,17 @@ def osgm_sweep(k, aux, a_prev, initial_state, *maps, hyper, beta_aware, packed, 
     s_t⟩ [R, H, K / block_k, L] float32] and with ``emit`` also k̃ (k's dtype; every d_t float32
     if ``emit_d``) and each row's final d [N, H, K]."""
     del beta_aware
-    if (pieces > 1) != bool(maps) or (packed and pieces > 1):
-        raise ValueError(f"osgm_sweep takes the pieces' maps exactly when pieces > 1 (dense rows "
-                         f"only), got pieces={pieces}, {len(maps)} maps, packed={packed}")
-    R, L, H, K = k.shape
-    N = initial_state.shape[0]
-    spec, bk = _specs(k, aux, block_k)
-    states = pl.BlockSpec((N, None, bk), lambda b, h, j: (0, h, j)) if packed else spec["state"]
     args = (k, aux, a_prev, initial_state, *maps)
-    out_specs, out_shape = [spec["shares"]], [out_struct((R, H, K // bk, L), jnp.float32, *args)]
+    spec, states, out_specs, out_shape = _sweep_specs("osgm_sweep", args, 4, pieces, packed,
+                                                      block_k)
     if emit:
         out_specs += [spec["seq"], states]
         out_shape += [out_struct(k.shape, jnp.float32 if emit_d else k.dtype, *args),
-                      out_struct((N, H, K), jnp.float32, *args)]
+                      out_struct(initial_state.shape, jnp.float32, *args)]
     kernel = functools.partial(_kernel, bounds=hyper[1:3], packed=packed, emit=emit,
                                emit_d=emit_d, pieces=pieces, prefetch=prefetch, unroll=unroll,
                                scalar_aux=scalar_aux)
-    return _pallas(kernel, "osgm_sweep", (R, H, K // bk),
+    return _pallas(kernel, "osgm_sweep", out_shape[0].shape[:3],  # (row, head, block)
                    [spec["seq"], spec["aux"], spec["coupling"], states]
                    + [spec["every_row"]] * len(maps), out_specs, out_shape, args, num_warps,
                    interpret)
@@ -188,21 +199,31 @@ def _compose_kernel(k_ref, aux_ref, a_prev_ref, alpha_ref, b_ref, lo_ref, hi_ref
         (zero + 1.0, zero, zero - BIG, zero + BIG))
 
 
+def _compose_call(name, kernel, args, in_kinds, n_maps, *, packed, block_k, num_warps,
+                  interpret):
+    """``kernel`` (its static arguments bound) over (row, head, block of ``block_k``
+    coordinates) of ``args`` (k, aux, then sequences and couplings, ``_specs``' kinds named by
+    ``in_kinds``): ``n_maps`` maps [R, H, K] float32; dense rows only (ValueError if
+    ``packed``)."""
+    if packed:
+        raise ValueError(f"{name} takes dense rows (no cu_seqlens)")
+    R, L, H, K = args[0].shape
+    spec, bk = _specs(args[0], args[1], block_k)
+    return _pallas(kernel, name, (R, H, K // bk), [spec[x] for x in in_kinds],
+                   [spec["state"]] * n_maps, [out_struct((R, H, K), jnp.float32, *args)] * n_maps,
+                   args, num_warps, interpret)
+
+
 def osgm_sweep_compose(k, aux, a_prev, *, hyper, beta_aware, packed, block_k, prefetch,
                        num_warps, unroll, scalar_aux, interpret):
     """Each row's forward-sweep map (``_compose_kernel``; dense rows only): (α, b, lo, hi) [R, H,
     K] float32 for k, aux and a_prev as ``osgm_sweep``'s."""
     del beta_aware
-    if packed:
-        raise ValueError("osgm_sweep_compose takes dense rows (no cu_seqlens)")
-    R, L, H, K = k.shape
-    spec, bk = _specs(k, aux, block_k)
     kernel = functools.partial(_compose_kernel, bounds=hyper[1:3], prefetch=prefetch,
                                unroll=unroll, scalar_aux=scalar_aux)
-    return _pallas(kernel, "osgm_sweep_compose", (R, H, K // bk),
-                   [spec["seq"], spec["aux"], spec["coupling"]], [spec["state"]] * 4,
-                   [out_struct((R, H, K), jnp.float32, k, aux, a_prev)] * 4, (k, aux, a_prev),
-                   num_warps, interpret)
+    return _compose_call("osgm_sweep_compose", kernel, (k, aux, a_prev),
+                         ("seq", "aux", "coupling"), 4, packed=packed, block_k=block_k,
+                         num_warps=num_warps, interpret=interpret)
 
 
 def _coupling_c(sc, gamma):
@@ -245,17 +266,11 @@ def osgm_sweep_compose_bwd(k, aux, d, dkw, g_prev, *, hyper, beta_aware, packed,
     """Each row's reverse-sweep map (``_compose_bwd_kernel``; dense rows only): (M, E) [R, H, K]
     float32 for k, aux, d, dkw, g_prev as ``osgm_sweep_bwd``'s."""
     del beta_aware
-    if packed:
-        raise ValueError("osgm_sweep_compose_bwd takes dense rows (no cu_seqlens)")
-    R, L, H, K = k.shape
-    spec, bk = _specs(k, aux, block_k)
     kernel = functools.partial(_compose_bwd_kernel, bounds=hyper[1:3], prefetch=prefetch,
                                unroll=unroll, scalar_aux=scalar_aux)
-    args = (k, aux, d, dkw, g_prev)
-    return _pallas(kernel, "osgm_sweep_compose_bwd", (R, H, K // bk),
-                   [spec["seq"], spec["aux"], spec["seq"], spec["seq"], spec["coupling"]],
-                   [spec["state"]] * 2, [out_struct((R, H, K), jnp.float32, *args)] * 2, args,
-                   num_warps, interpret)
+    return _compose_call("osgm_sweep_compose_bwd", kernel, (k, aux, d, dkw, g_prev),
+                         ("seq", "aux", "seq", "seq", "coupling"), 2, packed=packed,
+                         block_k=block_k, num_warps=num_warps, interpret=interpret)
 
 
 def _bwd_kernel(k_ref, aux_ref, d_ref, dkw_ref, g_prev_ref, dfinal_ref, *refs, bounds, packed,
@@ -264,8 +279,9 @@ def _bwd_kernel(k_ref, aux_ref, d_ref, dkw_ref, g_prev_ref, dfinal_ref, *refs, b
     formed from the last sweep's γ_t."""
     d_min, d_max = bounds
     maps, (g_ref, *out) = (refs[:2], refs[2:]) if pieces > 1 else ((), refs)
-    mu_ref, dinit_ref = out if emit else (None, None)
-    columns = (W, G, RET, U_BWD) + ((DOC, FIRST, LAST) if packed else ())
+    dk_ref, dr_ref, dinit_ref = out if emit else (None, None, None)
+    columns = (W, G, RET, U_BWD) + ((INV_N,) if emit else ()) + (
+        (DOC, FIRST, LAST) if packed else ())
 
     def loads(t):
         return (k_ref[t].astype(jnp.float32), _load_aux(aux_ref, t, columns, scalar_aux),
@@ -281,9 +297,12 @@ def _bwd_kernel(k_ref, aux_ref, d_ref, dkw_ref, g_prev_ref, dfinal_ref, *refs, b
                 doc, D = _at_boundary(sc, LAST, dfinal_ref, D)
             mu = jnp.where((p > d_min) & (p < d_max), D, 0.0)
             g_ref[t0 + i] = jnp.sum(mu * s)
-            if emit:
-                mu_ref[t0 + i] = mu
-            D = sc[RET] * mu + _coupling_c(sc, gamma) * s + dkw * k
+            c = _coupling_c(sc, gamma)
+            if emit:  # ∂s = u μ + γ_a d + γ_n with γ_a = c and γ_n = −γ u / n̄
+                ds = sc[U_BWD] * mu + c * d - gamma * sc[U_BWD] * sc[INV_N]
+                dk_ref[t0 + i] = 2.0 * k * ds + dkw * d
+                dr_ref[t0 + i] = jnp.sum(mu * d)
+            D = sc[RET] * mu + c * s + dkw * k
             if packed and emit:
                 _store_at(sc, FIRST, dinit_ref, doc, D)
         return D
@@ -303,26 +322,21 @@ def osgm_sweep_bwd(k, aux, d, dkw, g_prev, dfinal, *maps, hyper, beta_aware, pac
     s_t⟩ (c_t = −w_t g_t γ_t); dfinal [N, H, K] float32 (each row's sequence's, or per document
     if ``packed``); ``maps``: with p > 1 the two [R, H, K] maps (M, E) of
     ``osgm_sweep_compose_bwd``. Returns [the block shares of γ_t [R, H, K / block_k, L]
-    float32] and with ``emit`` also every μ_t [R, L, H, K] and each row's dinit [N, H, K],
-    float32."""
+    float32] and with ``emit`` (aux then also holds [n̄ > ε] / n̄ in column INV_N) also ∂k_t
+    [R, L, H, K] (``osgm_triton``'s formula, γ_t the last sweep's), the block shares of
+    ∂r_t = ⟨μ_t, d_t⟩ and each row's dinit [N, H, K], float32."""
     del beta_aware
-    if (pieces > 1) != bool(maps) or (packed and pieces > 1):
-        raise ValueError(f"osgm_sweep_bwd takes the pieces' maps exactly when pieces > 1 (dense "
-                         f"rows only), got pieces={pieces}, {len(maps)} maps, packed={packed}")
-    R, L, H, K = k.shape
-    N = dfinal.shape[0]
-    spec, bk = _specs(k, aux, block_k)
-    states = pl.BlockSpec((N, None, bk), lambda b, h, j: (0, h, j)) if packed else spec["state"]
     args = (k, aux, d, dkw, g_prev, dfinal, *maps)
-    out_specs, out_shape = [spec["shares"]], [out_struct((R, H, K // bk, L), jnp.float32, *args)]
+    spec, states, out_specs, out_shape = _sweep_specs("osgm_sweep_bwd", args, 6, pieces, packed,
+                                                      block_k)
     if emit:
-        out_specs += [spec["seq"], states]
-        out_shape += [out_struct(k.shape, jnp.float32, *args),
-                      out_struct((N, H, K), jnp.float32, *args)]
+        out_specs += [spec["seq"], spec["shares"], states]
+        out_shape += [out_struct(k.shape, jnp.float32, *args), out_shape[0],
+                      out_struct(dfinal.shape, jnp.float32, *args)]
     kernel = functools.partial(_bwd_kernel, bounds=hyper[1:3], packed=packed, emit=emit,
                                pieces=pieces, prefetch=prefetch, unroll=unroll,
                                scalar_aux=scalar_aux)
-    return _pallas(kernel, "osgm_sweep_bwd", (R, H, K // bk),
+    return _pallas(kernel, "osgm_sweep_bwd", out_shape[0].shape[:3],
                    [spec["seq"], spec["aux"], spec["seq"], spec["seq"], spec["coupling"], states]
                    + [spec["every_row"]] * len(maps), out_specs, out_shape, args, num_warps,
                    interpret)

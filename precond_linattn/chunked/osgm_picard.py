@@ -76,8 +76,17 @@ def cotangents(k, d, dkw, mu, gamma, coefs, eta, eps, beta_aware):
     v = 1.0 - g * a
     gn = jnp.where(n > eps, -gamma * v * w / n, 0.0)
     ds = (w * v)[..., None] * mu + (-gamma * w * g)[..., None] * d + gn[..., None]
-    dbeta = -gamma * w * a + gamma * v * eta / n if beta_aware else jnp.zeros_like(a)
-    return 2.0 * k * ds + dkw * d, dbeta, jnp.sum(mu * d, -1)
+    return (2.0 * k * ds + dkw * d, beta_cotangent(gamma, a, coefs, eta, beta_aware),
+            jnp.sum(mu * d, -1))
+
+
+def beta_cotangent(gamma, a, coefs, eta, beta_aware):
+    """∂β [B, T, H] = −γ w a + γ (1 − g a) η / n̄ (beta-aware; 0 beta-free), from γ_t = ⟨μ_t, s_t⟩
+    and a_t = ⟨d_t, s_t⟩."""
+    _, n, g, w, _ = coefs
+    if not beta_aware:
+        return jnp.zeros_like(a)
+    return -gamma * w * a + gamma * (1.0 - g * a) * eta / n
 
 
 def _sweep(a, s, g, w, r, first, start, d_min, d_max):
