@@ -1,7 +1,7 @@
 """Device benchmark of osgm_precondition(impl="pallas") (OSDN phase 1): checks, then timings.
 
     PYTHONPATH=. python3 benchmarks/bench_osgm.py [--shape B T H K] [--budget-s 100]
-        [--sections checks,time,osdn] [--variants 4/1,2/1/4,2/1/4/scalar,2/1/16/8,2/1/8/p8]
+        [--sections checks,time,baselines,osdn] [--variants 4/1,2/1/4,2/1/16/8,2/1/8/p8]
         # kernel options prefetch/num_warps[/unroll[/bwd_unroll]][/scalar][/pN[/bkM]]: prefetch
         # in loop iterations (groups of ``unroll`` tokens), ``scalar``: Options.scalar_aux, pN:
         # the forward by at most N Picard sweeps over blocks of M coordinates
@@ -12,10 +12,11 @@ cotangent, relative RMS error with the bars of bench_delta (bf16 6e-3 outputs, 8
 fp32 1e-4): the paper's setting (η = 0.003, APF retention σ(x + 6)) in fp32 and bf16, and a
 clip-active one (η = 1, beta-free, skewed keys) in fp32, and the same two for the Picard form
 (``chunked.osgm_picard``, with its iteration count). Timings (bf16, median after warm-up):
-phase 1 alone, pallas vs chunked (and the Picard form in XLA, APF), vanilla and APF, forward
-and forward+backward (gradients of k, β, r); ``osdn``: the whole OSDN op (phase 1 + the Pallas
-delta core with k̃) against the core alone with k̃ = k. Every variant but the first is also
-checked (paper APF fp32 and clip cases) after the timings. Prints JSON lines and one table;
+phase 1 alone with each variant's kernels (APF), forward and forward+backward (gradients of
+k, β, r); ``baselines``: the chunked form and the Picard form in XLA (APF), the default
+kernels and the chunked form without APF (the chunked rows take ~40 s); ``osdn``: the whole
+OSDN op (phase 1 + the Pallas delta core with k̃) against the core alone with k̃ = k. Every
+variant but the first is also checked (paper APF fp32 and clip cases) after the timings. Prints JSON lines and one table;
 records go to benchmarks/RESULTS.md.
 """
 
@@ -131,7 +132,7 @@ def osdn(phase1_impl, apf, options=None):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", type=int, nargs=4, default=(8, 2048, 8, 128))
-    p.add_argument("--sections", default="checks,time,osdn")
+    p.add_argument("--sections", default="checks,time,baselines,osdn")
     p.add_argument("--variants", default="2/1/8,2/1/8/scalar,4/1,2/1/4,1/1/8")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--budget-s", type=float, default=100)
@@ -169,9 +170,10 @@ def main():
     checks((0, 2), label=" picard", impl="picard")
     x, _ = make_inputs(jax.random.fold_in(key, 9), B, T, H, K, jnp.bfloat16)
     jobs = []
-    if "time" in a.sections:  # the first variant, the chunked form; other variants after osdn
-        jobs += [(f"phase 1 pallas[{names[0]}] APF", phase1("pallas", options=variants[0])),
-                 ("phase 1 chunked APF", phase1("chunked")),
+    if "time" in a.sections:  # the first variant first, the others after osdn
+        jobs.append((f"phase 1 pallas[{names[0]}] APF", phase1("pallas", options=variants[0])))
+    if "baselines" in a.sections:
+        jobs += [("phase 1 chunked APF", phase1("chunked")),
                  ("phase 1 picard (XLA) APF", phase1("picard")),
                  ("phase 1 pallas vanilla", phase1("pallas", apf=False)),
                  ("phase 1 chunked vanilla", phase1("chunked", apf=False))]
