@@ -16,8 +16,8 @@ phase 1 alone with each variant's kernels (APF), forward and forward+backward (g
 k, β, r); ``baselines``: the chunked form and the Picard form in XLA (APF), the default
 kernels and the chunked form without APF (the chunked rows take ~40 s); ``osdn``: the whole
 OSDN op (phase 1 + the Pallas delta core with k̃) against the core alone with k̃ = k. Every
-variant but the first is also checked (paper APF fp32 and clip cases) after the timings. Prints JSON lines and one table;
-records go to benchmarks/RESULTS.md.
+variant but the first is also checked (paper APF fp32 and clip cases) after the timings.
+Prints JSON lines and one table; records go to benchmarks/RESULTS.md.
 """
 
 import argparse
