@@ -12,7 +12,8 @@ Checks (fresh random inputs per check; the device allocator is filled with NaN b
 an unwritten output element shows): pallas vs the chunked pure-JAX form, outputs, final states
 and the gradients of every input, relative RMS error ‖a − b‖ / ‖b‖; bars bf16 6e-3 (outputs and
 final state) and 8e-3 (gradients), fp32 1e-4. Timings: median wall time of ``--reps`` calls after
-warm-up (``jax.block_until_ready``), forward and forward+backward (gradients of every input), for
+warm-up (``jax.block_until_ready``; ``--timing pipelined``: the mean of ``--reps`` calls queued
+at once, ``timeit``), forward and forward+backward (gradients of every input), for
 the DeltaNet, GDN and KDA cores with a separate write key (``--cores``: some of them);
 jax-linear-attention's symmetric-key Mosaic GPU kernels at the same shape when the ``jla``
 package imports (carry its wheel, see benchmarks/NOTES.md); ``rows``: the first variant's op as
@@ -172,10 +173,21 @@ def check(name, f_kernel, f_ref, x, key, dtype):
     return r
 
 
+PIPELINED = [False]  # ``--timing pipelined``
+
+
 def timeit(f, *a, reps):
-    """Median milliseconds of ``reps`` calls of a compiled function after two warm-up calls."""
+    """Milliseconds a call of a compiled function takes after two warm-up calls: the median of
+    ``reps`` synchronous calls (each waited for: the host's per-call cost included, ~0.2-0.4 ms
+    on the H200 against ncu's kernel sums), or with ``PIPELINED`` the mean of ``reps`` calls
+    queued back to back and waited for once (the host's cost hidden behind the device's, as in
+    a training loop)."""
     jax.block_until_ready(f(*a))
     jax.block_until_ready(f(*a))
+    if PIPELINED[0]:
+        t0 = time.perf_counter()
+        jax.block_until_ready([f(*a) for _ in range(reps)])
+        return round((time.perf_counter() - t0) / reps * 1e3, 3)
     ts = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -369,10 +381,13 @@ def main():
     p.add_argument("--budget-s", type=float, default=420,
                    help="start no new item after this many seconds from process start")
     p.add_argument("--poison-gib", type=float, default=4.0)
+    p.add_argument("--timing", choices=("sync", "pipelined"), default="sync",
+                   help="each call waited for (median), or all queued then waited for (mean)")
     p.add_argument("--gates", type=gates_arg, default="mild",
                    help="decay distribution of the inputs: mild, layer or const:R (make_inputs)")
     a = p.parse_args()
     POISON_GIB[0] = a.poison_gib
+    PIPELINED[0] = a.timing == "pipelined"
     B, T, H, D = a.shape
     sections = a.sections.split(",")
     cores, check_cores = a.cores.split(","), a.check_cores.split(",")

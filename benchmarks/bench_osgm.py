@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 import precond_linattn as pla
+from benchmarks import bench_delta
 from benchmarks.bench_delta import BARS, Guard, elapsed, rel_rms, timeit, values_and_grads
 from pallas_kernels.osgm_precond import Options, osgm_pallas
 from precond_linattn.chunked.osgm_picard import osgm_picard, osgm_picard_steps
@@ -136,7 +137,10 @@ def main():
     p.add_argument("--variants", default="2/1/8,2/1/8/scalar,4/1,2/1/4,1/1/8")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--budget-s", type=float, default=100)
+    p.add_argument("--timing", choices=("sync", "pipelined"), default="sync",
+                   help="bench_delta.timeit's: each call waited for, or all queued at once")
     a = p.parse_args()
+    bench_delta.PIPELINED[0] = a.timing == "pipelined"
     B, T, H, K = a.shape
     print(json.dumps(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                           shape=a.shape)), flush=True)

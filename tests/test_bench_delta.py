@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from benchmarks import bench_delta
 from benchmarks.bench_delta import DECAYS, breakdown, gates_arg, make_inputs, variant, variant_tag
 from pallas_kernels.delta_rule import Options
 
@@ -55,3 +56,18 @@ def test_breakdown_runs(core):
              "wy_pullback"]
     assert [n for n in r if n.endswith("_ms")] == [f"{n}_ms" for n in steps]
     assert all(r[f"{n}_ms"] > 0 for n in steps)
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_timeit_calls(monkeypatch, pipelined):
+    """``timeit``: two warm-up calls, then ``reps`` timed ones, waited for one by one or queued
+    (``--timing pipelined``); a time in milliseconds."""
+    monkeypatch.setattr(bench_delta, "PIPELINED", [pipelined])
+    calls = []
+
+    def f(x):
+        calls.append(1)
+        return x + 1
+
+    ms = bench_delta.timeit(f, jnp.ones(3), reps=5)
+    assert len(calls) == 7 and isinstance(ms, float) and ms >= 0
