@@ -59,13 +59,13 @@ class Options:
     adjoint's ⟨μ_t, s_t⟩) settles, at most that many, then the token loops (exact either way;
     ``precond_linattn.chunked.osgm_picard`` has the algorithm and its convergence); 0: the token
     loops; None (the default): by shape, ``picard_by_shape``. ``picard_early_exit``: stop the
-    sweeps once settled (a ``while_loop``: the GPU's host reads its predicate every sweep), or
-    (the default) run exactly ``picard_iters`` of them unrolled, each sequence's flag from its
-    last change, no host round trip. ``picard_pieces``: each sweep
-    over dense rows cut into that many sequence pieces (``token_pieces``: each piece's composed
-    map, then the sweep, whose programs chain the maps of the pieces before theirs; it must
-    divide T); None (the default): ``auto_pieces`` halved until it divides T; 1: no split;
-    packed documents never split."""
+    sweeps once settled (a ``while_loop``: the GPU's host reads its predicate every sweep) and
+    emit in one more, or (the default) run exactly ``picard_iters`` of them unrolled, the last
+    one emitting, each sequence's flag from its last change, no host round trip
+    (``_iterate``). ``picard_pieces``: each sweep over dense rows cut into that many sequence
+    pieces (``token_pieces``: each piece's composed map, then the sweep, whose programs chain
+    the maps of the pieces before theirs; it must divide T); None (the default):
+    ``auto_pieces`` halved until it divides T; 1: no split; packed documents never split."""
 
     prefetch: int = 2
     num_warps: int = 1
@@ -167,22 +167,27 @@ def _forward(cfg, k, aux, init, emit_d):
     return _token_forward(cfg, k, aux, init, emit_d=emit_d, settled=settled)
 
 
-def _iterate(cfg, step, x0):
-    """(x after the Picard steps ``x ↦ step(x)`` from x0 [B p, H, L], [B] int32 flags: whether
-    each sequence's x settled, its last step changing it by at most PICARD_TOL relative to
-    max(|x|, 1)). ``picard_early_exit``: a ``while_loop`` until every sequence settled
-    (``picard_iterate``, whose predicate the GPU's host reads every step), else exactly
-    ``picard_iters`` steps, unrolled."""
+def _iterate(cfg, sweep, x0):
+    """Picard sweeps from the coupling x0 [B p, H, L] (``sweep(x, emit)`` -> [its block shares,
+    with ``emit`` the results]): (x, the emitting sweep's results, [B] int32 flags: whether each
+    sequence settled, PICARD_TOL relative to max(|x|, 1)), x being the coupling the emitting
+    sweep ran with. ``picard_early_exit``: a ``while_loop`` until every sequence's coupling
+    settled (``picard_iterate``, whose predicate the GPU's host reads every sweep), then one
+    sweep that emits; else exactly ``picard_iters`` sweeps, unrolled, the last one emitting and
+    each flag comparing the coupling of the emitted states with the one they ran with."""
     o, B = cfg.options, x0.shape[0] // cfg.pieces
     if o.picard_early_exit:
-        x, _, ok, _ = picard_iterate(lambda x: (step(x), None), x0, PICARD_TOL, o.picard_iters)
-        return x, jnp.broadcast_to(ok, (B,)).astype(jnp.int32)
-    x_old = x = x0
-    for _ in range(o.picard_iters):
-        x_old, x = x, step(x)
-    change = jnp.max(jnp.abs(x - x_old).reshape(B, -1), 1)
-    scale = jnp.maximum(jnp.max(jnp.abs(x).reshape(B, -1), 1), 1.0)
-    return x, (change <= PICARD_TOL * scale).astype(jnp.int32)
+        x, _, ok, _ = picard_iterate(lambda x: (_coupling(sweep(x, False)[0]), None), x0,
+                                     PICARD_TOL, o.picard_iters)
+        return x, sweep(x, True)[1:], jnp.broadcast_to(ok, (B,)).astype(jnp.int32)
+    x = x0
+    for _ in range(o.picard_iters - 1):
+        x = _coupling(sweep(x, False)[0])
+    shares, *out = sweep(x, True)
+    x_new = _coupling(shares)
+    change = jnp.max(jnp.abs(x_new - x).reshape(B, -1), 1)
+    scale = jnp.maximum(jnp.max(jnp.abs(x_new).reshape(B, -1), 1), 1.0)
+    return x, out, (change <= PICARD_TOL * scale).astype(jnp.int32)
 
 
 def _coefficients(cfg, k, aux):
@@ -230,10 +235,10 @@ def _token_forward(cfg, k, aux, init, *, emit_d, settled=()):
 
 def _picard_forward(cfg, k, aux, init, *, emit_d):
     """Sweeps with u_t = w_t (1 − g_t a_t) from the last sweep's a_t = ⟨d_t, s_t⟩ (the first from
-    d frozen at its initial state) until a settles (``_iterate``), then one sweep that emits:
-    ((k̃ or every d_t, final), [B] settled flags) (``_forward`` runs the token loop for the
-    sequences that did not settle within ``Options.picard_iters`` sweeps). Over p pieces each sweep
-    is ``osgm_sweep_compose`` then ``osgm_sweep`` (which chains the pieces' maps itself)."""
+    d frozen at its initial state), one of them emitting (``_iterate``): ((k̃ or every d_t,
+    final), [B] settled flags) (``_forward`` runs the token loop for the sequences that did not
+    settle within ``Options.picard_iters`` sweeps). Over p pieces each sweep is
+    ``osgm_sweep_compose`` then ``osgm_sweep`` (which chains the pieces' maps itself)."""
     H, p, o = k.shape[2], cfg.pieces, cfg.options
     s, _, g, w, _ = _coefficients(cfg, k, aux)
     if cfg.packed:  # each token's document's initial state
@@ -252,9 +257,7 @@ def _picard_forward(cfg, k, aux, init, *, emit_d):
                      ["b h j t"] + (["b t h k", "n h k"] if emit else []), emit=emit,
                      emit_d=emit_d, pieces=p, block_k=o.picard_block_k)
 
-    a, ok = _iterate(cfg, lambda a: _coupling(sweep(a, False)[0]),
-                     _to_rows(jnp.sum(start * s, -1), p))
-    _, out, final = sweep(a, True)
+    _, (out, final), ok = _iterate(cfg, sweep, _to_rows(jnp.sum(start * s, -1), p))
     return (unrows(out, p), _piece_state(cfg, final, -1)), ok
 
 
@@ -293,8 +296,8 @@ def _token_backward(cfg, k, aux, d, dkw, dfinal, *, settled=()):
 def _picard_backward(cfg, k, aux, d, dkw, dfinal):
     """The adjoint by reverse sweeps (``osgm_sweep_bwd``, over pieces each after
     ``osgm_sweep_compose_bwd``) with c_t = −w_t g_t γ_t from the last sweep's γ_t = ⟨μ_t, s_t⟩
-    (the first with γ = 0) until γ settles, then one sweep that emits ∂k, the shares of ∂r and
-    dinit, ∂β elementwise (``osgm_picard.beta_cotangent``): (cotangents, [B] settled flags)
+    (the first with γ = 0), one of them emitting ∂k, the shares of ∂r and dinit (``_iterate``),
+    ∂β elementwise (``osgm_picard.beta_cotangent``): (cotangents, [B] settled flags)
     (``_scan_bwd`` runs the token loop's reverse kernel for the other sequences)."""
     p, o, (eta, _, _, eps) = cfg.pieces, cfg.options, cfg.hyper
     coefs = _coefficients(cfg, k, aux)
@@ -314,10 +317,7 @@ def _picard_backward(cfg, k, aux, d, dkw, dfinal):
                      ["b h j t"] + (["b t h k", "b h j t", "n h k"] if emit else []), emit=emit,
                      pieces=p, block_k=o.picard_block_k)
 
-    gamma, ok = _iterate(cfg, lambda gamma: _coupling(sweep(gamma, False)[0]),
-                         _to_rows(jnp.zeros_like(w), p))
-
-    _, dk, dr, dinit = sweep(gamma, True)
+    gamma, (dk, dr, dinit), ok = _iterate(cfg, sweep, _to_rows(jnp.zeros_like(w), p))
     dbeta = beta_cotangent(_to_tokens(gamma, p), a, coefs, eta, cfg.beta_aware)
     daux = jnp.zeros_like(aux).at[..., BETA].set(dbeta).at[..., RET].set(
         _to_tokens(_coupling(dr), p))
