@@ -295,8 +295,9 @@ def test_default_options_reach_calls_that_name_none(monkeypatch):
 
 def test_picard_sweeps_under_vmap_skip_the_token_loops(monkeypatch):
     """vmap over rows (as the train step maps packed rows): the rows' results and gradients as
-    the batch's, and the token loops skip every row (their bodies poisoned: finite results)."""
-    x, kw = unrolled_case("dense", 37)
+    the batch's, and the token loops skip every row (their bodies poisoned: finite results);
+    T = 21: a group of 16 tokens and a shorter one."""
+    x, kw = unrolled_case("dense", 21)
     batch = run(PICARD, x, **kw)
     poison_token_loops(monkeypatch.setattr)
     rows = {n: a[:, None] for n, a in x.items()}  # two rows of batch 1
