@@ -168,23 +168,24 @@ def _forward(cfg, k, aux, init, emit_d):
 
 
 def _iterate(cfg, sweep, x0):
-    """Picard sweeps from the coupling x0 [B p, H, L] (``sweep(x, emit)`` -> [its block shares,
-    with ``emit`` the results]): (x, the emitting sweep's results, [B] int32 flags: whether each
-    sequence settled, PICARD_TOL relative to max(|x|, 1)), x being the coupling the emitting
-    sweep ran with. ``picard_early_exit``: a ``while_loop`` until every sequence's coupling
-    settled (``picard_iterate``, whose predicate the GPU's host reads every sweep), then one
-    sweep that emits; else exactly ``picard_iters`` sweeps, unrolled, the last one emitting and
-    each flag comparing the coupling of the emitted states with the one they ran with."""
+    """Picard sweeps from the coupling x0 [B p, H, 1, L] (``sweep(x, emit)`` -> [its block
+    shares [B p, H, J, L], with ``emit`` the results]; x: block shares, which the kernels sum):
+    (x [B p, H, L], the emitting sweep's results, [B] int32 flags: whether each sequence settled,
+    PICARD_TOL relative to max(|x|, 1)), x being the coupling the emitting sweep ran with.
+    ``picard_early_exit``: a ``while_loop`` until every sequence's coupling settled
+    (``picard_iterate``, whose predicate the GPU's host reads every sweep), then one sweep that
+    emits; else exactly ``picard_iters`` sweeps, unrolled, the last one emitting and each flag
+    comparing the coupling of the emitted states with the one they ran with."""
     o, B = cfg.options, x0.shape[0] // cfg.pieces
-    if o.picard_early_exit:
-        x, _, ok, _ = picard_iterate(lambda x: (_coupling(sweep(x, False)[0]), None), x0,
-                                     PICARD_TOL, o.picard_iters)
-        return x, sweep(x, True)[1:], jnp.broadcast_to(ok, (B,)).astype(jnp.int32)
+    if o.picard_early_exit:  # the while loop's carry: the coupling (one share)
+        x, _, ok, _ = picard_iterate(lambda x: (_coupling(sweep(x, False)[0])[:, :, None], None),
+                                     x0, PICARD_TOL, o.picard_iters)
+        return _coupling(x), sweep(x, True)[1:], jnp.broadcast_to(ok, (B,)).astype(jnp.int32)
     x = x0
-    for _ in range(o.picard_iters - 1):
-        x = _coupling(sweep(x, False)[0])
+    for _ in range(o.picard_iters - 1):  # each sweep sums the last one's shares itself
+        x = sweep(x, False)[0]
     shares, *out = sweep(x, True)
-    x_new = _coupling(shares)
+    x, x_new = _coupling(x), _coupling(shares)
     change = jnp.max(jnp.abs(x_new - x).reshape(B, -1), 1)
     scale = jnp.maximum(jnp.max(jnp.abs(x_new).reshape(B, -1), 1), 1.0)
     return x, out, (change <= PICARD_TOL * scale).astype(jnp.int32)
@@ -203,12 +204,12 @@ def _coupling(shares):
 
 
 def _to_rows(a, p):
-    """A per-token coupling [B, T, H] in the sweeps' layout [B p, H, T / p]."""
-    return rows(a, p).transpose(0, 2, 1)
+    """A per-token coupling [B, T, H] in the sweeps' layout, one share [B p, H, 1, T / p]."""
+    return rows(a, p).transpose(0, 2, 1)[:, :, None]
 
 
 def _to_tokens(a, p):
-    """``_to_rows``' inverse."""
+    """A coupling [B p, H, T / p] per token [B, T, H]."""
     return unrows(a.transpose(0, 2, 1), p)
 
 
@@ -250,10 +251,10 @@ def _picard_forward(cfg, k, aux, init, *, emit_d):
 
     def sweep(a, emit):
         maps = [] if p == 1 else _call(cfg, osgm_sweep_compose, [pk, paux, a],
-                                       ["b t h k", "b t h a", "b h t"], ["b h k"] * 4,
+                                       ["b t h k", "b t h a", "b h i t"], ["b h k"] * 4,
                                        block_k=o.picard_block_k)
         return _call(cfg, osgm_sweep, [pk, paux, a, starts, *maps],
-                     ["b t h k", "b t h a", "b h t", "n h k"] + ["b h k"] * len(maps),
+                     ["b t h k", "b t h a", "b h i t", "n h k"] + ["b h k"] * len(maps),
                      ["b h j t"] + (["b t h k", "n h k"] if emit else []), emit=emit,
                      emit_d=emit_d, pieces=p, block_k=o.picard_block_k)
 
@@ -310,10 +311,10 @@ def _picard_backward(cfg, k, aux, d, dkw, dfinal):
 
     def sweep(gamma, emit):
         maps = [] if p == 1 else _call(cfg, osgm_sweep_compose_bwd, [*pieces, gamma],
-                                       _SEQ[:4] + ["b h t"], ["b h k"] * 2,
+                                       _SEQ[:4] + ["b h i t"], ["b h k"] * 2,
                                        block_k=o.picard_block_k)
         return _call(cfg, osgm_sweep_bwd, [*pieces, gamma, ends, *maps],
-                     _SEQ[:4] + ["b h t", "n h k"] + ["b h k"] * len(maps),
+                     _SEQ[:4] + ["b h i t", "n h k"] + ["b h k"] * len(maps),
                      ["b h j t"] + (["b t h k", "b h j t", "n h k"] if emit else []), emit=emit,
                      pieces=p, block_k=o.picard_block_k)
 

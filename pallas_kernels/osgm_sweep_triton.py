@@ -80,7 +80,7 @@ def _kernel(k_ref, aux_ref, a_prev_ref, init_ref, *refs, bounds, packed, emit, e
 
     def loads(t):
         return (k_ref[t].astype(jnp.float32), _load_aux(aux_ref, t, columns, scalar_aux),
-                a_prev_ref[t])
+                jnp.sum(a_prev_ref[:, t]))
 
     def group(t0, rows, d):
         scalars = [_scalars(aux, columns, scalar_aux) for _, aux, _ in rows]
@@ -103,16 +103,17 @@ def _kernel(k_ref, aux_ref, a_prev_ref, init_ref, *refs, bounds, packed, emit, e
         final_ref[...] = d
 
 
-def _specs(k, aux, block_k):
+def _specs(k, aux, block_k, coupling_blocks=1):
     """Block specs over (row, head, block of ``block_k`` coordinates): a [B, T, H, K] sequence,
-    the aux rows, a [B, H, T] coupling, a [B, H, K] state of the row, every row's [B, H, K]
-    state (a piece's map, read by the pieces after it), and a [B, H, K / block_k, T] share."""
+    the aux rows, a coupling as [B, H, J, T] block shares (J = ``coupling_blocks``; 1: the sum),
+    a [B, H, K] state of the row, every row's [B, H, K] state (a piece's map, read by the pieces
+    after it), and a [B, H, K / block_k, T] share."""
     B, T, H, K = k.shape
     bk = min(block_k, K)
     return dict(
         seq=pl.BlockSpec((None, T, None, bk), lambda b, h, j: (b, 0, h, j)),
         aux=pl.BlockSpec((None, T, None, aux.shape[-1]), lambda b, h, j: (b, 0, h, 0)),
-        coupling=pl.BlockSpec((None, None, T), lambda b, h, j: (b, h, 0)),
+        coupling=pl.BlockSpec((None, None, coupling_blocks, T), lambda b, h, j: (b, h, 0, 0)),
         state=pl.BlockSpec((None, None, bk), lambda b, h, j: (b, h, j)),
         every_row=pl.BlockSpec((B, None, bk), lambda b, h, j: (0, h, j)),
         shares=pl.BlockSpec((None, None, None, T), lambda b, h, j: (b, h, j, 0))), bk
@@ -127,7 +128,7 @@ def _sweep_specs(name, args, n_in, pieces, packed, block_k):
         raise ValueError(f"{name} takes the pieces' maps exactly when pieces > 1 (dense rows "
                          f"only), got pieces={pieces}, {len(maps)} maps, packed={packed}")
     R, L, H, K = k.shape
-    spec, bk = _specs(k, aux, block_k)
+    spec, bk = _specs(k, aux, block_k, args[n_in - 2].shape[2])  # the coupling before the state
     N = args[n_in - 1].shape[0]
     states = pl.BlockSpec((N, None, bk), lambda b, h, j: (0, h, j)) if packed else spec["state"]
     return spec, states, [spec["shares"]], [out_struct((R, H, K // bk, L), jnp.float32, *args)]
@@ -144,8 +145,9 @@ def _pallas(kernel, name, grid, in_specs, out_specs, out_shape, args, num_warps,
 def osgm_sweep(k, aux, a_prev, initial_state, *maps, hyper, beta_aware, packed, pieces,
                emit, emit_d, block_k, prefetch, num_warps, unroll, scalar_aux, interpret):
     """k [R, L, H, K] (R = B p rows of L = T / p tokens: piece i of row b is row b p + i); aux
-    [R, L, H, AUX] float32 (w_t and g_t in columns W, G; r_t in RET); a_prev [R, H, L] float32,
-    the last sweep's coupling a_t = ⟨d_t, s_t⟩ (u_t = w_t (1 − g_t a_t)); initial_state [N, H,
+    [R, L, H, AUX] float32 (w_t and g_t in columns W, G; r_t in RET); a_prev [R, H, J, L]
+    float32, the last sweep's coupling a_t = ⟨d_t, s_t⟩ as J block shares, summed here (J = 1:
+    the coupling itself; u_t = w_t (1 − g_t a_t)); initial_state [N, H,
     K] float32: each row's sequence's initial state (N = R), or per document if ``packed`` (p =
     1); ``maps``: with p > 1 the four [R, H, K] maps (α, b, lo, hi) of ``osgm_sweep_compose``,
     through which each piece chains its entering state; hyper (η, d_min, d_max, ε): the bounds
@@ -181,7 +183,7 @@ def _compose_kernel(k_ref, aux_ref, a_prev_ref, alpha_ref, b_ref, lo_ref, hi_ref
 
     def loads(t):
         return (k_ref[t].astype(jnp.float32), _load_aux(aux_ref, t, columns, scalar_aux),
-                a_prev_ref[t])
+                jnp.sum(a_prev_ref[:, t]))
 
     def group(t0, rows, carry):
         del t0
@@ -208,7 +210,7 @@ def _compose_call(name, kernel, args, in_kinds, n_maps, *, packed, block_k, num_
     if packed:
         raise ValueError(f"{name} takes dense rows (no cu_seqlens)")
     R, L, H, K = args[0].shape
-    spec, bk = _specs(args[0], args[1], block_k)
+    spec, bk = _specs(args[0], args[1], block_k, args[-1].shape[2])  # the coupling last
     return _pallas(kernel, name, (R, H, K // bk), [spec[x] for x in in_kinds],
                    [spec["state"]] * n_maps, [out_struct((R, H, K), jnp.float32, *args)] * n_maps,
                    args, num_warps, interpret)
@@ -243,7 +245,7 @@ def _compose_bwd_kernel(k_ref, aux_ref, d_ref, dkw_ref, g_prev_ref, m_ref, e_ref
 
     def loads(t):
         return (k_ref[t].astype(jnp.float32), _load_aux(aux_ref, t, columns, scalar_aux),
-                d_ref[t], dkw_ref[t].astype(jnp.float32), g_prev_ref[t])
+                d_ref[t], dkw_ref[t].astype(jnp.float32), jnp.sum(g_prev_ref[:, t]))
 
     def group(t0, rows, carry):
         del t0
@@ -285,7 +287,7 @@ def _bwd_kernel(k_ref, aux_ref, d_ref, dkw_ref, g_prev_ref, dfinal_ref, *refs, b
 
     def loads(t):
         return (k_ref[t].astype(jnp.float32), _load_aux(aux_ref, t, columns, scalar_aux),
-                d_ref[t], dkw_ref[t].astype(jnp.float32), g_prev_ref[t])
+                d_ref[t], dkw_ref[t].astype(jnp.float32), jnp.sum(g_prev_ref[:, t]))
 
     def group(t0, rows, D):
         scalars = [_scalars(aux, columns, scalar_aux) for _, aux, _, _, _ in rows]
@@ -318,9 +320,9 @@ def osgm_sweep_bwd(k, aux, d, dkw, g_prev, dfinal, *maps, hyper, beta_aware, pac
                    pieces, emit, block_k, prefetch, num_warps, unroll, scalar_aux, interpret):
     """k [R, L, H, K] (rows of pieces as ``osgm_sweep``'s); aux [R, L, H, AUX] float32 (w_t, g_t
     in W, G, r_t in RET, the forward's u_t in column U_BWD); d [R, L, H, K] float32 (the
-    forward's d_t); dkw [R, L, H, K]; g_prev [R, H, L] float32, the last sweep's γ_t = ⟨μ_t,
-    s_t⟩ (c_t = −w_t g_t γ_t); dfinal [N, H, K] float32 (each row's sequence's, or per document
-    if ``packed``); ``maps``: with p > 1 the two [R, H, K] maps (M, E) of
+    forward's d_t); dkw [R, L, H, K]; g_prev [R, H, J, L] float32, the last sweep's γ_t = ⟨μ_t,
+    s_t⟩ as a_prev in ``osgm_sweep`` (c_t = −w_t g_t γ_t); dfinal [N, H, K] float32 (each
+    row's sequence's, or per document if ``packed``); ``maps``: with p > 1 the two [R, H, K] maps (M, E) of
     ``osgm_sweep_compose_bwd``. Returns [the block shares of γ_t [R, H, K / block_k, L]
     float32] and with ``emit`` (aux then also holds [n̄ > ε] / n̄ in column INV_N) also ∂k_t
     [R, L, H, K] (``osgm_triton``'s formula, γ_t the last sweep's), the block shares of
