@@ -5,8 +5,9 @@
 
 The outer process runs itself under ``ncu --profile-from-start off --metrics
 gpu__time_duration.sum --clock-control none --cache-control none``; the inner one (``--inner``)
-compiles the call, runs it twice, times it (median of 10, as the benches do), then runs it once
-between ``cuProfilerStart`` / ``cuProfilerStop``. The table: each kernel name, its launches and
+compiles the call, runs it twice, times it (median of 10, as the benches do; under ncu, where
+host round trips are slow: compare the benches' own wall times), then runs it once between
+``cuProfilerStart`` / ``cuProfilerStop``. The table: each kernel name, its launches and
 its summed device time, then the sum against the call's wall time; their difference is what the
 kernels do not account for (launch gaps, host round trips such as a ``while_loop``'s predicate).
 ncu serialises the kernels, so concurrent kernels would each count whole; XLA runs one stream.
@@ -90,8 +91,8 @@ def table(report: str, wall_ms: float | None):
     out += [f"{name:70s} {n:4d} {us:9.1f}" for name, (n, us) in rows]
     out.append(f"{'sum of kernels':70s} {sum(n for n, _ in by_name.values()):4d} {total:9.1f}")
     if wall_ms is not None:
-        out.append(f"{'wall time of the call (median, outside ncu)':70s} {'':4s} "
-                   f"{wall_ms * 1e3:9.1f}")
+        out.append(f"{'wall time of the call (median, under ncu: host round trips slow)':70s} "
+                   f"{'':4s} {wall_ms * 1e3:9.1f}")
     return "\n".join(out)
 
 
