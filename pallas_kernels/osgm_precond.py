@@ -213,6 +213,24 @@ def _to_tokens(a, p):
     return unrows(a.transpose(0, 2, 1), p)
 
 
+def _sweeps(cfg, compose, kernel, n_maps, seqs, seq_axes, state, emit_axes, **static):
+    """``sweep(x, emit)`` for ``_iterate``: ``kernel(*seqs, x, state, *maps)`` for a coupling x
+    (block shares [B p, H, J, L]), its results [block shares] and with ``emit`` those
+    ``emit_axes`` name; over p > 1 pieces the ``n_maps`` maps of ``compose(*seqs, x)`` first
+    (the sweep kernels chain them)."""
+    block_k = cfg.options.picard_block_k
+
+    def sweep(x, emit):
+        maps = [] if cfg.pieces == 1 else _call(cfg, compose, [*seqs, x], seq_axes + ["b h i t"],
+                                                ["b h k"] * n_maps, block_k=block_k)
+        return _call(cfg, kernel, [*seqs, x, state, *maps],
+                     seq_axes + ["b h i t", "n h k"] + ["b h k"] * len(maps),
+                     ["b h j t"] + (emit_axes if emit else []), emit=emit, pieces=cfg.pieces,
+                     block_k=block_k, **static)
+
+    return sweep
+
+
 def _per_row(cfg, state):
     """Each sequence's state [B, H, K] as each row's [B p, H, K] (packed or one piece: as is)."""
     return state if cfg.packed or cfg.pieces == 1 else jnp.repeat(state, cfg.pieces, axis=0)
@@ -240,24 +258,16 @@ def _picard_forward(cfg, k, aux, init, *, emit_d):
     final), [B] settled flags) (``_forward`` runs the token loop for the sequences that did not
     settle within ``Options.picard_iters`` sweeps). Over p pieces each sweep is
     ``osgm_sweep_compose`` then ``osgm_sweep`` (which chains the pieces' maps itself)."""
-    H, p, o = k.shape[2], cfg.pieces, cfg.options
+    H, p = k.shape[2], cfg.pieces
     s, _, g, w, _ = _coefficients(cfg, k, aux)
     if cfg.packed:  # each token's document's initial state
         start = init[aux[..., DOC].astype(jnp.int32), jnp.arange(H)]
     else:
         start = init[:, None]
-    pk, paux, starts = rows(k, p), rows(aux.at[..., W].set(w).at[..., G].set(g), p), _per_row(
-        cfg, init)
-
-    def sweep(a, emit):
-        maps = [] if p == 1 else _call(cfg, osgm_sweep_compose, [pk, paux, a],
-                                       ["b t h k", "b t h a", "b h i t"], ["b h k"] * 4,
-                                       block_k=o.picard_block_k)
-        return _call(cfg, osgm_sweep, [pk, paux, a, starts, *maps],
-                     ["b t h k", "b t h a", "b h i t", "n h k"] + ["b h k"] * len(maps),
-                     ["b h j t"] + (["b t h k", "n h k"] if emit else []), emit=emit,
-                     emit_d=emit_d, pieces=p, block_k=o.picard_block_k)
-
+    sweep = _sweeps(cfg, osgm_sweep_compose, osgm_sweep, 4,
+                    [rows(k, p), rows(aux.at[..., W].set(w).at[..., G].set(g), p)],
+                    ["b t h k", "b t h a"], _per_row(cfg, init), ["b t h k", "n h k"],
+                    emit_d=emit_d)
     _, (out, final), ok = _iterate(cfg, sweep, _to_rows(jnp.sum(start * s, -1), p))
     return (unrows(out, p), _piece_state(cfg, final, -1)), ok
 
@@ -300,24 +310,15 @@ def _picard_backward(cfg, k, aux, d, dkw, dfinal):
     (the first with γ = 0), one of them emitting ∂k, the shares of ∂r and dinit (``_iterate``),
     ∂β elementwise (``osgm_picard.beta_cotangent``): (cotangents, [B] settled flags)
     (``_scan_bwd`` runs the token loop's reverse kernel for the other sequences)."""
-    p, o, (eta, _, _, eps) = cfg.pieces, cfg.options, cfg.hyper
+    p, (eta, _, _, eps) = cfg.pieces, cfg.hyper
     coefs = _coefficients(cfg, k, aux)
     s, n, g, w, _ = coefs
     a = jnp.sum(d * s, -1)
     base = (aux.at[..., U_BWD].set(w * (1.0 - g * a)).at[..., W].set(w).at[..., G].set(g)
             .at[..., INV_N].set(jnp.where(n > eps, 1.0 / n, 0.0)))
-    pieces = [rows(x, p) for x in (k, base, d, dkw)]
-    ends = _per_row(cfg, dfinal)
-
-    def sweep(gamma, emit):
-        maps = [] if p == 1 else _call(cfg, osgm_sweep_compose_bwd, [*pieces, gamma],
-                                       _SEQ[:4] + ["b h i t"], ["b h k"] * 2,
-                                       block_k=o.picard_block_k)
-        return _call(cfg, osgm_sweep_bwd, [*pieces, gamma, ends, *maps],
-                     _SEQ[:4] + ["b h i t", "n h k"] + ["b h k"] * len(maps),
-                     ["b h j t"] + (["b t h k", "b h j t", "n h k"] if emit else []), emit=emit,
-                     pieces=p, block_k=o.picard_block_k)
-
+    sweep = _sweeps(cfg, osgm_sweep_compose_bwd, osgm_sweep_bwd, 2,
+                    [rows(x, p) for x in (k, base, d, dkw)], _SEQ[:4], _per_row(cfg, dfinal),
+                    ["b t h k", "b h j t", "n h k"])
     gamma, (dk, dr, dinit), ok = _iterate(cfg, sweep, _to_rows(jnp.zeros_like(w), p))
     dbeta = beta_cotangent(_to_tokens(gamma, p), a, coefs, eta, cfg.beta_aware)
     daux = jnp.zeros_like(aux).at[..., BETA].set(dbeta).at[..., RET].set(

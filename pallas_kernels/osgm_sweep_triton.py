@@ -63,8 +63,7 @@ def _entering(start, maps, pieces, *, reverse=False):
     x = start
     for q in order:
         m = [ref[base + q] for ref in maps]
-        y = m[0] * x + m[1] if len(m) == 2 else jnp.minimum(jnp.maximum(m[0] * x + m[1], m[2]),
-                                                              m[3])
+        y = m[0] * x + m[1] if len(m) == 2 else clip_box(m[0] * x + m[1], m[2], m[3])
         x = jnp.where(q > i if reverse else q < i, y, x)
     return x
 

@@ -104,22 +104,16 @@ def _sweep(a, s, g, w, r, first, start, d_min, d_max):
     return jnp.sum(d * s, -1), d, c
 
 
-def picard_iterate(step, x0, tol, max_iters, early_exit=True):
+def picard_iterate(step, x0, tol, max_iters):
     """Iterate ``x, aux = step(x)`` from x0 until max |Δx| <= tol max(|x|, 1) or ``max_iters``
-    steps: (x, aux, converged, steps). Without ``early_exit`` exactly ``max_iters`` steps,
-    unrolled (no ``while_loop``, whose predicate a GPU reads on the host every step)."""
+    steps, in a ``while_loop`` (whose predicate a GPU reads on the host every step; the Pallas
+    path's fixed sweeps are ``osgm_precond._iterate``'s): (x, aux, converged, steps)."""
     def body(state):
         x, _, i, _ = state
         x_new, aux = step(x)
         change = jnp.max(jnp.abs(x_new - x)) / jnp.maximum(jnp.max(jnp.abs(x_new)), 1.0)
         return x_new, aux, i + 1, change
 
-    if not early_exit:
-        state = (x0, None, jnp.int32(0), jnp.float32(jnp.inf))
-        for _ in range(max_iters):
-            state = body(state)
-        x, aux, steps, change = state
-        return x, aux, change <= tol, steps
     aux0 = jax.tree.map(jnp.zeros_like, jax.eval_shape(step, x0)[1])
     x, aux, steps, change = lax.while_loop(lambda st: (st[3] > tol) & (st[2] < max_iters), body,
                                            (x0, aux0, jnp.int32(0), jnp.float32(jnp.inf)))
