@@ -1,8 +1,8 @@
 """Device benchmark of osgm_precondition(impl="pallas") (OSDN phase 1): checks, then timings.
 
     PYTHONPATH=. python3 benchmarks/bench_osgm.py [--shape B T H K] [--budget-s 100]
-        [--sections checks,time,baselines,osdn] [--variants 4/1,2/1/4,2/1/16/8,2/1/8/p8]
-        # kernel options prefetch/num_warps[/unroll[/bwd_unroll]][/scalar][/pN[/bkM]]: prefetch
+        [--sections checks|variant-checks,time,baselines,osdn] [--variants 4/1,2/1/4,2/1/16/8,2/1/8/p8]
+        # kernel options prefetch/num_warps[/unroll[/bwd_unroll]][/scalar][/afN][/pN[/bkM]]: prefetch
         # in loop iterations (groups of ``unroll`` tokens), ``scalar``: Options.scalar_aux, pN:
         # the forward by at most N Picard sweeps over blocks of M coordinates
 
@@ -16,7 +16,8 @@ phase 1 alone with each variant's kernels (APF), forward and forward+backward (g
 k, β, r); ``baselines``: the chunked form and the Picard form in XLA (APF), the default
 kernels and the chunked form without APF (the chunked rows take ~40 s); ``osdn``: the whole
 OSDN op (phase 1 + the Pallas delta core with k̃) against the core alone with k̃ = k. Every
-variant but the first is also checked (paper APF fp32 and clip cases) after the timings.
+variant but the first is also checked (paper APF fp32 and clip cases) after the timings;
+``variant-checks`` (instead of ``checks``): those checks of every variant, not the defaults'.
 Prints JSON lines and one table; records go to benchmarks/RESULTS.md.
 """
 
@@ -64,9 +65,10 @@ def phase1(impl, eta=0.003, beta_aware=True, apf=True, options=None):
 
 
 def variant(text):
-    """``Options`` from "prefetch/num_warps[/unroll[/bwd_unroll]][/scalar][/pN[/bkM][/fixed]
+    """``Options`` from "prefetch/num_warps[/unroll[/bwd_unroll]][/scalar][/afN][/pN[/bkM][/fixed]
     [/cpN|/cpauto]]" (e.g. "4/1", "2/1/4/scalar", "2/1/16/8": the forward 16 tokens an
-    iteration, the backward 8; "2/1/8/p8/bk32": phase 1 by at most 8 Picard sweeps each way over
+    iteration, the backward 8; "af16": the token loops in affine blocks of 16 tokens,
+    ``Options.affine_block``; "2/1/8/p8/bk32": phase 1 by at most 8 Picard sweeps each way over
     blocks of 32 coordinates; "fixed": exactly N sweeps, no early exit; "cp8" / "cpauto": each
     sweep over 8 / ``auto_pieces`` sequence pieces, ``Options.picard_pieces``, auto when not
     named, "cp1": unsplit). Without "pN" the token loops (not ``picard_iters=None``'s choice by
@@ -78,17 +80,19 @@ def variant(text):
     block = [int(t[2:]) for t in flags if t[:2] == "bk" and t[2:].isdigit()]
     pieces = [None if t == "cpauto" else int(t[2:]) for t in flags
               if t == "cpauto" or (t[:2] == "cp" and t[2:].isdigit())]
-    known = (len(picard) + len(block) + len(pieces) + flags.count("scalar")
+    affine = [int(t[2:]) for t in flags if t[:2] == "af" and t[2:].isdigit()]
+    known = (len(picard) + len(block) + len(pieces) + len(affine) + flags.count("scalar")
              + flags.count("fixed"))
     if (not 2 <= len(numbers) <= 4 or known != len(flags)
             or parts[:len(numbers)] != numbers):
         raise ValueError("--variants entries are prefetch/num_warps[/unroll[/bwd_unroll]]"
-                         f"[/scalar][/pN[/bkM][/fixed][/cpN|/cpauto]], got {text!r}")
+                         f"[/scalar][/afN][/pN[/bkM][/fixed][/cpN|/cpauto]], got {text!r}")
     numbers = list(map(int, numbers))
     return Options(*numbers[:3], scalar_aux="scalar" in flags,
                    bwd_unroll=numbers[3] if len(numbers) == 4 else None,
                    picard_iters=picard[0] if picard else 0,
                    picard_early_exit=bool(picard) and "fixed" not in flags,
+                   affine_block=affine[0] if affine else 0,
                    **({"picard_block_k": block[0]} if block else {}),
                    **({"picard_pieces": pieces[0]} if pieces else {}))
 
@@ -140,6 +144,7 @@ def main():
     p.add_argument("--timing", choices=("sync", "pipelined"), default="sync",
                    help="bench_delta.timeit's: each call waited for, or all queued at once")
     a = p.parse_args()
+    sections = set(a.sections.split(","))
     bench_delta.PIPELINED[0] = a.timing == "pipelined"
     B, T, H, K = a.shape
     print(json.dumps(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
@@ -155,7 +160,7 @@ def main():
     def checks(which, options=None, label="", impl="pallas"):
         """The checks ``cases[n]`` for n in ``which`` of ``impl`` (``options``' kernels; None:
         default); the Picard form also prints its iteration count."""
-        for n in which if "checks" in a.sections else ():
+        for n in which:
             name, dtype, hyper = cases[n]
 
             def one(n=n, name=name, dtype=dtype, hyper=hyper):
@@ -170,18 +175,19 @@ def main():
                              phase1("reference", **hyper), x, kc, dtype)
             results.append(guarded(f"check {name}{label}", one))
 
-    checks(range(len(cases)))
-    checks((0, 2), label=" picard", impl="picard")
+    if "checks" in sections:
+        checks(range(len(cases)))
+        checks((0, 2), label=" picard", impl="picard")
     x, _ = make_inputs(jax.random.fold_in(key, 9), B, T, H, K, jnp.bfloat16)
     jobs = []
-    if "time" in a.sections:  # the first variant first, the others after osdn
+    if "time" in sections:  # the first variant first, the others after osdn
         jobs.append((f"phase 1 pallas[{names[0]}] APF", phase1("pallas", options=variants[0])))
-    if "baselines" in a.sections:
+    if "baselines" in sections:
         jobs += [("phase 1 chunked APF", phase1("chunked")),
                  ("phase 1 picard (XLA) APF", phase1("picard")),
                  ("phase 1 pallas vanilla", phase1("pallas", apf=False)),
                  ("phase 1 chunked vanilla", phase1("chunked", apf=False))]
-    if "osdn" in a.sections:
+    if "osdn" in sections:
         qv = jax.random.split(jax.random.fold_in(key, 10))
         q = jax.random.normal(qv[0], x["k"].shape)
         x = {**x, "q": (q / jnp.linalg.norm(q, axis=-1, keepdims=True)).astype(jnp.bfloat16),
@@ -190,12 +196,13 @@ def main():
                  (f"OSDN (pallas[{names[0]}] phase 1 + core)", osdn("pallas", False, variants[0])),
                  (f"OSDN-APF (pallas[{names[0]}] phase 1 + core)",
                   osdn("pallas", True, variants[0]))]
-    if "time" in a.sections:
+    if "time" in sections:
         jobs += [(f"phase 1 pallas[{v}] APF", phase1("pallas", options=o))
                  for v, o in zip(names[1:], variants[1:])]
     for label, f in jobs:
         timings.append(guarded(f"time {label}", lambda label=label, f=f: time_op(label, f, x, a.reps)))
-    for v, o in zip(names[1:], variants[1:]):
+    checked = 0 if "variant-checks" in sections else 1 if "checks" in sections else len(names)
+    for v, o in zip(names[checked:], variants[checked:]):
         checks((0, 2), o, f" [{v}]")
 
     print(f"\n{'check':42s} {'ok':>5s} {'err_kw':>9s} {'err_final':>9s} {'err_grad':>9s}")
