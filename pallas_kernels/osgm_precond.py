@@ -65,11 +65,7 @@ class Options:
     (``_iterate``). ``picard_pieces``: each sweep over dense rows cut into that many sequence
     pieces (``token_pieces``: each piece's composed map, then the sweep, whose programs chain
     the maps of the pieces before theirs; it must divide T); None (the default):
-    ``auto_pieces`` halved until it divides T; 1: no split; packed documents never split.
-    ``affine_block`` > 0: the token loops take blocks of that many tokens as one affine map
-    where the clip's pattern is fixed (coordinates free or held on a bound) and no document
-    starts or ends (``osgm_affine``: a small inverse and three reductions on the serial chain a
-    block instead of one reduction a token), the other blocks token by token; 0: off."""
+    ``auto_pieces`` halved until it divides T; 1: no split; packed documents never split."""
 
     prefetch: int = 2
     num_warps: int = 1
@@ -80,7 +76,6 @@ class Options:
     picard_block_k: int = 32
     picard_early_exit: bool = False
     picard_pieces: int | None = None
-    affine_block: int = 0
 
     def __post_init__(self):
         n = self.picard_iters
@@ -94,10 +89,6 @@ class Options:
         p = self.picard_pieces
         if p is not None and (not isinstance(p, int) or isinstance(p, bool) or p < 1):
             raise ValueError(f"Options.picard_pieces must be None or an int >= 1, got {p!r}")
-        a = self.affine_block
-        if not isinstance(a, int) or isinstance(a, bool) or (a and (a < 16 or a & (a - 1))):
-            raise ValueError("Options.affine_block must be 0 or a power of two >= 16, got "
-                             f"{a!r}")
         for name in ("scalar_aux", "picard_early_exit"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Options.{name} must be a bool, got {getattr(self, name)!r}")
@@ -142,7 +133,6 @@ class _Config:
     packed: bool  # documents packed along T (cu_seqlens)
     options: Options
     interpret: bool
-    valid_k: int  # the unpadded head dim (the affine blocks' clip test ignores the padding)
     pieces: int = 1  # sequence pieces of each dense row in the Picard sweeps
 
 
@@ -159,8 +149,6 @@ def _call(cfg, kernel, args, in_axes, out_axes, **static):
     unroll = o.unroll
     if kernel in (osgm_bwd, osgm_sweep_bwd, osgm_sweep_compose_bwd):
         unroll = o.bwd_unroll or min(o.unroll, 8)
-    if kernel in (osgm_fwd, osgm_bwd) and o.affine_block:
-        static["affine"] = (o.affine_block, cfg.valid_k)
     fn = functools.partial(kernel, hyper=cfg.hyper, beta_aware=cfg.beta_aware, packed=cfg.packed,
                            prefetch=o.prefetch, num_warps=o.num_warps, unroll=unroll,
                            scalar_aux=o.scalar_aux, interpret=cfg.interpret, **static)
@@ -383,7 +371,7 @@ def osgm_pallas(k, beta, retention, eta, d_min, d_max, beta_aware, eps, initial_
     init = (jnp.ones((seg.num_docs, H, Kp), jnp.float32) if initial_state is None else
             jnp.pad(f32(initial_state), [(0, 0), (0, 0), (0, Kp - K)], constant_values=1.0))
     cfg = _Config(tuple(float(x) for x in hyper), beta_aware, cu_seqlens is not None, options,
-                  interpret_default() if interpret is None else interpret, K,
+                  interpret_default() if interpret is None else interpret,
                   _pieces(options, B * H * (Kp // min(options.picard_block_k, Kp)), T,
                           cu_seqlens is not None))
     k_write, final = _scan(cfg, *vary_alike(pad_last(k, Kp), aux, init))

@@ -37,8 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels import osgm_affine
-from pallas_kernels.triton_common import Dots, column, out_struct, prefetched_loop
+from pallas_kernels.triton_common import column, out_struct, prefetched_loop
 from precond_linattn.reference.osgm import clip_box
 
 AUX = 8  # columns of the per-token row: beta, retention, doc, first, last, (unused)
@@ -83,55 +82,25 @@ def _store_at(sc, flag, ref, doc, value):
         ref[doc] = value
 
 
-def _blocks(T, size, reverse, prefetch, load_block, block, carry):
-    """``block(t0, n, rows, carry) -> carry`` over the blocks [t0, t0 + n) of ``size`` consecutive
-    tokens, in order (descending if ``reverse``), ``rows = load_block(t0, n)`` issued
-    ``prefetch`` blocks ahead by ``prefetched_loop``. The last T mod ``size`` tokens form one
-    shorter block, run last (first if ``reverse``), its rows loaded in place."""
-    n, tail = divmod(T, size)
-
-    def last_block(carry):
-        t0 = T - tail
-        return block(t0, tail, load_block(t0, tail), carry) if tail else carry
-
-    if reverse:
-        carry = last_block(carry)
-    if n:
-        carry = prefetched_loop(n, reverse, prefetch, lambda i: load_block(i * size, size),
-                                lambda i, rows, c: block(i * size, size, rows, c), carry)
-    return carry if reverse else last_block(carry)
-
-
 def _token_loop(T, reverse, unroll, prefetch, loads, group, carry):
     """``group(t0, rows, carry) -> carry`` over the tokens [0, T) in groups of ``unroll``
-    consecutive tokens [t0, t0 + len(rows)) (``_blocks``), ``rows[u] = loads(t0 + u)``."""
-    return _blocks(T, unroll, reverse, prefetch,
-                   lambda t0, n: tuple(loads(t0 + u) for u in range(n)),
-                   lambda t0, n, rows, c: group(t0, rows, c), carry)
+    consecutive tokens [t0, t0 + len(rows)), the groups in order (descending if ``reverse``),
+    ``rows[u] = loads(t0 + u)`` issued ``prefetch`` groups ahead by ``prefetched_loop``. The last
+    T mod ``unroll`` tokens form one shorter group, run last (first if ``reverse``), its rows
+    loaded in place."""
+    n, tail = divmod(T, unroll)
 
+    def last_group(carry):
+        t0 = T - tail
+        return group(t0, tuple(loads(t0 + u) for u in range(tail)), carry) if tail else carry
 
-def _affine_loop(T, size, reverse, prefetch, refs, block, loads, group, carry):
-    """The tokens [0, T) in blocks of ``size`` solved by ``block(t0, rows, carry) -> (carry,
-    solved)`` (``osgm_affine``), ``rows`` the blocks of ``refs`` (prefetched); a block that was
-    not solved (its clip test failed), and the last T mod ``size`` tokens, run ``group`` token
-    by token (rows loaded by ``loads``)."""
-    def per_block(t0, n, rows, carry):
-        by_tokens = lambda: group(t0, tuple(loads(t0 + u) for u in range(n)), carry)  # noqa: E731
-        if n < size:
-            return by_tokens()
-        solved, ok = block(t0, rows, carry)
-        return lax.cond(ok, lambda: solved, by_tokens)
-
-    return _blocks(T, size, reverse, prefetch,
-                   lambda t0, n: tuple(r[pl.ds(t0, n)] for r in refs) if n == size else (),
-                   per_block, carry)
-
-
-def _block_ok(ok, r, flags):
-    """A block is solved as one map if ``ok`` (its clip test), no r is negative and no document
-    starts or ends in it (``flags``: its first / last columns, packed rows)."""
-    bad = jnp.sum(jnp.where(r < 0.0, 1.0, 0.0)) + sum(jnp.sum(f) for f in flags)
-    return ok & (bad == 0)
+    if reverse:
+        carry = last_group(carry)
+    if n:
+        carry = prefetched_loop(
+            n, reverse, prefetch, lambda i: tuple(loads(i * unroll + u) for u in range(unroll)),
+            lambda i, rows, c: group(i * unroll, rows, c), carry)
+    return carry if reverse else last_group(carry)
 
 
 def _unless_skipped(refs, n_in, skippable, body):
@@ -150,19 +119,10 @@ def _fwd_kernel(*refs, skippable, **static):
     _unless_skipped(refs, 3, skippable, functools.partial(_fwd, **static))
 
 
-def _affine_setup(k_ref, packed, affine, interpret):
-    """(dots, valid coordinates [K] of the ``affine`` blocks' clip test, the aux columns they
-    read); valid: below ``affine`` = (block size, unpadded K)."""
-    valid = lax.broadcasted_iota(jnp.int32, k_ref.shape[-1:], 0) < affine[1]
-    return Dots("tf32x3", interpret), valid, (BETA, RET) + ((FIRST, LAST) if packed else ())
-
-
 def _fwd(k_ref, aux_ref, init_ref, out_ref, final_ref, *, hyper, beta_aware, packed, emit_d,
-         prefetch, unroll, scalar_aux, affine, interpret):
+         prefetch, unroll, scalar_aux):
     """k̃_t = d_t ⊙ k_t (or d_t itself if ``emit_d``), d_{t+1} = clip(r d_t + u s, d_min, d_max)
-    for t in order; the final d (per document if ``packed``). ``affine`` (block size, unpadded
-    K) or None: blocks of that many tokens as one map where the clip's pattern is fixed
-    (``osgm_affine``)."""
+    for t in order; the final d (per document if ``packed``)."""
     eta, d_min, d_max, eps = hyper
     columns = _aux_columns(beta_aware, packed)
 
@@ -182,26 +142,7 @@ def _fwd(k_ref, aux_ref, init_ref, out_ref, final_ref, *, hyper, beta_aware, pac
         return d
 
     d0 = jnp.ones(k_ref.shape[-1:], jnp.float32) if packed else init_ref[...]
-    if affine is None:
-        d = _token_loop(k_ref.shape[0], False, unroll, prefetch, loads, group, d0)
-    else:
-        dots, valid, cols = _affine_setup(k_ref, packed, affine, interpret)
-
-        def block(t0, rows, d):
-            kb, auxb = rows[0].astype(jnp.float32), rows[1]
-            beta, r, *flags = osgm_affine.columns(auxb, *cols)
-            co = osgm_affine.coefficients(kb, beta, r, eta, eps, beta_aware)
-            ds, d_end, ok = osgm_affine.forward(d, co, r, valid, d_min, d_max, dots)
-            ok = _block_ok(ok, r, flags)
-
-            @pl.when(ok)
-            def _():
-                out_ref[pl.ds(t0, affine[0])] = ds if emit_d else (ds * kb).astype(out_ref.dtype)
-
-            return d_end, ok
-
-        d = _affine_loop(k_ref.shape[0], affine[0], False, prefetch, (k_ref, aux_ref), block,
-                         loads, group, d0)
+    d = _token_loop(k_ref.shape[0], False, unroll, prefetch, loads, group, d0)
     if not packed:
         final_ref[...] = d
 
@@ -212,10 +153,9 @@ def _bwd_kernel(*refs, skippable, **static):
 
 
 def _bwd(k_ref, aux_ref, d_ref, dkw_ref, dfinal_ref, dk_ref, daux_ref, dinit_ref, *, hyper,
-         beta_aware, packed, prefetch, unroll, scalar_aux, affine, interpret):
+         beta_aware, packed, prefetch, unroll, scalar_aux):
     """The module docstring's reverse recurrence λ ← r μ + γ_a s + ∂k̃ ⊙ k for t descending, with
-    ∂k_t, ∂β_t, ∂r_t per token and ∂d_1 = λ (per document if ``packed``); ``affine`` as
-    ``_fwd``'s (blocks whose clip mask is the same at every token as one map)."""
+    ∂k_t, ∂β_t, ∂r_t per token and ∂d_1 = λ (per document if ``packed``)."""
     eta, d_min, d_max, eps = hyper
     columns = _aux_columns(beta_aware, packed)
     col = lax.broadcasted_iota(jnp.int32, (AUX,), 0)
@@ -255,43 +195,7 @@ def _bwd(k_ref, aux_ref, d_ref, dkw_ref, dfinal_ref, dk_ref, daux_ref, dinit_ref
         return lam
 
     lam0 = jnp.zeros(k_ref.shape[-1:], jnp.float32) if packed else dfinal_ref[...]
-    if affine is None:
-        lam = _token_loop(k_ref.shape[0], True, unroll, prefetch, loads, group, lam0)
-    else:
-        dots, valid, cols = _affine_setup(k_ref, packed, affine, interpret)
-
-        def block(t0, rows, lam):
-            kb, auxb, db, dkwb = (rows[0].astype(jnp.float32), rows[1], rows[2],
-                                  rows[3].astype(jnp.float32))
-            beta, r, *flags = osgm_affine.columns(auxb, *cols)
-            co = osgm_affine.coefficients(kb, beta, r, eta, eps, beta_aware)
-            s, ss, n, g, w = co[:5]
-            a = jnp.sum(db * s, axis=1)
-            v = 1.0 - g * a
-            u = w * v
-            p = r[:, None] * db + u[:, None] * s
-            masks = (p > d_min) & (p < d_max)  # each token's clip derivative
-            free = osgm_affine.row(jnp.where(masks, 1.0, 0.0), 0)
-            ok = _block_ok(osgm_affine.all_true((masks == (free > 0)[None, :]) | ~valid[None, :]),
-                           r, flags)
-            mu, gu, lam_start = osgm_affine.backward(lam, co, dkwb * kb, free, dots)
-
-            @pl.when(ok)
-            def _():
-                ga = -gu * w * g
-                gn = jnp.where(ss > eps, -gu * v * w / n, 0.0)
-                dk_ref[pl.ds(t0, affine[0])] = (2.0 * kb * (u[:, None] * mu + ga[:, None] * db
-                                                            + gn[:, None]) + dkwb * db)
-                dbeta = (-gu * w * a + gu * v * eta / n) if beta_aware else jnp.zeros_like(a)
-                col2 = lax.broadcasted_iota(jnp.int32, auxb.shape, 1)
-                daux_ref[pl.ds(t0, affine[0])] = jnp.where(
-                    col2 == BETA, dbeta[:, None],
-                    jnp.where(col2 == RET, jnp.sum(mu * db, axis=1)[:, None], 0.0))
-
-            return lam_start, ok
-
-        lam = _affine_loop(k_ref.shape[0], affine[0], True, prefetch,
-                           (k_ref, aux_ref, d_ref, dkw_ref), block, loads, group, lam0)
+    lam = _token_loop(k_ref.shape[0], True, unroll, prefetch, loads, group, lam0)
     if not packed:
         dinit_ref[...] = lam
 
@@ -316,7 +220,7 @@ def _skippable(specs, shapes, skip, results, n_in):
 
 
 def osgm_fwd(k, aux, initial_state, skip=None, *results, hyper, beta_aware, packed, emit_d,
-             prefetch, num_warps, unroll, scalar_aux, interpret, affine=None):
+             prefetch, num_warps, unroll, scalar_aux, interpret):
     """k [B, T, H, K]; aux [B, T, H, AUX] float32; initial_state [N, H, K] float32 (N = B unless
     ``packed``). Returns (k̃ in k's dtype, or every d_t float32 if ``emit_d``; final d [N, H, K]).
     With ``skip`` [B] int32 and ``results`` (those two, e.g. from Picard sweeps): rows whose
@@ -331,8 +235,7 @@ def osgm_fwd(k, aux, initial_state, skip=None, *results, hyper, beta_aware, pack
     extra_specs, aliases, extra = _skippable(out_specs, out_shape, skip, results, 3)
     kernel = functools.partial(_fwd_kernel, skippable=skip is not None, hyper=hyper,
                                beta_aware=beta_aware, packed=packed, emit_d=emit_d,
-                               prefetch=prefetch, unroll=unroll, scalar_aux=scalar_aux,
-                               affine=affine, interpret=interpret)
+                               prefetch=prefetch, unroll=unroll, scalar_aux=scalar_aux)
     return pl.pallas_call(
         kernel, grid=(B, H), in_specs=[seq_k, seq_aux, state] + extra_specs,
         out_specs=out_specs, out_shape=out_shape, input_output_aliases=aliases,
@@ -342,7 +245,7 @@ def osgm_fwd(k, aux, initial_state, skip=None, *results, hyper, beta_aware, pack
 
 
 def osgm_bwd(k, aux, d, dkw, dfinal, skip=None, *results, hyper, beta_aware, packed, prefetch,
-             num_warps, unroll, scalar_aux, interpret, affine=None):
+             num_warps, unroll, scalar_aux, interpret):
     """Cotangents (dk [B, T, H, K], daux [B, T, H, AUX] (β and r columns), dinit [N, H, K]), all
     float32, from d [B, T, H, K] (``osgm_fwd(emit_d=True)``), dk̃ and dfinal; ``skip`` and
     ``results`` (those three) as ``osgm_fwd``'s."""
@@ -355,8 +258,7 @@ def osgm_bwd(k, aux, d, dkw, dfinal, skip=None, *results, hyper, beta_aware, pac
     extra_specs, aliases, extra = _skippable(out_specs, out_shape, skip, results, 5)
     kernel = functools.partial(_bwd_kernel, skippable=skip is not None, hyper=hyper,
                                beta_aware=beta_aware, packed=packed, prefetch=prefetch,
-                               unroll=unroll, scalar_aux=scalar_aux, affine=affine,
-                               interpret=interpret)
+                               unroll=unroll, scalar_aux=scalar_aux)
     return pl.pallas_call(
         kernel, grid=(B, H), in_specs=[seq_k, seq_aux, seq_k, seq_k, state] + extra_specs,
         out_specs=out_specs, out_shape=out_shape, input_output_aliases=aliases,

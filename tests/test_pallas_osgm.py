@@ -2,7 +2,6 @@
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 import numpy as np
 import pytest
 
@@ -345,128 +344,12 @@ def test_token_loops_skip_the_flagged_rows():
         np.testing.assert_array_equal(a[1], b[1])
 
 
-AFFINE = Options(affine_block=16)
-
-
-def clip_free(x):
-    """``x`` with retention in (0.998, 1): at η = 0.003 no clip acts (every d_t stays inside)."""
-    return {**x, "retention": 0.998 + 0.02 * (x["retention"] - 0.9)}
-
-
-def poison_token_fallback(setattr_):
-    """Make the affine loops' token-by-token fallback (and their last T mod U tokens) return a
-    NaN state, so finite results show that every block was solved as one map."""
-    from pallas_kernels import osgm_triton
-    real = osgm_triton._affine_loop
-
-    def poisoned(T, size, reverse, prefetch, refs, block, loads, group, carry):
-        return real(T, size, reverse, prefetch, refs, block, loads,
-                    lambda t0, rows, c: jnp.full_like(c, jnp.nan), carry)
-
-    setattr_(osgm_triton, "_affine_loop", poisoned)
-
-
-@pytest.mark.parametrize("case", ["dense", "beta-free", "held"])
-def test_affine_blocks_match_reference(case, monkeypatch):
-    """T = 64, the fallback poisoned: every block of 16 tokens solved as one map each way gives
-    k̃, the final d and all gradients within 2e-5 of the reference. No clip acting (β-aware
-    with APF at η = 0.003, beta-free with r ≡ 1 at η = 0.001), or ("held") a third of the
-    coordinates starting on d_min where every token's update pushes them below it (the clip
-    holds them there: the mask of free coordinates in the solve and the tests)."""
-    poison_token_fallback(monkeypatch.setattr)
-    x = clip_free(make_inputs(3, t=64))
-    kw = dict(eta=0.003) if case != "beta-free" else dict(eta=0.001, beta_aware=False,
-                                                         retention=False)
-    if case == "held":
-        d0 = x["initial_state"]
-        x["initial_state"] = jnp.where(jnp.arange(K) % 3 == 0, D_MIN, 0.5 * d0 + 0.5)
-    else:
-        assert clipped_fraction(x, kw["eta"], beta_aware=case == "dense",
-                                retention=x["retention"] if case == "dense" else None) == 0.0
-    grads = ("k", "beta", "initial_state") + (("retention",) if case != "beta-free" else ())
-    got = run(AFFINE, x, **kw)
-    assert_runs_match(got, run("reference", x, **kw), 2e-5, grads)
-    if case == "held":
-        assert np.all(np.asarray(got[1])[..., ::3] == D_MIN)
-
-
-@pytest.mark.parametrize("case", ["clipped", "leaving", "packed"])
-def test_affine_blocks_fall_back_where_they_must(case, monkeypatch):
-    """Blocks where the clip's pattern changes (the skewed η = 2 case, T = 37: a last group of 5
-    too; "leaving": a third of the coordinates start on d_max and move inside at once), or a
-    document starts or ends (packed, clip-free, documents of 5, 35 and 24 tokens: blocks 1 and 3
-    lie inside one) run token by token; k̃, the final d and all gradients within 2e-5 of the
-    reference. Packed: forcing every block to fall back gives the token loop's results bit for
-    bit, and the default does not (some blocks were solved as one map)."""
-    if case == "clipped":
-        x, kw = unrolled_case("dense", 37)
-    elif case == "leaving":
-        x, kw = clip_free(make_inputs(3, t=64)), dict(eta=0.003)
-        x["initial_state"] = jnp.where(jnp.arange(K) % 3 == 0, D_MAX, x["initial_state"])
-    else:
-        x = clip_free(make_inputs(8, b=1, t=64, n_init=3))
-        kw = dict(eta=0.003, cu_seqlens=jnp.asarray([0, 5, 40, 64], jnp.int32))
-    grads = ("k", "beta", "initial_state", "retention")
-    got = run(AFFINE, x, **kw)
-    assert_runs_match(got, run("reference", x, **kw), 2e-5, grads)
-    if case == "packed":
-        from pallas_kernels import osgm_affine
-        tokens = run(Options(), x, **kw)
-        assert not np.array_equal(got[0], tokens[0])
-        monkeypatch.setattr(osgm_affine, "all_true", lambda x: jnp.bool_(False))
-        forced = run(AFFINE, x, **kw)
-        for a, b in zip(jax.tree.leaves(forced), jax.tree.leaves(tokens)):
-            np.testing.assert_array_equal(a, b)
-
-
-def test_affine_block_math():
-    """``osgm_affine`` on one block (U = 16, K = 32, plain JAX, coordinates 0, 3, 6, .. held:
-    the clip keeps them, derivative 0): the rows d_j and d_U, and from λ_U and e the rows
-    μ_j = m ⊙ ∂L/∂d_{j+1}, γ_j = ⟨μ_j, s_j⟩ and λ_0 = ∂L/∂d_0 of L = ⟨λ_U, d_U⟩ + Σ_j ⟨e_j, d_j⟩,
-    against the token recurrence with those coordinates frozen and its ``jax.vjp`` (1e-5)."""
-    from pallas_kernels import osgm_affine
-    from pallas_kernels.triton_common import Dots
-    rng = np.random.default_rng(0)
-    U, Kd = 16, 32
-    f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
-    k, lam, e = f(U, Kd), f(Kd), f(U, Kd)
-    beta = jnp.asarray(rng.uniform(0.05, 0.95, U), jnp.float32)
-    r = jnp.asarray(rng.uniform(0.5, 1.0, U), jnp.float32)
-    free = jnp.where(jnp.arange(Kd) % 3 == 0, 0.0, 1.0)
-    d0 = jnp.where(free > 0, jnp.asarray(rng.uniform(0.7, 1.8, Kd), jnp.float32), D_MIN)
-    eta, eps = 0.3, 1e-6
-
-    def steps(d0, bumps):
-        rows, d = [], d0
-        for j in range(U):
-            s = k[j] * k[j]
-            w = eta * beta[j] / jnp.maximum(jnp.sum(s), eps)
-            rows.append(d)
-            p = r[j] * d + w * (1.0 - beta[j] * jnp.sum(d * s)) * s
-            d = jnp.where(free > 0, p, lax.stop_gradient(d)) + bumps[j]
-        return jnp.stack(rows), d
-
-    dots = Dots("tf32x3", interpret=True)
-    co = osgm_affine.coefficients(k, beta, r, eta, eps, True)
-    rows, d_end, _ = osgm_affine.forward(d0, co, r, jnp.ones(Kd, bool), D_MIN, 1e9, dots)
-    want_rows, want_end = steps(d0, jnp.zeros((U, Kd)))
-    assert_close(rows, want_rows, 1e-5, "rows")
-    assert_close(d_end, want_end, 1e-5, "d_U")
-    _, vjp = jax.vjp(steps, d0, jnp.zeros((U, Kd)))
-    want_lam0, want_bumps = vjp((e, lam))
-    mu, gamma, lam0 = osgm_affine.backward(lam, co, e, free, dots)
-    assert_close(mu, free * want_bumps, 1e-5, "mu")
-    assert_close(gamma, jnp.sum(want_bumps * free * k * k, axis=1), 1e-5, "gamma")
-    assert_close(lam0, want_lam0, 1e-5, "lambda_0")
-
-
 @pytest.mark.parametrize("field, value", [("unroll", 0), ("unroll", 2.0), ("prefetch", 0),
                                           ("scalar_aux", 1), ("bwd_unroll", 0),
                                           ("picard_iters", -1), ("picard_iters", True),
                                           ("picard_block_k", 0),
                                           ("picard_early_exit", 1), ("picard_pieces", 0),
-                                          ("picard_pieces", 2.0), ("affine_block", 8),
-                                          ("affine_block", 24), ("affine_block", True)])
+                                          ("picard_pieces", 2.0)])
 def test_bad_options_raise(field, value):
     with pytest.raises(ValueError, match=f"Options.{field}"):
         Options(**{field: value})
@@ -474,7 +357,7 @@ def test_bad_options_raise(field, value):
 
 @pytest.mark.parametrize("options", [ONE_TOKEN, Options(), Options(unroll=4),
                                      Options(unroll=3, scalar_aux=True),
-                                     Options(picard_iters=4), Options(affine_block=16)])
+                                     Options(picard_iters=4)])
 @pytest.mark.parametrize("packed", [False, True])
 def test_lowers_for_cuda(options, packed):
     """Forward and backward kernels go through the Triton lowering for CUDA (no GPU needed: an
