@@ -22,15 +22,13 @@ from pallas_kernels.osgm_precond import Options
     ("2/1/16/scalar/p4/fixed/cpauto", Options(prefetch=2, num_warps=1, unroll=16, scalar_aux=True,
                                               picard_iters=4, picard_early_exit=False,
                                               picard_pieces=None)),
-    ("2/4/16/8/scalar/af32", Options(prefetch=2, num_warps=4, unroll=16, bwd_unroll=8,
-                                     scalar_aux=True, picard_iters=0, affine_block=32)),
 ])
 def test_variant_strings(text, options):
     assert variant(text) == options
 
 
 @pytest.mark.parametrize("text", ["2", "2/1/8/8/8", "2/x/8", "2/1/0", "2/1/p8/8", "2/1/q4",
-                                  "2/1/8/p4/cpx", "2/1/af8", "2/1/afx"])
+                                  "2/1/8/p4/cpx"])
 def test_bad_variant_strings_raise(text):
     with pytest.raises(ValueError):
         variant(text)
