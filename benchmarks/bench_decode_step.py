@@ -34,8 +34,9 @@ def launch(text):
     return Launch(block_v, num_warps)
 
 
-def step_seconds(model, steps, runs=5, warmups=2):
-    """Median seconds of one decode step: ``steps`` greedy steps from the empty cache, jitted."""
+def decode_loop(model, steps):
+    """(jitted call, its arguments): ``steps`` greedy steps y_{i+1} = argmax model.step(y_i,
+    cache) from the empty cache at batch 1, in one ``lax.fori_loop``; returns the last token."""
     graphdef, state = nnx.split(model)
 
     @jax.jit
@@ -49,13 +50,18 @@ def step_seconds(model, steps, runs=5, warmups=2):
 
         return jax.lax.fori_loop(0, steps, body, (token, m.init_cache(1)))[0]
 
-    token = jnp.zeros((1,), jnp.int32)
+    return decode, (state, jnp.zeros((1,), jnp.int32))
+
+
+def step_seconds(model, steps, runs=5, warmups=2):
+    """Median seconds of one decode step of ``decode_loop``."""
+    decode, args = decode_loop(model, steps)
     for _ in range(warmups):
-        jax.block_until_ready(decode(state, token))
+        jax.block_until_ready(decode(*args))
     times = []
     for _ in range(runs):
         t0 = time.perf_counter()
-        jax.block_until_ready(decode(state, token))
+        jax.block_until_ready(decode(*args))
         times.append(time.perf_counter() - t0)
     return statistics.median(times) / steps
 

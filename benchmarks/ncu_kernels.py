@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python3 benchmarks/ncu_kernels.py osgm --shape 1 2048 8 128 --grad
     PYTHONPATH=. python3 benchmarks/ncu_kernels.py delta --core gdn --variant auto/64/4 --grad [--jla]
+    PYTHONPATH=. python3 benchmarks/ncu_kernels.py decode --preconditioner osgm --steps 4
 
 The outer process runs itself under ``ncu --profile-from-start off --metrics
 gpu__time_duration.sum --clock-control none --cache-control none``; the inner one (``--inner``)
@@ -14,7 +15,10 @@ ncu serialises the kernels, so concurrent kernels would each count whole; XLA ru
 Targets: ``osgm``: phase 1 (``bench_osgm.phase1`` with a ``bench_osgm.variant``), ``delta``:
 the delta core (``bench_delta.op`` with a ``bench_delta.variant``; ``--jla``:
 jax-linear-attention's kernel of the same backbone, ``bench_delta.jla_ops``); ``--grad``: forward and
-backward (the gradients the benches take), else the forward.
+backward (the gradients the benches take), else the forward; ``decode``: ``--steps`` decode steps
+of ``--preset`` with ``--preconditioner`` at batch 1 (``bench_decode_step.decode_loop``, the
+layers' defaults: the fused decode kernel on a GPU), every kernel of every step (``--tiny``: a
+small model, the shape of a CPU check; the shape, variant and core arguments are not used).
 """
 
 import argparse
@@ -34,6 +38,10 @@ def build(args):
     import jax
     import jax.numpy as jnp
     B, T, H, K = args.shape
+    if args.target == "decode":
+        from benchmarks.bench_decode_step import decode_loop
+        from benchmarks.bench_generate import model_for
+        return decode_loop(model_for(args.preset, args.preconditioner, tiny=args.tiny), args.steps)
     if args.target == "osgm":
         from benchmarks import bench_osgm
         x, _ = bench_osgm.make_inputs(jax.random.PRNGKey(0), B, T, H, K, jnp.bfloat16)
@@ -98,13 +106,17 @@ def table(report: str, wall_ms: float | None):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("target", choices=("osgm", "delta"))
+    p.add_argument("target", choices=("osgm", "delta", "decode"))
     p.add_argument("--shape", type=int, nargs=4, default=(8, 2048, 8, 128))
     p.add_argument("--variant", default=None)
     p.add_argument("--core", default="gdn", choices=("deltanet", "gdn", "kda"))
     p.add_argument("--grad", action="store_true")
     p.add_argument("--jla", action="store_true",
                    help="delta: jax-linear-attention's symmetric-key kernel of --core instead")
+    p.add_argument("--preset", default="deltanet-340m", help="decode: the model")
+    p.add_argument("--preconditioner", default="none", help="decode: the model's")
+    p.add_argument("--steps", type=int, default=4, help="decode: steps in the call")
+    p.add_argument("--tiny", action="store_true", help="decode: a small model")
     p.add_argument("--inner", action="store_true")
     p.add_argument("--ncu", default="ncu")
     args = p.parse_args()
@@ -117,9 +129,12 @@ def main():
            sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--inner"]
     run = subprocess.run(cmd, capture_output=True, text=True, check=False)
     wall = [float(w.split()[1]) for w in run.stdout.splitlines() if w.startswith("wall_ms ")]
-    print(f"== {args.target} {args.core if args.target == 'delta' else ''} "
-          f"{'jla' if args.jla else args.variant} "
-          f"shape {args.shape} {'fwd+bwd' if args.grad else 'fwd'}")
+    if args.target == "decode":
+        print(f"== decode {args.preset} {args.preconditioner} {args.steps} steps")
+    else:
+        print(f"== {args.target} {args.core if args.target == 'delta' else ''} "
+              f"{'jla' if args.jla else args.variant} "
+              f"shape {args.shape} {'fwd+bwd' if args.grad else 'fwd'}")
     if run.returncode or not wall:
         print(run.stdout[-3000:], run.stderr[-3000:])
         return run.returncode or 1

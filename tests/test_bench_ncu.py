@@ -19,3 +19,18 @@ def test_table_sums_each_kernel_by_name():
     assert lines[2].split() == ["fusion_1", "2", "4.0"]
     assert lines[3].split()[-2:] == ["3", "24.0"]
     assert lines[4].split()[-1] == "50.0"
+
+
+def test_decode_target_builds_the_decode_loop():
+    """``decode --tiny``: the jitted loop of ``bench_decode_step`` and its arguments, which run
+    (the steps of a small OSDN model on the CPU) to one greedy token."""
+    import argparse
+
+    import jax
+
+    from benchmarks.ncu_kernels import build
+    args = argparse.Namespace(target="decode", shape=(8, 2048, 8, 128), preset="deltanet-340m",
+                              preconditioner="osgm", steps=2, tiny=True)
+    fn, xs = build(args)
+    token = jax.block_until_ready(fn(*xs))
+    assert token.shape == (1,) and 0 <= int(token[0]) < 512
