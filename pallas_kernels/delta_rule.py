@@ -41,8 +41,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.delta_bwd_triton import delta_bwd
+from pallas_kernels.grads_mosaic import chunk_grads_fused
 from pallas_kernels.delta_fwd_triton import delta_fwd
-from pallas_kernels import sequence_split, state_mosaic
+from pallas_kernels import grads_mosaic, sequence_split, state_mosaic
 from pallas_kernels.partition import match_types, sharded_call
 from pallas_kernels.state_bwd_triton import split_backward
 from pallas_kernels.state_fwd_triton import split_forward
@@ -115,7 +116,11 @@ class Options:
     in parallel (``sequence_split``: an extra pass with K more value columns and a chain of p
     small products buy p times the programs; dense rows, the chunks a multiple of it); None:
     ``sequence_split.auto_pieces`` with the Mosaic passes over dense rows (more than 1 only where
-    B H V / 64 CTAs leave most SMs idle, e.g. B = 1), else 1."""
+    B H V / 64 CTAs leave most SMs idle, e.g. B = 1), else 1. ``fused_grads``: with the Mosaic
+    passes, no or a scalar decay, bf16 inputs and padded K, V in {64, 128}, the backward's
+    per-chunk cotangents and the WY pullback as one Mosaic GPU kernel (``grads_mosaic``: no dW,
+    dK̃', dQ', dP through HBM) instead of ``chunk_grads`` then ``wy_bwd``; ValueError where it
+    does not apply. Off by default until measured on the device (benchmarks/NOTES.md)."""
 
     precision: str | None = None
     parallel_precision: str | None = None
@@ -137,6 +142,7 @@ class Options:
     vector_wy: str = "kernel"  # "kernel" | "halving" | "xla": the per-channel-decay WY step
     serial_backend: str | None = None  # split: "triton" | "mosaic" serial state passes
     sequence_pieces: int | None = None  # mosaic: the serial passes over pieces run in parallel
+    fused_grads: bool = False  # mosaic: the backward's chunk cotangents and WY pullback fused
 
     def __post_init__(self):
         tiles = dict(block_v=self.block_v, block_k=self.block_k)
@@ -242,8 +248,9 @@ def prepare_sums(cfg, q, k, kw, v, beta, gamma, sigma):
 
 def _kernel_call(cfg, kernel, args: dict, axes: dict, out_axes, **static):
     """``kernel(**args, **static)`` through ``sharded_call`` (None arguments stay None); ``axes``
-    names each argument's dimensions. The recurrence kernels with ``serial_backend="mosaic"`` in
-    interpret mode are called directly: Mosaic GPU's interpreter runs I/O callbacks, which
+    names each argument's dimensions. The Mosaic kernels (the recurrence kernels with
+    ``serial_backend="mosaic"``, ``chunk_grads_fused``) in interpret mode are called directly:
+    Mosaic GPU's interpreter runs I/O callbacks, which
     ``custom_partitioning`` cannot lower (KeyError: OrderedIOEffect), so on CPU they run
     unpartitioned."""
     names, packed = list(args), cfg.num_docs is not None
@@ -254,7 +261,8 @@ def _kernel_call(cfg, kernel, args: dict, axes: dict, out_axes, **static):
             given["doc"] = given["doc"] - given["doc"][:1, :1]
         return tuple(kernel(**given, **static))
 
-    if static.get("serial_backend") == "mosaic" and cfg.dots.interpret:
+    if (static.get("serial_backend") == "mosaic" or kernel is chunk_grads_fused) and \
+            cfg.dots.interpret:
         return call(*args.values())
     return sharded_call(call, list(args.values()), [axes[n] for n in names], out_axes,
                         shard_batch=not packed)
@@ -434,7 +442,45 @@ def _core_fwd(cfg, q, k, kw, v, beta, g, init, doc, first, last):
     return (o, final), (ins, init, doc, first, last, saved, wy, extra)
 
 
+def _fused_bwd(cfg, res, cts):
+    """``_core_bwd`` with ``Options.fused_grads``: the dO products and the Mosaic backward state
+    pass, then ``grads_mosaic.chunk_grads_fused`` from the forward's T, states and R; dg is the
+    reverse cumsum of its dG in each chunk."""
+    ins, init, doc, first, last, (states, R), wy, extra = res
+    (q, k, kw, v, beta, g), (do, dfinal) = ins, cts
+    if wy is None:
+        wy, extra = _wy(cfg, ins)
+    o = cfg.options
+    args = dict(zip(_WY_ARGS, wy)) | dict(states=states, R=R, do=do, dfinal=dfinal, doc=doc,
+                                          first=first, last=last)
+    axes = dict(_WY_AXES, states=_STATE_AXES["mosaic"], R="b h t v", do="b t h v",
+                dfinal="n h k v", **_FLAGS)
+    dU, dstates, dinit = _kernel_call(
+        cfg, split_backward, args, axes, ("b h t v", _STATE_AXES["mosaic"], "n h k v"),
+        chunk=cfg.chunk, scale=cfg.scale, block_v=o.block_v, dots=cfg.sdots,
+        num_warps=o.num_warps, num_stages=o.num_stages, pdots=cfg.pdots, block_k=o.block_k,
+        state_dtype=jnp.dtype(o.state_dtype), dout_in_serial=o.dout_in_serial,
+        serial_backend="mosaic", pieces=o.sequence_pieces, with_grads=False)
+    gamma = jnp.zeros(beta.shape, jnp.float32) if g is None else _gamma(cfg, g)
+    args = dict(q=q, k=k, kw=kw, v=v, do=do.astype(jnp.bfloat16), T=extra[0], beta=beta,
+                gamma=gamma, R=R, dR=dU, states=states, dstates=dstates)
+    axes = dict(_WY_IN, do="b t h v", T="b h t s", gamma="b t h", R="b h t v", dR="b h t v",
+                states=_STATE_AXES["mosaic"], dstates=_STATE_AXES["mosaic"])
+    *grads, dG = _kernel_call(cfg, chunk_grads_fused, args, axes,
+                              tuple(axes[n] for n in ("q", "k", "kw", "v", "beta", "gamma")),
+                              scale=cfg.scale, interpret=cfg.dots.interpret)
+    dg = None
+    if g is not None:  # dg_t = Σ_{i >= t} dG_i within the chunk
+        B, Tp, H = dG.shape
+        per_chunk = jnp.flip(dG.reshape(B, Tp // cfg.chunk, cfg.chunk, H), 2)
+        dg = jnp.flip(jnp.cumsum(per_chunk, 2), 2).reshape(B, Tp, H)
+    return (*match_types((*grads, dg, None if init is None else dinit), (*ins, init)),
+            None, None, None)
+
+
 def _core_bwd(cfg, res, cts):
+    if cfg.options.fused_grads:
+        return _fused_bwd(cfg, res, cts)
     ins, init, doc, first, last, saved, wy, extra = res
     do, dfinal = cts
     recomputed, pullback = _wy_pullback(cfg, ins, extra)  # the forward's WY tensors if saved
@@ -550,6 +596,13 @@ def delta_rule_pallas(q, k, kw, v, beta, log_decay, scale, initial_state, cu_seq
                                                          K=Kp, V=Vp))
     if options.serial_backend == "mosaic":
         state_mosaic.check_shapes(chunk=chunk_size, K=Kp, V=Vp)
+    if options.fused_grads:
+        if options.serial_backend != "mosaic" or decay == "vector":
+            raise ValueError("Options.fused_grads needs serial_backend='mosaic' and no or a scalar "
+                             f"decay; got serial_backend={options.serial_backend!r}, {decay} decay")
+        dtypes = {jnp.dtype(x.dtype) for x in (q, k, kw, v)}
+        grads_mosaic.check_shapes(chunk=chunk_size, K=Kp, V=Vp,
+                                  dtype=dtypes.pop() if len(dtypes) == 1 else jnp.float32)
     programs = B * H * Vp // state_mosaic.BV  # CTAs of a Mosaic serial pass
     options = dataclasses.replace(options, sequence_pieces=_pieces(options, programs, nc,
                                                                    cu_seqlens is None))

@@ -199,7 +199,7 @@ def split_backward(W, U, kw, q, P, gc, states, R, do, dfinal, doc, first, last, 
                    block_v, dots: Dots, num_warps, num_stages, block_k=64,
                    pdots: Dots | None = None, serial_block_v: int | None = None,
                    state_dtype=jnp.float32, dout_in_serial: bool = False,
-                   serial_backend: str = "triton", pieces: int = 1):
+                   serial_backend: str = "triton", pieces: int = 1, with_grads: bool = True):
     """``delta_bwd`` in three kernels; arguments and results as ``delta_bwd``, plus R = U − W S
     from the forward: W, kw (K̃'), q (Q') [B, H, Tp, K]; U, R [B, H, Tp, V]; P [B, H, Tp, C];
     gc (Γ_C) [B, H, NC, K]; states (chunk-start) [B, H, NC, K, V]; do [B, Tp, H, V]; dfinal
@@ -210,7 +210,8 @@ def split_backward(W, U, kw, q, P, gc, states, R, do, dfinal, doc, first, last, 
     itself (no kernel 1; the Mosaic kernel 2 forms G, kernel 1 still A); ``serial_backend``:
     "mosaic" runs kernel 2 as ``state_mosaic.state_bwd`` (``states`` then transposed, as its
     forward stores them); ``pieces``: that pass over the sequence cut into pieces run in parallel
-    (``sequence_split``; dense rows).
+    (``sequence_split``; dense rows); ``with_grads`` False: no kernel 3, the result is (dU, dS_C,
+    dS_0) (``grads_mosaic`` takes it from there).
 
     Returns dW, dK̃', dQ' [1, B, H, Tp, K], dU [B, H, Tp, V], dP [1, B, H, Tp, C], dΓ_C
     [1, B, H, NC, K] (already summed over V: the leading axis of ``delta_bwd``'s per-tile partial
@@ -238,6 +239,8 @@ def split_backward(W, U, kw, q, P, gc, states, R, do, dfinal, doc, first, last, 
         dU, dstates, dinit = state_pass(W, kw, gc, A, G, dfinal, doc, first, last,
                                         state_dtype=state_dtype, products=products,
                                         **(opts | dict(block_v=serial_block_v or block_v)))
+    if not with_grads:
+        return dU, dstates, dinit
     grads = chunk_grads(states, dstates, dU, R, do, scale=scale, block_k=block_k,
                         transposed=mosaic, **parallel)
     dW, dkw, dq, dP, dgc = (x[None] for x in grads)

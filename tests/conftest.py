@@ -130,17 +130,28 @@ def assert_vmap_matches_loop(f, args):
         np.testing.assert_allclose(got, jnp.stack(want), rtol=1e-5, atol=1e-6)
 
 
+def _lowered_for_cuda(fn, args):
+    """The text of ``jax.jit(fn)`` lowered for CUDA on this CPU (an abstract H100 mesh)."""
+    from jax.sharding import AbstractDevice, AbstractMesh
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+        device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132))
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
 def triton_kernels_lowered_for_cuda(loss, args, grad=True):
     """How many Triton kernels ``jax.grad(loss)`` over all of ``args`` (ShapeDtypeStructs; without
     ``grad``, ``loss`` itself) holds once lowered for CUDA on this CPU (an abstract H100 mesh;
     PTX and ptxas are not reached)."""
-    from jax.sharding import AbstractDevice, AbstractMesh
-    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
-        device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132))
     fn = jax.grad(loss, argnums=tuple(range(len(args)))) if grad else loss
-    with jax.sharding.use_abstract_mesh(mesh):
-        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-    return lowered.as_text().count("__gpu$xla.gpu.triton")
+    return _lowered_for_cuda(fn, args).count("__gpu$xla.gpu.triton")
+
+
+def mosaic_kernels_lowered_for_cuda(fn, args):
+    """How many Mosaic GPU kernels ``fn`` over ``args`` (ShapeDtypeStructs) holds once lowered for
+    CUDA on this CPU: Mosaic GPU's own passes run (its layout inference among them, which
+    interpret mode skips); PTX and ptxas are not reached."""
+    return _lowered_for_cuda(fn, args).count("custom_call @mosaic_gpu")
 
 
 def run_python(*args, timeout, devices=8, ends_with=None):

@@ -1,0 +1,224 @@
+"""The split backward's per-chunk cotangents and the WY pullback in one Mosaic GPU kernel
+(wgmma, TMA; Hopper), no decay or a scalar one: rung 2's first kernel (benchmarks/NOTES.md).
+
+It replaces ``state_bwd_triton.chunk_grads`` and ``wy_triton.wy_bwd`` (which pass dW, dK̃', dQ',
+dP and dΓ_C through HBM in float32) for chunks of 64 with K, V in {64, 128}. One CTA (one
+warpgroup) a (batch row, head, chunk) reads the chunk's q, k, k̃, v, dO, its T = (I + L)^-1
+(``wy_fwd``'s, in bf16), R and dR (the state passes'), the chunk-start state S and the cotangent
+dS_C of the chunk-end state (both transposed, as ``state_mosaic`` stores them), β and the
+in-chunk cumsum G of the log decays (0 without a decay), and forms, with Γ = exp G, Γ_C = exp
+G_{C−1}, D_ij = exp(G_i − G_j) (i >= j), A = K K̃ᵀ ⊙ D, L = strict_tril(Diag(β) A):
+
+    X = V − Diag(Γ) K S      dX = Diag(β) Tᵀ dR = dV          dT = dR (Diag(β) X)ᵀ
+    dL = strict_tril(−Tᵀ dT Tᵀ)     G_K = Diag(β) dL ⊙ D      dP = scale tril(dO Rᵀ)
+    P = tril(Q K̃ᵀ) ⊙ D             G_Q = dP ⊙ D
+    dQ = scale Diag(Γ) dO Sᵀ + G_Q K̃        dK = −Diag(Γ) dX Sᵀ + G_K K̃
+    dK̃ = Diag(Γ_C/Γ) R dS_Cᵀ + G_Kᵀ K + G_Qᵀ Q
+    dβ = rowsum(Tᵀ dR ⊙ X) + rowsum(dL ⊙ A)
+    dG_i = rowsum(E)_i − colsum(E)_i + scale Γ_i ⟨dO_i, (Q S)_i⟩ − Γ_i ⟨dX_i, (K S)_i⟩ − w_i
+           + δ_{i,C−1} (Σ_j w_j + Γ_C ⟨dS_C, S⟩),   w_i = (Γ_C/Γ_i) ⟨k̃_i, dS_C r_i⟩,
+    E = (dL ⊙ L + dP ⊙ P) off the diagonal
+
+(``chunk_pullback``'s algebra with the decayed inverse T in place of T0: L carries the decay,
+as ``wy_bwd``'s pullback does). The caller turns dG into dg (a reverse cumsum in the chunk).
+All dots take bf16 operands with float32 accumulation (the parallel kernels' ``bf16`` dots);
+the results are stored in the inputs' dtypes, dβ and dG in float32.
+
+As in ``state_mosaic``, wgmma has no CPU lowering in jax 0.11.2: in interpret mode (CPU) the
+dots run as ``jnp.dot`` of the same bf16 operands, and the CPU tests check everything else; the
+wgmma path is checked on the device by benchmarks/bench_delta.py.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.state_mosaic import BF16, C, COLS, F32, WGMMA, _smem
+from pallas_kernels.triton_common import out_struct
+
+ROWS = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a [C, N] tile
+
+
+def check_shapes(*, chunk, K, V, dtype):
+    """ValueError naming the argument unless the kernel takes chunk, K, V and the inputs'
+    dtype."""
+    if jnp.dtype(dtype) != BF16:
+        raise ValueError(f"the fused Mosaic chunk gradients need bfloat16 inputs, got {dtype}")
+    if chunk != C:
+        raise ValueError(f"the fused Mosaic chunk gradients need chunk_size {C}, got {chunk}")
+    for name, n in (("K", K), ("V", V)):
+        if n not in (64, 128):
+            raise ValueError(f"the fused Mosaic chunk gradients need the (padded) head dim {name} "
+                             f"in (64, 128), got {n}")
+
+
+def _mm(pairs, shape, init, interpret):
+    """init + Σ a @ b over ``pairs`` (a: bf16 registers or a shared-memory ref, possibly a ``.T``
+    view; b: a shared-memory ref), float32 accumulation; init None: zeros."""
+    if init is None:
+        init = plgpu.layout_cast(jnp.zeros(shape, F32), WGMMA)
+    if interpret:
+        value = lambda x: x if isinstance(x, jax.Array) else x[...]  # noqa: E731
+        return init + sum(jnp.dot(value(a), b[...], preferred_element_type=F32) for a, b in pairs)
+
+    def body(acc):
+        for a, b in pairs:
+            plgpu.wgmma(acc, a, b)
+
+    return lax.optimization_barrier(pl.run_state(body)(plgpu.ACC.init(init)))
+
+
+def _rows(vec, shape):
+    """vec [C] (ROWS layout) broadcast along each row of a [C, N] tile."""
+    return lax.broadcast_in_dim(vec, shape, [0])
+
+
+def _cols(vec, shape):
+    """vec [C] (COLS layout) broadcast along each column of a [C, C] tile."""
+    return lax.broadcast_in_dim(vec, shape, [1])
+
+
+def chunk_grads_fused(q, k, kw, v, do, T, beta, gamma, R, dR, states, dstates, *, scale,
+                      interpret):
+    """dq, dk, dk̃ [B, Tp, H, K], dv [B, Tp, H, V] (bf16), dβ and dG [B, Tp, H] float32
+    (module docstring). q, k, kw [B, Tp, H, K], v, do [B, Tp, H, V] bf16; T
+    [B, H, Tp, C] (any float dtype: cast to bf16); beta [B, Tp, H]; gamma [B, Tp, H] (the
+    in-chunk cumsum of the log decays; zeros without a decay); R, dR [B, H, Tp, V] bf16; states,
+    dstates [B, H, NC, V, K] bf16 (transposed: ``state_mosaic``'s chunk-start states and
+    chunk-end cotangents)."""
+    B, Tp, H, K = q.shape
+    V, nc = v.shape[-1], Tp // C
+    check_shapes(chunk=Tp // states.shape[2], K=K, V=V, dtype=q.dtype)
+    vec = lambda x: jnp.moveaxis(x, 2, 1).astype(F32)  # noqa: E731  [B, Tp, H] -> [B, H, Tp]
+    args = [q, k, kw, v, do, T.astype(BF16), vec(beta), vec(gamma), R, dR, states, dstates]
+    ins = (q, k, kw, v, do, T, beta, gamma, R, dR, states, dstates)
+    out_type = tuple(out_struct(shape, dtype, *ins) for shape, dtype in (
+        ((B, Tp, H, K), BF16), ((B, Tp, H, K), BF16), ((B, Tp, H, K), BF16),
+        ((B, Tp, H, V), BF16), ((B, H, Tp), F32), ((B, H, Tp), F32)))
+    tile = lambda n: _smem((C, n), BF16)  # noqa: E731
+    scratch = dict(q=tile(K), k=tile(K), kw=tile(K), v=tile(V), do=tile(V), r=tile(V),
+                   dr=tile(V), s=_smem((V, K), BF16), ds=_smem((V, K), BF16), t=tile(C),
+                   dt=tile(C), gk=tile(C), gq=tile(C), b=plgpu.SMEM((C,), F32),
+                   g_r=plgpu.SMEM((C,), F32), g_c=plgpu.SMEM((C,), F32), tot=plgpu.SMEM((C,), F32),
+                   db_out=plgpu.SMEM((C,), F32), dg_out=plgpu.SMEM((C,), F32),
+                   bar=plgpu.Barrier(num_arrivals=13))
+    if K != V:  # the outputs' own buffers (else dQ, dK, dK̃ reuse dO's, v's and R's)
+        scratch.update(dq_o=tile(K), dk_o=tile(K), dkw_o=tile(K))
+    sv, sk, sq = (C, V), (C, K), (C, C)
+
+    def body(q_ref, k_ref, kw_ref, v_ref, do_ref, t_ref, b_ref, g_ref, r_ref, dr_ref, s_ref,
+             ds_ref, dq_ref, dk_ref, dkw_ref, dv_ref, db_ref, dg_ref, *, q, k, kw, v, do,
+             r, dr, s, ds, t, dt, gk, gq, b, g_r, g_c, tot, db_out, dg_out, bar, dq_o=None,
+             dk_o=None, dkw_o=None):
+        dq_o, dk_o, dkw_o = (do, v, r) if dq_o is None else (dq_o, dk_o, dkw_o)
+        bi, h, c = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("c")
+        rows = pl.ds(c * C, C)
+        for src, dst in ((q_ref.at[bi, rows, h], q), (k_ref.at[bi, rows, h], k),
+                         (kw_ref.at[bi, rows, h], kw), (v_ref.at[bi, rows, h], v),
+                         (do_ref.at[bi, rows, h], do), (r_ref.at[bi, h, rows], r),
+                         (dr_ref.at[bi, h, rows], dr), (s_ref.at[bi, h, c], s),
+                         (ds_ref.at[bi, h, c], ds), (t_ref.at[bi, h, rows], t),
+                         (b_ref.at[bi, h, rows], b), (g_ref.at[bi, h, rows], g_r),
+                         (g_ref.at[bi, h, rows], g_c)):  # G twice: one buffer, one layout
+            plgpu.copy_gmem_to_smem(src, dst, bar)
+        plgpu.barrier_wait(bar)
+
+        i = plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=WGMMA)
+        j = plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=WGMMA)
+        g_row, g_col = plgpu.load(g_r, layout=ROWS), plgpu.load(g_c, layout=COLS)
+        beta_row = plgpu.load(b, layout=ROWS)
+        gam = jnp.exp(g_row)
+        at_last = plgpu.broadcasted_iota(jnp.int32, (C,), 0, layout=ROWS) == C - 1
+        last_col = plgpu.broadcasted_iota(jnp.int32, (C,), 0, layout=COLS) == C - 1
+        g_last = jnp.where(last_col, g_col, 0.0).sum()  # G_{C−1}
+        tail = jnp.exp(g_last - g_row)  # Γ_C/Γ
+        D = jnp.exp(jnp.where(i >= j, _rows(g_row, sq) - _cols(g_col, sq), -jnp.inf))
+
+        # value side: X, dX = dV, dT
+        ks = _mm([(k, s.T)], sv, None, interpret)  # K S
+        x = plgpu.load(v, layout=WGMMA).astype(F32) - _rows(gam, sv) * ks
+        tdr = _mm([(t.T, dr)], sv, None, interpret)  # Tᵀ dR
+        dbeta = jnp.sum(tdr * x, axis=1)
+        dx = _rows(beta_row, sv) * tdr
+        dx_lo = dx.astype(BF16)
+        dgam = -gam * jnp.sum(dx * ks, axis=1)
+        v[...] = (_rows(beta_row, sv) * x).astype(BF16)  # v's buffer now holds Diag(β) X
+        plgpu.commit_smem()
+        dtm = _mm([(dr, v.T)], sq, None, interpret)  # dT = dR (Diag(β) X)ᵀ
+        dk_acc = -_rows(gam, sk) * _mm([(dx_lo, s)], sk, None, interpret)  # −Diag(Γ) dX Sᵀ
+        dr[...] = dx_lo  # dR's buffer now holds dV
+        dt[...] = dtm.astype(BF16)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(dr, dv_ref.at[bi, rows, h], commit_group=False)
+
+        # output side: dP, P, G_Q, dQ
+        qs = _mm([(q, s.T)], sv, None, interpret)  # Q S
+        do_f = plgpu.load(do, layout=WGMMA).astype(F32)
+        dgam = dgam + scale * gam * jnp.sum(do_f * qs, axis=1)
+        dp = scale * jnp.where(i >= j, _mm([(do, r.T)], sq, None, interpret), 0.0)
+        p = jnp.where(i >= j, _mm([(q, kw.T)], sq, None, interpret), 0.0) * D
+        e = dp * p
+        gq[...] = (dp * D).astype(BF16)
+        plgpu.commit_smem()
+        dq = _mm([(gq, kw)], sk, scale * _rows(gam, sk) * _mm([(do, s)], sk, None, interpret),
+                 interpret)
+        dq_o[...] = dq.astype(BF16)  # (K = V: dO's buffer, done with)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(dq_o, dq_ref.at[bi, rows, h], commit_group=False)
+
+        # the inverse: dL, G_K, dK
+        m = _mm([(t.T, dt)], sq, None, interpret)  # Tᵀ dT
+        dl = -jnp.where(i > j, _mm([(m.astype(BF16), t.T)], sq, None, interpret), 0.0)
+        plgpu.commit_smem()  # (every thread is done reading T and dT: E goes there below)
+        a = _mm([(k, kw.T)], sq, None, interpret) * D  # A = K K̃ᵀ ⊙ D
+        dbeta = dbeta + jnp.sum(dl * a, axis=1)
+        e = jnp.where(i != j, e + _rows(beta_row, sq) * dl * a, 0.0)  # dL ⊙ L = β dL ⊙ A
+        gk[...] = (_rows(beta_row, sq) * dl * D).astype(BF16)
+        plgpu.commit_smem()
+        dkm = _mm([(gk, kw)], sk, dk_acc, interpret)
+        dk_o[...] = dkm.astype(BF16)  # (K = V: v's buffer, done with Diag(β) X)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(dk_o, dk_ref.at[bi, rows, h], commit_group=False)
+
+        # dK̃ and the decay's terms
+        rds = _mm([(r, ds)], sk, None, interpret)  # R dS_Cᵀ
+        w = tail * jnp.sum(rds * plgpu.load(kw, layout=WGMMA).astype(F32), axis=1)
+        dkwm = _mm([(gk.T, k), (gq.T, q)], sk, _rows(tail, sk) * rds, interpret)
+        dkw_o[...] = dkwm.astype(BF16)  # (K = V: R's buffer, done with)
+        # colsum(E) as the diagonal of ones @ E, E split into two bf16 parts (exact to ~2^-16)
+        e_hi = e.astype(BF16)
+        dt[...] = e_hi
+        t[...] = (e - e_hi.astype(F32)).astype(BF16)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(dkw_o, dkw_ref.at[bi, rows, h], commit_group=False)
+        ones = plgpu.layout_cast(jnp.ones(sq, BF16), WGMMA)
+        cols = jnp.sum(jnp.where(i == j, _mm([(ones, dt), (ones, t)], sq, None, interpret), 0.0),
+                       axis=1)
+        sds = 0.0  # ⟨S, dS_C⟩ by rows of the transposed tiles, summed below
+        for half in range(V // C):
+            s_f, ds_f = (plgpu.load(x.at[pl.ds(half * C, C)], layout=WGMMA).astype(F32)
+                         for x in (s, ds))
+            sds = sds + jnp.sum(s_f * ds_f, axis=1)
+        tot[...] = w + jnp.exp(g_last) * sds
+        plgpu.commit_smem()
+        total = plgpu.load(tot, layout=COLS).sum()  # Σ_j w_j + Γ_C ⟨dS_C, S⟩
+        dgam = dgam + jnp.sum(e, axis=1) - cols - w + jnp.where(at_last, total, 0.0)
+        db_out[...] = dbeta
+        dg_out[...] = dgam
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(db_out, db_ref.at[bi, h, rows], commit_group=False)
+        plgpu.copy_smem_to_gmem(dg_out, dg_ref.at[bi, h, rows], commit_group=False)
+        plgpu.commit_smem_to_gmem_group()
+        plgpu.wait_smem_to_gmem(0)
+
+    dq, dk, dkw, dv, db, dg = plgpu.kernel(
+        body, out_type=out_type, scratch_types=scratch, grid=(B, H, nc),
+        grid_names=("b", "h", "c"), compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        kernel_name="chunk_grads_mosaic")(*args)
+    back = functools.partial(jnp.moveaxis, source=1, destination=2)  # [B, H, Tp] -> [B, Tp, H]
+    return dq, dk, dkw, dv, back(db), back(dg)

@@ -1,0 +1,175 @@
+"""grads_mosaic.chunk_grads_fused in interpret mode (its dots as jnp.dot of the same bf16
+operands) against chunk_pullback's float32 algebra on the same bf16 inputs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import mosaic_kernels_lowered_for_cuda, packed_cu_seqlens
+from test_pallas_precision import assert_within_fla_bars, kernel_runs, outputs_and_grads, rel_rms
+
+import precond_linattn as pla
+
+from pallas_kernels.chunk_pullback import chunk_pullback
+from pallas_kernels import delta_rule
+from pallas_kernels.delta_rule import Options, delta_rule_pallas
+from pallas_kernels.grads_mosaic import check_shapes, chunk_grads_fused
+
+C, SCALE = 64, 0.3
+
+
+def case(seed, B, H, nc, K, V, decay):
+    """bf16 kernel inputs and the float32 values they hold: unit q, k; k̃ = d ⊙ k, d in [0.5, 2];
+    β in (0.05, 0.95); g = log σ(x + 4) or 0; random chunk-start states and chunk-end cotangents;
+    T, R and dR formed from those (float32) as the forward and the state passes would."""
+    rng = np.random.default_rng(seed)
+    Tp = nc * C
+    bf = lambda x: jnp.asarray(x, jnp.float32).astype(jnp.bfloat16)  # noqa: E731
+    unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+    k = unit(rng.standard_normal((B, Tp, H, K)))
+    x = dict(q=bf(unit(rng.standard_normal((B, Tp, H, K)))), k=bf(k),
+             kw=bf(k * rng.uniform(0.5, 2.0, (B, Tp, H, K))), v=bf(rng.standard_normal((B, Tp, H, V))),
+             do=bf(rng.standard_normal((B, Tp, H, V))),
+             beta=jnp.asarray(rng.uniform(0.05, 0.95, (B, Tp, H)), jnp.float32),
+             g=jnp.asarray(np.log(1 / (1 + np.exp(-rng.standard_normal((B, Tp, H)) - 4)))
+                           if decay else np.zeros((B, Tp, H)), jnp.float32),
+             S=bf(rng.standard_normal((B, H, nc, K, V))), dS=bf(rng.standard_normal((B, H, nc, K, V))))
+    f = {n: a.astype(jnp.float32) for n, a in x.items()}
+
+    def per_chunk(b, h, c):
+        rows = slice(c * C, (c + 1) * C)
+        return [f[n][b, rows, h] for n in ("q", "k", "kw", "v", "beta", "g", "do")] + [
+            f["S"][b, h, c], f["dS"][b, h, c]]
+
+    T, R, dR = (np.zeros(s, np.float32) for s in ((B, H, Tp, C), (B, H, Tp, V), (B, H, Tp, V)))
+    want = []
+    for b in range(B):
+        for h in range(H):
+            for c in range(nc):
+                q, k_, kw, v, beta, g, do, S, dS = per_chunk(b, h, c)
+                G = jnp.cumsum(g)
+                D = jnp.where(jnp.tri(C, dtype=bool), jnp.exp(G[:, None] - G[None, :]), 0.0)
+                L = jnp.tril(beta[:, None] * (k_ @ kw.T) * D, -1)
+                Tc = jnp.linalg.inv(jnp.eye(C) + L)
+                X = v - jnp.exp(G)[:, None] * (k_ @ S)
+                Rc = Tc @ (beta[:, None] * X)
+                P = jnp.tril(q @ kw.T) * D
+                tail = jnp.exp(G[-1] - G)
+                rows = slice(c * C, (c + 1) * C)
+                T[b, h, rows], R[b, h, rows] = Tc, Rc
+                dR[b, h, rows] = SCALE * P.T @ do + (tail[:, None] * kw) @ dS
+                want.append(((b, h, rows), chunk_pullback(q, k_, kw, v, beta, g, S, do, dS,
+                                                          SCALE)))
+    ins = dict(q=x["q"], k=x["k"], kw=x["kw"], v=x["v"], do=x["do"], T=jnp.asarray(T),
+               beta=x["beta"], gamma=jnp.cumsum(x["g"].reshape(B, nc, C, H), 2).reshape(B, Tp, H),
+               R=bf(R), dR=bf(dR), states=jnp.swapaxes(x["S"], -1, -2),
+               dstates=jnp.swapaxes(x["dS"], -1, -2))
+    return ins, want
+
+
+@pytest.mark.parametrize("K, V, decay", [(64, 64, True), (128, 64, False)])
+def test_matches_the_float32_pullback(K, V, decay):
+    """Two heads, two chunks: dq, dk, dk̃, dv, dβ and dg (dG reverse-summed in each chunk)
+    within 8e-3 relative RMS of ``chunk_pullback`` (FLA's bar for bf16 gradients; measured
+    1.6e-3 to 4.3e-3: the kernel's inputs, R and dR, and its products Diag(β) X, dX, dT, Tᵀ dT,
+    G_K and G_Q are rounded to bf16, each ~2^-9 relative)."""
+    ins, want = case(0, 1, 2, 2, K, V, decay)
+    dq, dk, dkw, dv, db, dG = chunk_grads_fused(**ins, scale=SCALE, interpret=True)
+    B, Tp, H = ins["beta"].shape
+    dg = jnp.flip(jnp.cumsum(jnp.flip(dG.reshape(B, Tp // C, C, H), 2), 2), 2).reshape(B, Tp, H)
+    got = dict(q=dq, k=dk, kw=dkw, v=dv, beta=db, g=dg)
+    names = ("q", "k", "kw", "v", "beta") + (("g",) if decay else ())
+    for n_i, name in enumerate(names):
+        a = jnp.concatenate([got[name][b, rows, h].astype(jnp.float32).ravel()
+                             for (b, h, rows), _ in want])
+        w = jnp.concatenate([g[n_i].ravel() for _, g in want])
+        err = rel_rms(a, w)
+        assert err <= 8e-3, f"d{name}: relative RMS {err:.3g}"
+
+
+def test_refuses_what_it_cannot_take():
+    for kw, match in ((dict(chunk=32, K=64, V=64, dtype=jnp.bfloat16), "chunk_size"),
+                      (dict(chunk=64, K=96, V=64, dtype=jnp.bfloat16), "head dim K"),
+                      (dict(chunk=64, K=64, V=256, dtype=jnp.bfloat16), "head dim V"),
+                      (dict(chunk=64, K=64, V=64, dtype=jnp.float16), "bfloat16")):
+        with pytest.raises(ValueError, match=match):
+            check_shapes(**kw)
+
+
+MOSAIC = Options(serial_backend="mosaic")
+FUSED_GRADS = Options(serial_backend="mosaic", fused_grads=True)
+
+
+@pytest.mark.parametrize("decay", [None, "scalar"])
+def test_op_with_fused_grads_within_fla_bars(rand, decay, monkeypatch):
+    """The op with ``fused_grads`` (T = 150: two chunks and a tail; K = 40 and V = 48 padded to
+    64; an initial state): outputs, final state and every gradient within FLA's bars of the
+    float32 reference, and within 6e-3 of the Mosaic pipeline without it (``chunk_grads`` then
+    ``wy_bwd``: the same algebra, rounded at other places); the initial state's gradient, from
+    the state pass both share, identical; the fused kernel ran once, for the backward."""
+    calls = []
+    monkeypatch.setattr(delta_rule, "chunk_grads_fused",
+                        lambda *a, **kw: calls.append(1) or chunk_grads_fused(*a, **kw))
+    fused, unfused, ref = kernel_runs(rand, decay, 7, FUSED_GRADS, MOSAIC, K=40)
+    assert len(calls) == 1
+    assert_within_fla_bars(fused, ref)
+    for name in ref[2]:
+        assert rel_rms(fused[2][name], unfused[2][name]) <= 6e-3, name
+    np.testing.assert_array_equal(fused[2]["s0"], unfused[2]["s0"])
+
+
+def test_fused_grads_packed_documents(rand):
+    """Three packed documents (64, 1 and 85 tokens) with per-document initial states and a scalar
+    decay: outputs, final states and every gradient within FLA's bars of the float32 reference
+    (the kernel takes each chunk's start state and end cotangent from the passes, which restart
+    at the documents' chunks)."""
+    T, H, K, V = 150, 2, 64, 64
+    x = rand.delta_inputs(1, T, H, K, V, decay="scalar", dtype=jnp.bfloat16)
+    x["s0"] = rand.normal(3, H, K, V)
+    cu = packed_cu_seqlens([64, 1, 85])
+
+    def run(impl, x):
+        if impl == "reference":
+            return pla.delta_rule(x["q"], x["k"], x["v"], x["beta"], write_key=x["write_key"],
+                                  log_decay=x["log_decay"], initial_state=x["s0"],
+                                  cu_seqlens=cu, output_final_state=True, impl="reference")
+        return delta_rule_pallas(x["q"], x["k"], x["write_key"], x["v"], x["beta"],
+                                 x["log_decay"], K ** -0.5, x["s0"], cu, 64, FUSED_GRADS)
+
+    key = jax.random.key(3)
+    got, ref = (jax.jit(lambda x, i=i: outputs_and_grads(lambda y: run(i, y), x, key))(x)
+                for i in ("pallas", "reference"))
+    assert_within_fla_bars(got, ref)
+
+
+def test_fused_grads_refuses_what_it_cannot_run(rand):
+    """fused_grads without the Mosaic passes, with a per-channel decay or with float16 inputs: a
+    ValueError naming what it needs."""
+    x = rand.delta_inputs(1, 64, 1, 64, 64, decay="vector", dtype=jnp.bfloat16)
+
+    def call(options, log_decay, dtype=jnp.bfloat16):
+        q, k, kw, v = (x[n].astype(dtype) for n in ("q", "k", "write_key", "v"))
+        return delta_rule_pallas(q, k, kw, v, x["beta"], log_decay, 0.125, None, None, 64,
+                                 options)
+
+    with pytest.raises(ValueError, match="serial_backend='mosaic'"):
+        call(Options(serial_backend="triton", fused_grads=True), None)
+    with pytest.raises(ValueError, match="scalar decay"):
+        call(FUSED_GRADS, x["log_decay"])
+    with pytest.raises(ValueError, match="bfloat16"):
+        call(FUSED_GRADS, None, jnp.float16)
+
+
+@pytest.mark.parametrize("K, V", [(128, 128), (128, 64)])
+def test_lowers_for_cuda(K, V):
+    """The kernel goes through Mosaic GPU's lowering for CUDA on the CPU (layout inference, which
+    interpret mode does not run: loading one buffer in two layouts failed there)."""
+    S = jax.ShapeDtypeStruct
+    B, H, nc, bf, f32 = 1, 2, 2, jnp.bfloat16, jnp.float32
+    Tp = nc * C
+    args = ([S((B, Tp, H, K), bf)] * 3 + [S((B, Tp, H, V), bf)] * 2
+            + [S((B, H, Tp, C), f32), S((B, Tp, H), f32), S((B, Tp, H), f32)]
+            + [S((B, H, Tp, V), bf)] * 2 + [S((B, H, nc, V, K), bf)] * 2)
+    fn = lambda *a: chunk_grads_fused(*a, scale=0.1, interpret=False)  # noqa: E731
+    assert mosaic_kernels_lowered_for_cuda(fn, args) == 1
