@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_repeats_bitwise, assert_vmap_matches_loop, packed_cu_seqlens
+from conftest import (assert_repeats_bitwise, assert_vmap_matches_loop,
+                      mosaic_kernels_lowered_for_cuda, packed_cu_seqlens)
 from test_pallas_precision import assert_within_fla_bars, kernel_runs, outputs_and_grads, rel_rms
 
 import precond_linattn as pla
@@ -209,3 +210,23 @@ def test_compiled_kernels_carry_no_effects():
         S((B, H, Tp, K), bf16), S((B, H, Tp, K), bf16), S((B, H, nc, K), f32),
         S((B, H, Tp, V), bf16), S((B, H, nc, V, K), bf16), S((B, H, K, V), f32), *flags)
     assert not fwd.effects and not bwd.effects
+
+
+def test_passes_lower_for_cuda():
+    """Both passes (the forward forming the outputs, the backward forming G) go through Mosaic
+    GPU's lowering for CUDA on the CPU, which runs its layout inference (interpret mode does
+    not)."""
+    B, H, nc, K, V = 1, 2, 2, 128, 128
+    Tp, bf16, f32 = nc * 64, jnp.bfloat16, jnp.float32
+    S = jax.ShapeDtypeStruct
+    flags = [S((B, nc), jnp.int32)] * 3
+    rows = lambda n: S((B, H, Tp, n), bf16)  # noqa: E731
+    fwd = lambda W, U, kw, gc, q, P, *fl: state_mosaic.state_fwd(  # noqa: E731
+        W, U, kw, gc, None, *fl, num_docs=None, interpret=False, output=(q, P, 0.1, bf16))
+    bwd = lambda W, kw, gc, A, df, q, do, *fl: state_mosaic.state_bwd(  # noqa: E731
+        W, kw, gc, A, None, df, *fl, interpret=False, products=(q, do, 0.1))
+    assert mosaic_kernels_lowered_for_cuda(fwd, [rows(K), rows(V), rows(K), S((B, H, nc, K), f32),
+                                                 rows(K), rows(64), *flags]) == 1
+    assert mosaic_kernels_lowered_for_cuda(bwd, [rows(K), rows(K), S((B, H, nc, K), f32), rows(V),
+                                                 S((B, H, K, V), f32), rows(K),
+                                                 S((B, Tp, H, V), bf16), *flags]) == 1
