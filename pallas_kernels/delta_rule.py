@@ -442,25 +442,34 @@ def _core_fwd(cfg, q, k, kw, v, beta, g, init, doc, first, last):
     return (o, final), (ins, init, doc, first, last, saved, wy, extra)
 
 
+def _state_backward(cfg, wy, res, cts, out_axes, **extra):
+    """The recurrence kernels' backward (``split_backward``, or the fused ``delta_bwd``) on the WY
+    tensors ``wy`` and the forward's saved states and R (in ``res``), through ``_kernel_call``."""
+    _, _, doc, first, last, saved, _, _ = res
+    (do, dfinal), o = cts, cfg.options
+    args = dict(zip(_WY_ARGS, wy)) | dict(zip(("states", "R"), saved)) | dict(
+        do=do, dfinal=dfinal, doc=doc, first=first, last=last)
+    axes = dict(_WY_AXES, states=_STATE_AXES[o.serial_backend], R="b h t v", do="b t h v",
+                dfinal="n h k v", **_FLAGS)
+    split = dict(pdots=cfg.pdots, block_k=o.block_k, serial_block_v=o.serial_block_v,
+                 state_dtype=jnp.dtype(o.state_dtype), dout_in_serial=o.dout_in_serial,
+                 serial_backend=o.serial_backend, pieces=o.sequence_pieces, **extra)
+    return _kernel_call(cfg, split_backward if o.split else delta_bwd, args, axes, out_axes,
+                        chunk=cfg.chunk, scale=cfg.scale, block_v=o.block_v, dots=cfg.sdots,
+                        num_warps=o.num_warps, num_stages=o.num_stages,
+                        **(split if o.split else {}))
+
+
 def _fused_bwd(cfg, res, cts):
     """``_core_bwd`` with ``Options.fused_grads``: the dO products and the Mosaic backward state
     pass, then ``grads_mosaic.chunk_grads_fused`` from the forward's T, states and R; dg is the
     reverse cumsum of its dG in each chunk."""
-    ins, init, doc, first, last, (states, R), wy, extra = res
-    (q, k, kw, v, beta, g), (do, dfinal) = ins, cts
+    ins, init, _, _, _, (states, R), wy, extra = res
+    (q, k, kw, v, beta, g), do = ins, cts[0]
     if wy is None:
         wy, extra = _wy(cfg, ins)
-    o = cfg.options
-    args = dict(zip(_WY_ARGS, wy)) | dict(states=states, R=R, do=do, dfinal=dfinal, doc=doc,
-                                          first=first, last=last)
-    axes = dict(_WY_AXES, states=_STATE_AXES["mosaic"], R="b h t v", do="b t h v",
-                dfinal="n h k v", **_FLAGS)
-    dU, dstates, dinit = _kernel_call(
-        cfg, split_backward, args, axes, ("b h t v", _STATE_AXES["mosaic"], "n h k v"),
-        chunk=cfg.chunk, scale=cfg.scale, block_v=o.block_v, dots=cfg.sdots,
-        num_warps=o.num_warps, num_stages=o.num_stages, pdots=cfg.pdots, block_k=o.block_k,
-        state_dtype=jnp.dtype(o.state_dtype), dout_in_serial=o.dout_in_serial,
-        serial_backend="mosaic", pieces=o.sequence_pieces, with_grads=False)
+    dU, dstates, dinit = _state_backward(
+        cfg, wy, res, cts, ("b h t v", _STATE_AXES["mosaic"], "n h k v"), with_grads=False)
     gamma = jnp.zeros(beta.shape, jnp.float32) if g is None else _gamma(cfg, g)
     args = dict(q=q, k=k, kw=kw, v=v, do=do.astype(jnp.bfloat16), T=extra[0], beta=beta,
                 gamma=gamma, R=R, dR=dU, states=states, dstates=dstates)
@@ -481,26 +490,12 @@ def _fused_bwd(cfg, res, cts):
 def _core_bwd(cfg, res, cts):
     if cfg.options.fused_grads:
         return _fused_bwd(cfg, res, cts)
-    ins, init, doc, first, last, saved, wy, extra = res
-    do, dfinal = cts
+    ins, init, _, _, _, _, wy, extra = res
     recomputed, pullback = _wy_pullback(cfg, ins, extra)  # the forward's WY tensors if saved
-    wy = recomputed if wy is None else wy
-    o = cfg.options
-    args = dict(zip(_WY_ARGS, wy)) | dict(zip(("states", "R"), saved)) | dict(
-        do=do, dfinal=dfinal, doc=doc, first=first, last=last)
-    axes = dict(_WY_AXES, states=_STATE_AXES[o.serial_backend], R="b h t v", do="b t h v",
-                dfinal="n h k v", **_FLAGS)
     out_axes = ("j b h t k", "b h t v", "j b h t k", "j b h t k", "j b h t s", "j b h c k",
                 "n h k v")
-    dW, dU, dkw, dq, dP, dgc, dinit = _kernel_call(
-        cfg, split_backward if o.split else delta_bwd, args, axes, out_axes, chunk=cfg.chunk,
-        scale=cfg.scale, block_v=o.block_v, dots=cfg.sdots, num_warps=o.num_warps,
-        num_stages=o.num_stages, **(dict(pdots=cfg.pdots, block_k=o.block_k,
-                                         serial_block_v=o.serial_block_v,
-                                         state_dtype=jnp.dtype(o.state_dtype),
-                                         dout_in_serial=o.dout_in_serial,
-                                         serial_backend=o.serial_backend,
-                                         pieces=o.sequence_pieces) if o.split else {}))
+    dW, dU, dkw, dq, dP, dgc, dinit = _state_backward(
+        cfg, recomputed if wy is None else wy, res, cts, out_axes)
     grads = pullback((dW.sum(0), dU, dkw.sum(0), dq.sum(0), dP.sum(0), dgc.sum(0)))
     return (*match_types((*grads, None if init is None else dinit), (*ins, init)),
             None, None, None)
