@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import mosaic_kernels_lowered_for_cuda, packed_cu_seqlens
+from conftest import (assert_repeats_bitwise, assert_vmap_matches_loop,
+                      mosaic_kernels_lowered_for_cuda, packed_cu_seqlens)
 from test_pallas_precision import assert_within_fla_bars, kernel_runs, outputs_and_grads, rel_rms
 
 import precond_linattn as pla
@@ -173,3 +174,29 @@ def test_lowers_for_cuda(K, V):
             + [S((B, H, Tp, V), bf)] * 2 + [S((B, H, nc, V, K), bf)] * 2)
     fn = lambda *a: chunk_grads_fused(*a, scale=0.1, interpret=False)  # noqa: E731
     assert mosaic_kernels_lowered_for_cuda(fn, args) == 1
+
+
+def test_fused_grads_under_vmap_repeat_bitwise_and_effect_free(rand):
+    """Gradients of a loss of the op with ``fused_grads``: ``jax.vmap`` over rows as [1, T]
+    sequences equals the rows one by one, and a second run (compiled afresh) is bitwise the
+    first; traced for the GPU (not interpret mode) the kernel carries no effects, so
+    ``jax.checkpoint`` and ``custom_partitioning`` take it there (test_pallas_mosaic says why
+    interpret mode cannot show remat)."""
+    x = rand.delta_inputs(2, 100, 2, 64, 64, decay="scalar", dtype=jnp.bfloat16)
+    names = ("q", "k", "write_key", "v", "beta", "log_decay")
+
+    def loss(*args):
+        o, final = delta_rule_pallas(*args, 0.125, None, None, 64, FUSED_GRADS)
+        return jnp.sum(jnp.sin(o.astype(jnp.float32))) + jnp.sum(final ** 2)
+
+    grad = jax.grad(loss, argnums=tuple(range(6)))
+    args = [x[n] for n in names]
+    assert_vmap_matches_loop(grad, [a.reshape(2, 1, *a.shape[1:]) for a in args])
+    assert_repeats_bitwise(lambda: jax.jit(grad)(*args))
+    S = jax.ShapeDtypeStruct
+    bf, f32 = jnp.bfloat16, jnp.float32
+    shapes = ([S((1, 64, 1, 64), bf)] * 5 + [S((1, 1, 64, 64), f32), S((1, 64, 1), f32),
+                                             S((1, 64, 1), f32)]
+              + [S((1, 1, 64, 64), bf)] * 2 + [S((1, 1, 1, 64, 64), bf)] * 2)
+    traced = jax.make_jaxpr(lambda *a: chunk_grads_fused(*a, scale=0.1, interpret=False))(*shapes)
+    assert not traced.effects
