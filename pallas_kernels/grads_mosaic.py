@@ -31,17 +31,13 @@ wgmma path is checked on the device by benchmarks/bench_delta.py.
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.state_mosaic import BF16, C, COLS, F32, WGMMA, _smem
+from pallas_kernels.state_mosaic import BF16, C, COLS, F32, ROWS, WGMMA, matmul, smem
 from pallas_kernels.triton_common import out_struct
-
-ROWS = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a [C, N] tile
-
 
 def check_shapes(*, chunk, K, V, dtype):
     """ValueError naming the argument unless the kernel takes chunk, K, V and the inputs'
@@ -54,22 +50,6 @@ def check_shapes(*, chunk, K, V, dtype):
         if n not in (64, 128):
             raise ValueError(f"the fused Mosaic chunk gradients need the (padded) head dim {name} "
                              f"in (64, 128), got {n}")
-
-
-def _mm(pairs, shape, init, interpret):
-    """init + Σ a @ b over ``pairs`` (a: bf16 registers or a shared-memory ref, possibly a ``.T``
-    view; b: a shared-memory ref), float32 accumulation; init None: zeros."""
-    if init is None:
-        init = plgpu.layout_cast(jnp.zeros(shape, F32), WGMMA)
-    if interpret:
-        value = lambda x: x if isinstance(x, jax.Array) else x[...]  # noqa: E731
-        return init + sum(jnp.dot(value(a), b[...], preferred_element_type=F32) for a, b in pairs)
-
-    def body(acc):
-        for a, b in pairs:
-            plgpu.wgmma(acc, a, b)
-
-    return lax.optimization_barrier(pl.run_state(body)(plgpu.ACC.init(init)))
 
 
 def _rows(vec, shape):
@@ -99,9 +79,9 @@ def chunk_grads_fused(q, k, kw, v, do, T, beta, gamma, R, dR, states, dstates, *
     out_type = tuple(out_struct(shape, dtype, *ins) for shape, dtype in (
         ((B, Tp, H, K), BF16), ((B, Tp, H, K), BF16), ((B, Tp, H, K), BF16),
         ((B, Tp, H, V), BF16), ((B, H, Tp), F32), ((B, H, Tp), F32)))
-    tile = lambda n: _smem((C, n), BF16)  # noqa: E731
+    tile = lambda n: smem((C, n), BF16)  # noqa: E731
     scratch = dict(q=tile(K), k=tile(K), kw=tile(K), v=tile(V), do=tile(V), r=tile(V),
-                   dr=tile(V), s=_smem((V, K), BF16), ds=_smem((V, K), BF16), t=tile(C),
+                   dr=tile(V), s=smem((V, K), BF16), ds=smem((V, K), BF16), t=tile(C),
                    dt=tile(C), gk=tile(C), gq=tile(C), b=plgpu.SMEM((C,), F32),
                    g_r=plgpu.SMEM((C,), F32), g_c=plgpu.SMEM((C,), F32), tot=plgpu.SMEM((C,), F32),
                    db_out=plgpu.SMEM((C,), F32), dg_out=plgpu.SMEM((C,), F32),
@@ -139,55 +119,55 @@ def chunk_grads_fused(q, k, kw, v, do, T, beta, gamma, R, dR, states, dstates, *
         D = jnp.exp(jnp.where(i >= j, _rows(g_row, sq) - _cols(g_col, sq), -jnp.inf))
 
         # value side: X, dX = dV, dT
-        ks = _mm([(k, s.T)], sv, None, interpret)  # K S
+        ks = matmul([(k, s.T)], sv, None, interpret)  # K S
         x = plgpu.load(v, layout=WGMMA).astype(F32) - _rows(gam, sv) * ks
-        tdr = _mm([(t.T, dr)], sv, None, interpret)  # Tᵀ dR
+        tdr = matmul([(t.T, dr)], sv, None, interpret)  # Tᵀ dR
         dbeta = jnp.sum(tdr * x, axis=1)
         dx = _rows(beta_row, sv) * tdr
         dx_lo = dx.astype(BF16)
         dgam = -gam * jnp.sum(dx * ks, axis=1)
         v[...] = (_rows(beta_row, sv) * x).astype(BF16)  # v's buffer now holds Diag(β) X
         plgpu.commit_smem()
-        dtm = _mm([(dr, v.T)], sq, None, interpret)  # dT = dR (Diag(β) X)ᵀ
-        dk_acc = -_rows(gam, sk) * _mm([(dx_lo, s)], sk, None, interpret)  # −Diag(Γ) dX Sᵀ
+        dtm = matmul([(dr, v.T)], sq, None, interpret)  # dT = dR (Diag(β) X)ᵀ
+        dk_acc = -_rows(gam, sk) * matmul([(dx_lo, s)], sk, None, interpret)  # −Diag(Γ) dX Sᵀ
         dr[...] = dx_lo  # dR's buffer now holds dV
         dt[...] = dtm.astype(BF16)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(dr, dv_ref.at[bi, rows, h], commit_group=False)
 
         # output side: dP, P, G_Q, dQ
-        qs = _mm([(q, s.T)], sv, None, interpret)  # Q S
+        qs = matmul([(q, s.T)], sv, None, interpret)  # Q S
         do_f = plgpu.load(do, layout=WGMMA).astype(F32)
         dgam = dgam + scale * gam * jnp.sum(do_f * qs, axis=1)
-        dp = scale * jnp.where(i >= j, _mm([(do, r.T)], sq, None, interpret), 0.0)
-        p = jnp.where(i >= j, _mm([(q, kw.T)], sq, None, interpret), 0.0) * D
+        dp = scale * jnp.where(i >= j, matmul([(do, r.T)], sq, None, interpret), 0.0)
+        p = jnp.where(i >= j, matmul([(q, kw.T)], sq, None, interpret), 0.0) * D
         e = dp * p
         gq[...] = (dp * D).astype(BF16)
         plgpu.commit_smem()
-        dq = _mm([(gq, kw)], sk, scale * _rows(gam, sk) * _mm([(do, s)], sk, None, interpret),
+        dq = matmul([(gq, kw)], sk, scale * _rows(gam, sk) * matmul([(do, s)], sk, None, interpret),
                  interpret)
         dq_o[...] = dq.astype(BF16)  # (K = V: dO's buffer, done with)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(dq_o, dq_ref.at[bi, rows, h], commit_group=False)
 
         # the inverse: dL, G_K, dK
-        m = _mm([(t.T, dt)], sq, None, interpret)  # Tᵀ dT
-        dl = -jnp.where(i > j, _mm([(m.astype(BF16), t.T)], sq, None, interpret), 0.0)
+        m = matmul([(t.T, dt)], sq, None, interpret)  # Tᵀ dT
+        dl = -jnp.where(i > j, matmul([(m.astype(BF16), t.T)], sq, None, interpret), 0.0)
         plgpu.commit_smem()  # (every thread is done reading T and dT: E goes there below)
-        a = _mm([(k, kw.T)], sq, None, interpret) * D  # A = K K̃ᵀ ⊙ D
+        a = matmul([(k, kw.T)], sq, None, interpret) * D  # A = K K̃ᵀ ⊙ D
         dbeta = dbeta + jnp.sum(dl * a, axis=1)
         e = jnp.where(i != j, e + _rows(beta_row, sq) * dl * a, 0.0)  # dL ⊙ L = β dL ⊙ A
         gk[...] = (_rows(beta_row, sq) * dl * D).astype(BF16)
         plgpu.commit_smem()
-        dkm = _mm([(gk, kw)], sk, dk_acc, interpret)
+        dkm = matmul([(gk, kw)], sk, dk_acc, interpret)
         dk_o[...] = dkm.astype(BF16)  # (K = V: v's buffer, done with Diag(β) X)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(dk_o, dk_ref.at[bi, rows, h], commit_group=False)
 
         # dK̃ and the decay's terms
-        rds = _mm([(r, ds)], sk, None, interpret)  # R dS_Cᵀ
+        rds = matmul([(r, ds)], sk, None, interpret)  # R dS_Cᵀ
         w = tail * jnp.sum(rds * plgpu.load(kw, layout=WGMMA).astype(F32), axis=1)
-        dkwm = _mm([(gk.T, k), (gq.T, q)], sk, _rows(tail, sk) * rds, interpret)
+        dkwm = matmul([(gk.T, k), (gq.T, q)], sk, _rows(tail, sk) * rds, interpret)
         dkw_o[...] = dkwm.astype(BF16)  # (K = V: R's buffer, done with)
         # colsum(E) as the diagonal of ones @ E, E split into two bf16 parts (exact to ~2^-16)
         e_hi = e.astype(BF16)
@@ -196,7 +176,7 @@ def chunk_grads_fused(q, k, kw, v, do, T, beta, gamma, R, dR, states, dstates, *
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(dkw_o, dkw_ref.at[bi, rows, h], commit_group=False)
         ones = plgpu.layout_cast(jnp.ones(sq, BF16), WGMMA)
-        cols = jnp.sum(jnp.where(i == j, _mm([(ones, dt), (ones, t)], sq, None, interpret), 0.0),
+        cols = jnp.sum(jnp.where(i == j, matmul([(ones, dt), (ones, t)], sq, None, interpret), 0.0),
                        axis=1)
         sds = 0.0  # ⟨S, dS_C⟩ by rows of the transposed tiles, summed below
         for half in range(V // C):

@@ -43,6 +43,7 @@ BV = 64  # V tile of one CTA
 BF16, F32 = jnp.bfloat16, jnp.float32
 WGMMA = plgpu.Layout.WGMMA
 COLS = plgpu.Layout.WGMMA.reduce(0)  # one value per column of a [BV, K] tile
+ROWS = plgpu.Layout.WGMMA.reduce(1)  # one value per row
 
 
 @functools.cache
@@ -81,7 +82,7 @@ def check_shapes(*, chunk, K, V):
         raise ValueError(f"serial_backend='mosaic' needs {problem}")
 
 
-def _smem(shape, dtype):
+def smem(shape, dtype):
     """Shared-memory buffer tiled and swizzled for TMA and wgmma (minor dim = last)."""
     swizzle = plgpu.find_swizzle(shape[-1] * jnp.dtype(dtype).itemsize * 8)
     return plgpu.SMEM(shape, dtype, transforms=(
@@ -89,18 +90,21 @@ def _smem(shape, dtype):
         plgpu.SwizzleTransform(swizzle)))
 
 
-def _matmul(a, b_ref, shape, init, interpret, *more):
-    """init + a @ b_ref (+ a2 @ b2_ref for ``more`` = (a2, b2_ref), into the same accumulator;
-    a: bf16 registers, b_ref: bf16 shared memory, float32 accumulation). The optimisation
-    barrier keeps LLVM from reading the accumulator before the wgmma wait (jax-linear-attention
-    saw zeroed products without it)."""
-    pairs = ((a, b_ref),) + ((tuple(more),) if more else ())
+def matmul(pairs, shape, init, interpret):
+    """init + Σ a @ b over ``pairs`` into one float32 accumulator of ``shape`` (a: bf16 registers
+    or a shared-memory ref, possibly a ``.T`` view; b: a shared-memory ref; init None: zeros).
+    In interpret mode ``jnp.dot`` of the same operands. The optimisation barrier keeps LLVM from
+    reading the accumulator before the wgmma wait (jax-linear-attention saw zeroed products
+    without it)."""
+    if init is None:
+        init = plgpu.layout_cast(jnp.zeros(shape, F32), WGMMA)
     if interpret:
-        return init + sum(jnp.dot(x, y[...], preferred_element_type=F32) for x, y in pairs)
+        value = lambda x: x if isinstance(x, jax.Array) else x[...]  # noqa: E731
+        return init + sum(jnp.dot(value(a), b[...], preferred_element_type=F32) for a, b in pairs)
 
     def body(acc):
-        for x, y in pairs:
-            plgpu.wgmma(acc, x, y)
+        for a, b in pairs:
+            plgpu.wgmma(acc, a, b)
 
     return lax.optimization_barrier(pl.run_state(body)(plgpu.ACC.init(init)))
 
@@ -212,19 +216,19 @@ def state_fwd(W, U, kw, gc, initial_state, doc, first, last, *, num_docs, interp
     N, has_init = B if num_docs is None else num_docs, initial_state is not None
     ins = (W, U, kw, gc, initial_state) + (output[:2] if output is not None else ())
     out_type = [out_struct((N, H, V, K), F32, *ins)]
-    scratch = dict(w=_smem((2, C, K), BF16), k=_smem((2, C, K), BF16), u=_smem((2, C, BV), BF16),
+    scratch = dict(w=smem((2, C, K), BF16), k=smem((2, C, K), BF16), u=smem((2, C, BV), BF16),
                    g=plgpu.SMEM((2, K), F32), fl=plgpu.SMEM((2, FLAGS), jnp.int32),
                    doc_buf=plgpu.SMEM((BV, K), F32), doc_bar=plgpu.Barrier())
     if store:
         out_type[:0] = [out_struct((B, H, nc, V, K), BF16, *ins),
                         out_struct((B, H, Tp, V), BF16, *ins)]
-        scratch.update(s_out=_smem((BV, K), BF16), r_out=_smem((C, BV), BF16))
+        scratch.update(s_out=smem((BV, K), BF16), r_out=smem((C, BV), BF16))
     args = [W, U, kw, gc, _flags(doc, first, last)]
     if output is not None:
         q, P, scale, out_dtype = output
         out_type.append(out_struct((B, Tp, H, V), out_dtype, *ins))
-        scratch.update(q=_smem((2, C, K), BF16), p=_smem((2, C, C), BF16),
-                       o_out=_smem((C, BV), out_dtype))
+        scratch.update(q=smem((2, C, K), BF16), p=smem((2, C, C), BF16),
+                       o_out=smem((C, BV), out_dtype))
         args += [q, P]
     scratch["in_bar"] = plgpu.Barrier(num_arrivals=5 + 2 * (output is not None), num_barriers=2)
     args += [_doc_states(initial_state)] if has_init else []
@@ -257,16 +261,15 @@ def state_fwd(W, U, kw, gc, initial_state, doc, first, last, *, num_docs, interp
                     is_first.astype(F32)
             s_lo = S.astype(BF16)
             u_t = plgpu.load(u.at[slot].T, layout=WGMMA).astype(F32)
-            r_t = _matmul(-s_lo, w.at[slot].T, (BV, C), u_t, interpret)  # Rᵀ = Uᵀ − Sᵀ Wᵀ
+            r_t = matmul([(-s_lo, w.at[slot].T)], (BV, C), u_t, interpret)  # Rᵀ = Uᵀ − Sᵀ Wᵀ
             r_lo = r_t.astype(BF16)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's stores were read
             if store:
                 s_out[...] = s_lo
                 r_out.T[...] = r_lo
             if output is not None:  # Oᵀ = scale (Sᵀ Q'ᵀ + Rᵀ Pᵀ)
-                zero = plgpu.layout_cast(jnp.zeros((BV, C), F32), WGMMA)
-                o_t = _matmul(r_lo, p.at[slot].T, (BV, C),
-                              _matmul(s_lo, q.at[slot].T, (BV, C), zero, interpret), interpret)
+                o_t = matmul([(s_lo, q.at[slot].T), (r_lo, p.at[slot].T)], (BV, C), None,
+                             interpret)
                 o_out.T[...] = (scale * o_t).astype(o_out.dtype)
             plgpu.commit_smem()
             if store:
@@ -279,7 +282,7 @@ def state_fwd(W, U, kw, gc, initial_state, doc, first, last, *, num_docs, interp
                                         commit_group=False)
             plgpu.commit_smem_to_gmem_group()
             decay = lax.broadcast_in_dim(plgpu.load(g.at[slot], layout=COLS), (BV, K), [1])
-            S = _matmul(r_lo, k.at[slot], (BV, K), S * decay, interpret)  # Sᵀ Γ_C + Rᵀ K̃'
+            S = matmul([(r_lo, k.at[slot])], (BV, K), S * decay, interpret)  # Sᵀ Γ_C + Rᵀ K̃'
             _doc_state_out(S, final_ref, d, h, v0, doc_buf, is_last)
             return S
 
@@ -305,18 +308,18 @@ def state_bwd(W, kw, gc, A, G, dfinal, doc, first, last, *, interpret, products=
     ins = (W, kw, gc, A, G, dfinal) + (products[:2] if products is not None else ())
     out_type = (out_struct((B, H, Tp, V), BF16, *ins), out_struct((B, H, nc, V, K), BF16, *ins),
                 out_struct((N, H, V, K), F32, *ins))
-    scratch = dict(w=_smem((2, C, K), BF16), k=_smem((2, C, K), BF16), a=_smem((2, C, BV), BF16),
+    scratch = dict(w=smem((2, C, K), BF16), k=smem((2, C, K), BF16), a=smem((2, C, BV), BF16),
                    g=plgpu.SMEM((2, K), F32), fl=plgpu.SMEM((2, FLAGS), jnp.int32),
-                   ds_out=_smem((2, BV, K), BF16), du_out=_smem((2, C, BV), BF16),
+                   ds_out=smem((2, BV, K), BF16), du_out=smem((2, C, BV), BF16),
                    doc_buf=plgpu.SMEM((BV, K), F32), doc_bar=plgpu.Barrier(),
                    in_bar=plgpu.Barrier(num_arrivals=6 + (products is not None), num_barriers=2))
     args = [W, kw, gc, A, _flags(doc, first, last), _doc_states(dfinal)]
     if products is None:
-        scratch["gt"] = _smem((2, BV, K), BF16)
+        scratch["gt"] = smem((2, BV, K), BF16)
         args.append(G)
     else:
         q, do, scale = products
-        scratch.update(q=_smem((2, C, K), BF16), do=_smem((2, C, BV), do.dtype))
+        scratch.update(q=smem((2, C, K), BF16), do=smem((2, C, BV), do.dtype))
         args += [q, do]
 
     def body(W_ref, kw_ref, gc_ref, A_ref, f_ref, dfinal_ref, *refs, w, k, a, g, fl, ds_out,
@@ -343,7 +346,7 @@ def state_bwd(W, kw, gc, A, G, dfinal, doc, first, last, *, interpret, products=
                 dfinal_ref, d, h, v0, doc_buf, doc_bar, is_last) * is_last.astype(F32)
             ds_lo = dS.astype(BF16)
             a_t = plgpu.load(a.at[slot].T, layout=WGMMA).astype(F32)
-            dr_t = _matmul(ds_lo, k.at[slot].T, (BV, C), a_t, interpret)  # dRᵀ = Aᵀ + dSᵀ K̃'ᵀ
+            dr_t = matmul([(ds_lo, k.at[slot].T)], (BV, C), a_t, interpret)  # dRᵀ = Aᵀ + dSᵀ K̃'ᵀ
             dr_lo = dr_t.astype(BF16)
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this slot's stores of chunk c ± 2
             ds_out.at[slot][...] = ds_lo
@@ -357,10 +360,11 @@ def state_bwd(W, kw, gc, A, G, dfinal, doc, first, last, *, interpret, products=
             decay = lax.broadcast_in_dim(plgpu.load(g.at[slot], layout=COLS), (BV, K), [1])
             if products is None:  # dS Γ_C + Gᵀ − dRᵀ W
                 g_t = plgpu.load(gt.at[slot], layout=WGMMA).astype(F32)
-                dS = _matmul(-dr_lo, w.at[slot], (BV, K), dS * decay + g_t, interpret)
+                dS = matmul([(-dr_lo, w.at[slot])], (BV, K), dS * decay + g_t, interpret)
             else:
                 do_t = (scale * plgpu.load(do.at[slot].T, layout=WGMMA).astype(F32)).astype(BF16)
-                dS = _matmul(-dr_lo, w.at[slot], (BV, K), dS * decay, interpret, do_t, q.at[slot])
+                dS = matmul([(-dr_lo, w.at[slot]), (do_t, q.at[slot])], (BV, K), dS * decay,
+                            interpret)
             _doc_state_out(dS, dinit_ref, d, h, v0, doc_buf, is_first)
             return dS * (1 - is_first).astype(F32)
 
