@@ -246,11 +246,10 @@ def prepare_sums(cfg, q, k, kw, v, beta, gamma, sigma):
     return _flat(W), _flat(U), _flat(kw_tail), _flat(q_dec), _flat(P), GC
 
 
-def _kernel_call(cfg, kernel, args: dict, axes: dict, out_axes, **static):
+def _kernel_call(cfg, kernel, args: dict, axes: dict, out_axes, *, mosaic=False, **static):
     """``kernel(**args, **static)`` through ``sharded_call`` (None arguments stay None); ``axes``
-    names each argument's dimensions. The Mosaic kernels (the recurrence kernels with
-    ``serial_backend="mosaic"``, ``chunk_grads_fused``) in interpret mode are called directly:
-    Mosaic GPU's interpreter runs I/O callbacks, which
+    names each argument's dimensions. ``mosaic``: the call runs Mosaic GPU kernels, which in
+    interpret mode are called directly: Mosaic GPU's interpreter runs I/O callbacks, which
     ``custom_partitioning`` cannot lower (KeyError: OrderedIOEffect), so on CPU they run
     unpartitioned."""
     names, packed = list(args), cfg.num_docs is not None
@@ -261,8 +260,7 @@ def _kernel_call(cfg, kernel, args: dict, axes: dict, out_axes, **static):
             given["doc"] = given["doc"] - given["doc"][:1, :1]
         return tuple(kernel(**given, **static))
 
-    if (static.get("serial_backend") == "mosaic" or kernel is chunk_grads_fused) and \
-            cfg.dots.interpret:
+    if mosaic and cfg.dots.interpret:
         return call(*args.values())
     return sharded_call(call, list(args.values()), [axes[n] for n in names], out_axes,
                         shard_batch=not packed)
@@ -422,7 +420,8 @@ def _forward(cfg, q, k, kw, v, beta, g, init, doc, first, last, store_states, wy
         kernel, static = delta_fwd, dict(decay=cfg.decay)
     saved = (_STATE_AXES[o.serial_backend],) + (("b h t v",) if o.split else ())  # states, R
     out_axes = ("b t h v", "n h k v") + (saved if store_states else ())
-    return _kernel_call(cfg, kernel, args, axes, out_axes, chunk=cfg.chunk, scale=cfg.scale,
+    return _kernel_call(cfg, kernel, args, axes, out_axes, mosaic=o.serial_backend == "mosaic",
+                        chunk=cfg.chunk, scale=cfg.scale,
                         num_docs=cfg.num_docs, block_v=o.block_v, dots=cfg.sdots,
                         num_warps=o.num_warps, num_stages=o.num_stages, store_states=store_states,
                         **static)
@@ -455,7 +454,8 @@ def _state_backward(cfg, wy, res, cts, out_axes, **extra):
                  state_dtype=jnp.dtype(o.state_dtype), dout_in_serial=o.dout_in_serial,
                  serial_backend=o.serial_backend, pieces=o.sequence_pieces, **extra)
     return _kernel_call(cfg, split_backward if o.split else delta_bwd, args, axes, out_axes,
-                        chunk=cfg.chunk, scale=cfg.scale, block_v=o.block_v, dots=cfg.sdots,
+                        mosaic=o.serial_backend == "mosaic", chunk=cfg.chunk, scale=cfg.scale,
+                        block_v=o.block_v, dots=cfg.sdots,
                         num_warps=o.num_warps, num_stages=o.num_stages,
                         **(split if o.split else {}))
 
@@ -477,7 +477,7 @@ def _fused_bwd(cfg, res, cts):
                 states=_STATE_AXES["mosaic"], dstates=_STATE_AXES["mosaic"])
     *grads, dG = _kernel_call(cfg, chunk_grads_fused, args, axes,
                               tuple(axes[n] for n in ("q", "k", "kw", "v", "beta", "gamma")),
-                              scale=cfg.scale, interpret=cfg.dots.interpret)
+                              mosaic=True, scale=cfg.scale, interpret=cfg.dots.interpret)
     dg = None
     if g is not None:  # dg_t = Σ_{i >= t} dG_i within the chunk
         B, Tp, H = dG.shape
