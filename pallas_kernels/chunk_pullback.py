@@ -59,35 +59,45 @@ def _inverse(A0):
                                              unit_diagonal=True)
 
 
-def _parts(k, kw, beta, g):
-    """(G, Γ, Γ_C, D, A0's gram K K̃ᵀ, T0, T) of a chunk."""
+def _recompute(q, k, kw, v, beta, g, S):
+    """A chunk's forward terms: (G, Γ, Γ_C, D, K K̃ᵀ, T0, T, K S, X, R, P)."""
     C = k.shape[0]
     G, Gam, Gam_C, D = _decays(g, C)
     gram = _dot(k, kw.T)
     T0 = _inverse(jnp.tril(beta[:, None] * gram, -1))
-    return G, Gam, Gam_C, D, gram, T0, T0 * D
+    T = T0 * D
+    KS = _dot(k, S)
+    X = v - Gam[:, None] * KS
+    R = _dot(T, beta[:, None] * X)
+    return G, Gam, Gam_C, D, gram, T0, T, KS, X, R, jnp.tril(_dot(q, kw.T)) * D
+
+
+def _dR(P, kw, Gam, Gam_C, do, dS_end, scale):
+    """dR = scale Pᵀ dO + Diag(Γ_C/Γ) K̃ dS'."""
+    return scale * _dot(P.T, do) + _dot((Gam_C / Gam)[:, None] * kw, dS_end)
 
 
 def chunk_forward(q, k, kw, v, beta, g, S, scale):
     """(O [C, V], S' [K, V]) of one chunk (module docstring); g None: no decay."""
-    _, Gam, Gam_C, D, _, _, T = _parts(k, kw, beta, g)
-    X = v - Gam[:, None] * _dot(k, S)
-    R = _dot(T, beta[:, None] * X)
-    P = jnp.tril(_dot(q, kw.T)) * D
+    _, Gam, Gam_C, _, _, _, _, _, _, R, P = _recompute(q, k, kw, v, beta, g, S)
     O = scale * (Gam[:, None] * _dot(q, S) + _dot(P, R))
     return O, Gam_C * S + _dot(((Gam_C / Gam)[:, None] * kw).T, R)
+
+
+def backward_inputs(q, k, kw, v, beta, g, S, do, dS_end, scale):
+    """(T [C, C], R [C, V], dR [C, V]): what the WY forward (T) and the two state passes (R, dR)
+    hand the split backward's per-chunk kernels (``grads_mosaic``)."""
+    _, Gam, Gam_C, _, _, _, T, _, _, R, P = _recompute(q, k, kw, v, beta, g, S)
+    return T, R, _dR(P, kw, Gam, Gam_C, do, dS_end, scale)
 
 
 def chunk_pullback(q, k, kw, v, beta, g, S, do, dS_end, scale):
     """The cotangents (dq, dk, dkw, dv, dbeta, dg (None without a decay), dS) of one chunk from
     dO and dS' (module docstring)."""
-    G, Gam, Gam_C, D, gram, T0, T = _parts(k, kw, beta, g)
+    _, Gam, Gam_C, D, gram, T0, T, KS, X, R, P = _recompute(q, k, kw, v, beta, g, S)
     tail = Gam_C / Gam  # Γ_C/Γ
-    QS, KS = _dot(q, S), _dot(k, S)
-    X = v - Gam[:, None] * KS
-    R = _dot(T, beta[:, None] * X)
-    P = jnp.tril(_dot(q, kw.T)) * D
-    dR = scale * _dot(P.T, do) + _dot(tail[:, None] * kw, dS_end)
+    QS = _dot(q, S)
+    dR = _dR(P, kw, Gam, Gam_C, do, dS_end, scale)
     TdR = _dot(T.T, dR)
     dX = beta[:, None] * TdR
     dS = Gam_C * dS_end + scale * _dot((Gam[:, None] * q).T, do) - _dot((Gam[:, None] * k).T, dX)

@@ -12,7 +12,7 @@ from test_pallas_precision import assert_within_fla_bars, kernel_runs, outputs_a
 
 import precond_linattn as pla
 
-from pallas_kernels.chunk_pullback import chunk_pullback
+from pallas_kernels.chunk_pullback import backward_inputs, chunk_pullback
 from pallas_kernels import delta_rule
 from pallas_kernels.delta_rule import Options, delta_rule_pallas
 from pallas_kernels.grads_mosaic import check_shapes, chunk_grads_fused
@@ -49,17 +49,9 @@ def case(seed, B, H, nc, K, V, decay):
         for h in range(H):
             for c in range(nc):
                 q, k_, kw, v, beta, g, do, S, dS = per_chunk(b, h, c)
-                G = jnp.cumsum(g)
-                D = jnp.where(jnp.tri(C, dtype=bool), jnp.exp(G[:, None] - G[None, :]), 0.0)
-                L = jnp.tril(beta[:, None] * (k_ @ kw.T) * D, -1)
-                Tc = jnp.linalg.inv(jnp.eye(C) + L)
-                X = v - jnp.exp(G)[:, None] * (k_ @ S)
-                Rc = Tc @ (beta[:, None] * X)
-                P = jnp.tril(q @ kw.T) * D
-                tail = jnp.exp(G[-1] - G)
                 rows = slice(c * C, (c + 1) * C)
-                T[b, h, rows], R[b, h, rows] = Tc, Rc
-                dR[b, h, rows] = SCALE * P.T @ do + (tail[:, None] * kw) @ dS
+                T[b, h, rows], R[b, h, rows], dR[b, h, rows] = backward_inputs(
+                    q, k_, kw, v, beta, g, S, do, dS, SCALE)
                 want.append(((b, h, rows), chunk_pullback(q, k_, kw, v, beta, g, S, do, dS,
                                                           SCALE)))
     ins = dict(q=x["q"], k=x["k"], kw=x["kw"], v=x["v"], do=x["do"], T=jnp.asarray(T),
