@@ -595,9 +595,9 @@ def delta_rule_pallas(q, k, kw, v, beta, log_decay, scale, initial_state, cu_seq
         if options.serial_backend != "mosaic" or decay == "vector":
             raise ValueError("Options.fused_grads needs serial_backend='mosaic' and no or a scalar "
                              f"decay; got serial_backend={options.serial_backend!r}, {decay} decay")
-        dtypes = {jnp.dtype(x.dtype) for x in (q, k, kw, v)}
+        other = [x.dtype for x in (q, k, kw, v) if x.dtype != jnp.bfloat16]  # named if any
         grads_mosaic.check_shapes(chunk=chunk_size, K=Kp, V=Vp,
-                                  dtype=dtypes.pop() if len(dtypes) == 1 else jnp.float32)
+                                  dtype=other[0] if other else jnp.bfloat16)
     programs = B * H * Vp // state_mosaic.BV  # CTAs of a Mosaic serial pass
     options = dataclasses.replace(options, sequence_pieces=_pieces(options, programs, nc,
                                                                    cu_seqlens is None))
