@@ -280,7 +280,7 @@ def breakdown(core, x, reps, options):
 def variant(v):
     """Options from precision/block_v/num_warps[/num_stages][/fused][/recompute][/vxla|/vhalving][/pP]
     [/kN][/wkN][/bwN][/wwN][/sN][/hbf16|/h32][/wbf16][/qP][/oserial|/okernel][/dserial|/dkernel]
-    [/mosaic|/triton][/cpN][/fg] (vxla / vhalving:
+    [/mosaic|/triton][/cpN][/fg|/nofg] (vxla / vhalving:
     ``Options.vector_wy`` = "xla" / "halving"; pP: ``Options.parallel_precision`` = P, e.g. ptf32, pbf16;
     kN: ``Options.block_k`` = N; wkN: ``Options.wy_block_k`` = N; bwN:
     ``Options.pullback_warps`` = N; wwN: ``Options.wy_warps`` = N; sN:
@@ -290,8 +290,8 @@ def variant(v):
     oserial / okernel: ``Options.output_in_serial`` True / False; dserial / dkernel:
     ``Options.dout_in_serial`` True / False (``breakdown`` ignores both: it times the separate
     kernels);
-    mosaic / triton: ``Options.serial_backend``; cpN: ``Options.sequence_pieces`` = N; fg:
-    ``Options.fused_grads``). Unnamed options keep their defaults."""
+    mosaic / triton: ``Options.serial_backend``; cpN: ``Options.sequence_pieces`` = N; fg / nofg:
+    ``Options.fused_grads`` True / False). Unnamed options keep their defaults."""
     f = v.split("/")
     flags = [t for t in f[3:] if not t.isdigit()]
     block_k = [int(t[1:]) for t in flags if t[0] == "k" and t[1:].isdigit()]
@@ -322,7 +322,8 @@ def variant(v):
                    dout_in_serial=True if "dserial" in flags else False if "dkernel" in flags
                    else None,
                    serial_backend=next((t for t in flags if t in ("mosaic", "triton")), None),
-                   sequence_pieces=pieces[0] if pieces else None, fused_grads="fg" in flags)
+                   sequence_pieces=pieces[0] if pieces else None,
+                   fused_grads=True if "fg" in flags else False if "nofg" in flags else None)
 
 
 def variant_tag(opt):
@@ -343,7 +344,7 @@ def variant_tag(opt):
             + {True: "/dserial", False: "/dkernel", None: ""}[opt.dout_in_serial]
             + (f"/{opt.serial_backend}" if opt.serial_backend else "")
             + (f"/cp{opt.sequence_pieces}" if opt.sequence_pieces else "")
-            + ("/fg" if opt.fused_grads else ""))
+            + {True: "/fg", False: "/nofg", None: ""}[opt.fused_grads])
 
 
 def jla_ops():

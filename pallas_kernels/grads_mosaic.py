@@ -39,17 +39,30 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.state_mosaic import BF16, C, COLS, F32, ROWS, WGMMA, matmul, smem
 from pallas_kernels.triton_common import out_struct
 
+def _problem(chunk, K, V, dtype) -> str | None:
+    """Why the kernel cannot take chunk, K, V and the inputs' dtype, or None."""
+    if jnp.dtype(dtype) != BF16:
+        return f"bfloat16 inputs, got {dtype}"
+    if chunk != C:
+        return f"chunk_size {C}, got {chunk}"
+    for name, n in (("K", K), ("V", V)):
+        if n not in (64, 128):
+            return f"the (padded) head dim {name} in (64, 128), got {n}"
+    return None
+
+
+def fits(*, chunk, K, V, dtype) -> bool:
+    """Whether the kernel takes chunk, K, V and the inputs' dtype (``check_shapes`` says why
+    not)."""
+    return _problem(chunk, K, V, dtype) is None
+
+
 def check_shapes(*, chunk, K, V, dtype):
     """ValueError naming the argument unless the kernel takes chunk, K, V and the inputs'
     dtype."""
-    if jnp.dtype(dtype) != BF16:
-        raise ValueError(f"the fused Mosaic chunk gradients need bfloat16 inputs, got {dtype}")
-    if chunk != C:
-        raise ValueError(f"the fused Mosaic chunk gradients need chunk_size {C}, got {chunk}")
-    for name, n in (("K", K), ("V", V)):
-        if n not in (64, 128):
-            raise ValueError(f"the fused Mosaic chunk gradients need the (padded) head dim {name} "
-                             f"in (64, 128), got {n}")
+    problem = _problem(chunk, K, V, dtype)
+    if problem:
+        raise ValueError(f"the fused Mosaic chunk gradients need {problem}")
 
 
 def _rows(vec, shape):

@@ -13,8 +13,8 @@ from test_pallas_precision import assert_within_fla_bars, kernel_runs, outputs_a
 import precond_linattn as pla
 
 from pallas_kernels.chunk_pullback import backward_inputs, chunk_pullback
-from pallas_kernels import delta_rule
-from pallas_kernels.delta_rule import Options, delta_rule_pallas
+from pallas_kernels import delta_rule, state_mosaic
+from pallas_kernels.delta_rule import Options, delta_rule_pallas, resolve
 from pallas_kernels.grads_mosaic import check_shapes, chunk_grads_fused
 
 C, SCALE = 64, 0.3
@@ -90,7 +90,7 @@ def test_refuses_what_it_cannot_take():
             check_shapes(**kw)
 
 
-MOSAIC = Options(serial_backend="mosaic")
+MOSAIC = Options(serial_backend="mosaic", fused_grads=False)
 FUSED_GRADS = Options(serial_backend="mosaic", fused_grads=True)
 
 
@@ -100,7 +100,8 @@ def test_op_with_fused_grads_within_fla_bars(rand, decay, monkeypatch):
     64; an initial state): outputs, final state and every gradient within FLA's bars of the
     float32 reference, and within 6e-3 of the Mosaic pipeline without it (``chunk_grads`` then
     ``wy_bwd``: the same algebra, rounded at other places); the initial state's gradient, from
-    the state pass both share, identical; the fused kernel ran once, for the backward."""
+    the state pass both share, identical; the fused kernel ran once, for the backward
+    (test_sequence_split has it with the passes in sequence pieces)."""
     calls = []
     monkeypatch.setattr(delta_rule, "chunk_grads_fused",
                         lambda *a, **kw: calls.append(1) or chunk_grads_fused(*a, **kw))
@@ -152,6 +153,43 @@ def test_fused_grads_refuses_what_it_cannot_run(rand):
         call(FUSED_GRADS, x["log_decay"])
     with pytest.raises(ValueError, match="bfloat16"):
         call(FUSED_GRADS, None, jnp.float16)
+
+
+def test_fused_grads_by_default_where_it_applies(rand, monkeypatch):
+    """``fused_grads=None`` resolves to True with the Mosaic passes where the kernel applies (bf16
+    inputs, no or a scalar decay, shapes it takes) and to False elsewhere; an explicit value
+    stays. The op works out where it applies from its inputs: traced as on a Hopper GPU
+    (``state_mosaic.runs_here`` True), it resolves True for bf16 with a scalar decay and K = 40
+    (padded to 64), False for a per-channel decay, float16, or V = 150 (padded to 256: the
+    Mosaic passes take it, this kernel does not)."""
+    def picked(options, **kw):
+        kw = {"sixteen_bit": True, "mosaic_fits": True, "grads_fit": True} | kw
+        return resolve(options, **kw).fused_grads
+
+    assert picked(Options()) is True
+    assert picked(Options(), grads_fit=False) is False
+    assert picked(Options(), mosaic_fits=False) is False  # the Triton passes
+    assert picked(Options(serial_backend="triton")) is False
+    assert picked(Options(fused_grads=False)) is False
+    assert picked(Options(fused_grads=True), grads_fit=False) is True  # the op raises then
+
+    resolved = []
+    monkeypatch.setattr(delta_rule, "resolve",
+                        lambda *a, **kw: resolved.append(resolve(*a, **kw)) or resolved[-1])
+    monkeypatch.setattr(state_mosaic, "runs_here", lambda **kw: state_mosaic.fits(
+        chunk=kw["chunk"], K=kw["K"], V=kw["V"]))
+
+    def fused(V=48, decay="scalar", dtype=jnp.bfloat16):
+        x = rand.delta_inputs(1, 100, 2, 40, V, decay=decay, dtype=dtype)
+        jax.eval_shape(lambda: delta_rule_pallas(
+            x["q"], x["k"], x["write_key"], x["v"], x["beta"], x["log_decay"], 0.125, None, None,
+            64, Options(), interpret=True))
+        return resolved[-1].serial_backend == "mosaic" and resolved[-1].fused_grads
+
+    assert fused() and fused(decay=None)
+    assert not fused(decay="vector")
+    assert not fused(dtype=jnp.float16)
+    assert not fused(V=150)
 
 
 @pytest.mark.parametrize("K, V", [(128, 128), (128, 64)])

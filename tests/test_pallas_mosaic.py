@@ -20,9 +20,13 @@ from pallas_kernels.delta_rule import Options, delta_rule_pallas, resolve
 from pallas_kernels.triton_common import Dots
 
 # outputs by their kernel; outputs formed in the pass; both with G from the dO-product kernel
-MOSAIC = Options(serial_backend="mosaic", output_in_serial=False, dout_in_serial=False)
-FUSED = Options(serial_backend="mosaic", output_in_serial=True, dout_in_serial=False)
-DSERIAL = Options(serial_backend="mosaic")  # the default: also G formed in the backward pass
+# the state passes against their Triton twins: the chunk gradients as the twins form them
+# (test_pallas_grads_mosaic has the default's fused kernel)
+MOSAIC = Options(serial_backend="mosaic", output_in_serial=False, dout_in_serial=False,
+                 fused_grads=False)
+FUSED = Options(serial_backend="mosaic", output_in_serial=True, dout_in_serial=False,
+                fused_grads=False)
+DSERIAL = Options(serial_backend="mosaic", fused_grads=False)  # the default's passes: also G
 TWIN = Options(wy_dtype="bfloat16", serial_precision="bf16")  # the Triton passes, same numerics
 
 

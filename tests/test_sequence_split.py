@@ -103,10 +103,12 @@ def test_split_mosaic_passes_within_bf16_rounding(rand, products):
 
 
 @pytest.mark.parametrize("decay", [None, "scalar"])
-def test_op_with_sequence_pieces_within_fla_bars(rand, decay):
+@pytest.mark.parametrize("fused_grads", [False, True])
+def test_op_with_sequence_pieces_within_fla_bars(rand, decay, fused_grads):
     """The op on the Mosaic passes with ``sequence_pieces=4`` (T = 500: 8 chunks, a tail; an
-    initial state; K = V = 64): outputs, final state and every gradient within FLA's bars of
-    the float32 token-by-token reference."""
+    initial state; K = V = 64), the chunk gradients from ``chunk_grads`` + ``wy_bwd`` or the fused
+    kernel (which reads the pieces' chunk states): outputs, final state and every gradient
+    within FLA's bars of the float32 token-by-token reference."""
     x = rand.delta_inputs(1, 500, 2, 64, 64, decay=decay, dtype=jnp.bfloat16)
     x = {n: a for n, a in x.items() if a is not None}
     x["s0"] = rand.normal(1, 2, 64, 64)
@@ -114,7 +116,8 @@ def test_op_with_sequence_pieces_within_fla_bars(rand, decay):
     def kernel(x):
         return delta_rule_pallas(x["q"], x["k"], x["write_key"], x["v"], x["beta"],
                                  x.get("log_decay"), 0.125, x["s0"], None, 64,
-                                 Options(serial_backend="mosaic", sequence_pieces=4))
+                                 Options(serial_backend="mosaic", sequence_pieces=4,
+                                         fused_grads=fused_grads))
 
     def reference(x):
         return pla.delta_rule(x["q"], x["k"], x["v"], x["beta"], write_key=x["write_key"],
