@@ -56,8 +56,10 @@ def gates_arg(text):
     return text
 
 
-def make_inputs(key, B, T, H, D, decay, dtype, n_docs=None, gates="mild"):
-    """Layer-like inputs: unit q, k; k̃ = d ⊙ k, d in [0.5, 2]; β = σ(x); g = log σ(x + 4)
+def make_inputs(key, B, T, H, D, decay, dtype, n_docs=None, gates="mild", similar=0.0):
+    """Layer-like inputs: unit q, k (``similar`` s > 0: k = unit(z + s c), c one standard normal
+    direction a (row, head), so keys have mean cosine s² / (1 + s²) as in trained models'
+    chunks); k̃ = d ⊙ k, d in [0.5, 2]; β = σ(x); g = log σ(x + 4)
     (``gates="mild"``, ~−0.02 a token) or as the layers at init (``"layer"``: −exp(A_log)
     softplus(x + dt_bias) with A_log, dt_bias from ``layers.init``, x ~ N(0, 1): down to ~−10 a
     token, so some KDA chunks take the WY kernels' unfactored paths), or ``"const:R"``: g = −R
@@ -65,7 +67,8 @@ def make_inputs(key, B, T, H, D, decay, dtype, n_docs=None, gates="mild"):
     blocks of s rows with s R / 2 <= 40 below that)."""
     ks = jax.random.split(key, 9)
     unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
-    k = unit(jax.random.normal(ks[1], (B, T, H, D)))
+    shared = similar * jax.random.normal(jax.random.fold_in(ks[1], 1), (B, 1, H, D))
+    k = unit(jax.random.normal(ks[1], (B, T, H, D)) + shared)
     x = dict(q=unit(jax.random.normal(ks[0], (B, T, H, D))), k=k,
              kw=k * jax.random.uniform(ks[2], k.shape, minval=0.5, maxval=2.0),
              v=jax.random.normal(ks[3], (B, T, H, D)),
@@ -387,6 +390,8 @@ def main():
                    help="each call waited for (median), or all queued then waited for (mean)")
     p.add_argument("--gates", type=gates_arg, default="mild",
                    help="decay distribution of the inputs: mild, layer or const:R (make_inputs)")
+    p.add_argument("--similar", type=float, default=0.0,
+                   help="keys share a direction: mean cosine s^2 / (1 + s^2) (make_inputs)")
     a = p.parse_args()
     POISON_GIB[0] = a.poison_gib
     PIPELINED[0] = a.timing == "pipelined"
@@ -408,7 +413,7 @@ def main():
     names = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
     check_dtypes = [names[d] for d in a.check_dtypes.split(",")]
     inputs = {core: make_inputs(jax.random.fold_in(key, 7), B, T, H, D, decay, jnp.bfloat16,
-                                gates=a.gates)[0]
+                                gates=a.gates, similar=a.similar)[0]
               for core, decay in DECAYS.items()} if "time" in sections else {}
     for n_variant, opt in enumerate(variants):
         tag = variant_tag(opt)
@@ -418,7 +423,7 @@ def main():
                 def one(dtype=dtype, core=core):
                     k1, k2 = jax.random.split(jax.random.fold_in(key, len(results)))
                     x, kc = make_inputs(k1, B, T, H, D, DECAYS[core], dtype, n_docs=B,
-                                        gates=a.gates)
+                                        gates=a.gates, similar=a.similar)
                     name = f"{core} {jnp.dtype(dtype).name} {tag}"
                     return check(name, op("pallas", opt), op("chunked"), x, kc, dtype)
                 results.append(guarded(f"check {tag} {core}", one))
@@ -444,7 +449,7 @@ def main():
     for opt in variants if "breakdown" in sections else ():
         for core in a.breakdown_cores.split(","):
             x, _ = make_inputs(jax.random.fold_in(key, 8), B, T, H, D, DECAYS[core], jnp.bfloat16,
-                               gates=a.gates)
+                               gates=a.gates, similar=a.similar)
             guarded(f"breakdown {core}", lambda: breakdown(core, x, a.reps, opt))
 
     print(f"\n{'check':40s} {'ok':>5s} {'err_o':>9s} {'err_final':>9s} {'err_grad':>9s}")

@@ -6,7 +6,7 @@ cumulative log decay from the chunk start, Γ = exp γ):
 
     S   ← initial[doc] (or 0) if the chunk starts a document
     L   = strict_tril(β_i ⟨k_i ⊙ Γ_i/Γ_j, k̃_j⟩)      P = tril(⟨q_i ⊙ Γ_i/Γ_j, k̃_j⟩)
-    T   = (I + L)^-1                                  (doubling product, triton_common)
+    T   = (I + L)^-1                                  (block merges, triton_common)
     W   = T Diag(β)(K ⊙ Γ)     U = T Diag(β) V       R = U − W S
     O   = scale [(Q ⊙ Γ) S + P R]
     S   ← Γ_C ⊙ S + (K̃ ⊙ Γ_C/Γ)ᵀ R                  (stored to final[doc] after a doc's last chunk)

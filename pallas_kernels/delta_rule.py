@@ -19,9 +19,9 @@ fused (``delta_fwd_triton``, ``delta_bwd_triton``): one kernel per direction doe
 per-chunk work inside its serial chunk loop (the WY tensors are still recomputed outside for the
 backward). Kept as the measured baseline (benchmarks/NOTES.md).
 
-Both invert (I + L) by the doubling product (matmuls on tensor cores, at the kernels'
-precision), not ``chunk_wy``'s triangular solve, whose batched GPU form and transpose were slow;
-``prepare`` is also the kernels' test oracle.
+Both invert (I + L) by block merges (``triton_common.unit_lower_inverse``: matmuls on tensor
+cores, at the kernels' precision), not ``chunk_wy``'s triangular solve, whose batched GPU form
+and transpose were slow; ``prepare`` is also the kernels' test oracle.
 
 Packed documents (``cu_seqlens``) use the document-aligned chunk layout of
 ``precond_linattn.varlen``; head dims are zero-padded to a power of two >= 16 (exact: padded key
@@ -317,6 +317,8 @@ def _wy_kernel(cfg, kernel, ins, cts=None):
     static = {} if cts is not None else dict(out_dtype=jnp.dtype(o.wy_dtype))
     if vector:
         static["factored_blocks"] = o.vector_wy == "kernel"
+    elif cts is None and o.fused_grads:  # T's one reader is grads_mosaic, in bf16
+        static["t_dtype"] = jnp.dtype(jnp.bfloat16)
     outs = _kernel_call(cfg, kernel, args, axes, out_axes, chunk=cfg.chunk, block_v=o.block_v,
                         block_k=o.wy_block_k or o.block_k, dots=dots, num_warps=warps,
                         num_stages=o.num_stages, **static)

@@ -5,7 +5,7 @@ chunk (rows i, j = 0 .. C − 1; g the per-token log decays, γ_i = Σ_{t<=i} g_
 log decay from the chunk start, 0 without decay, Γ = exp γ; D_ij = Γ_i/Γ_j for i ≥ j, else 0;
 A = K K̃ᵀ ⊙ D):
 
-    L = strict_tril(Diag(β) A)    P = tril(Q K̃ᵀ ⊙ D)    T = (I + L)^-1     (doubling product)
+    L = strict_tril(Diag(β) A)    P = tril(Q K̃ᵀ ⊙ D)    T = (I + L)^-1     (block merges)
     W = T Diag(β)(K ⊙ Γ)    U = T Diag(β) V    K̃' = K̃ ⊙ exp σ    Q' = Q ⊙ Γ    Γ_C = exp γ_C
 
 with σ_i = Σ_{t>i} g_t (``chunked.delta.suffix_sums``: γ_C − γ without the difference). The
@@ -15,7 +15,7 @@ XLA glue around them (the cumsums and their transposes in XLA cost 0.07-0.11 ms,
 56-57).
 
 ``wy_fwd`` writes ``delta_rule.prepare``'s outputs and T. ``wy_bwd`` reads T back (a
-[C, C] tile per chunk: cheaper than the doubling product's chain of matmuls) and, with a decay,
+[C, C] tile per chunk: cheaper than the inverse's chain of matmuls) and, with a decay,
 the forward's P (for E below: no Q K̃ᵀ recomputed, one [C, C] accumulator fewer), recomputes A
 (one matmul) and applies the pullback to the cotangents (dW, dU, dK̃', dQ', dP, dΓ_C; dΓ_C is
 broadcast over K, so its channels are summed):
@@ -28,16 +28,16 @@ broadcast over K, so its channels are summed):
     dγ  = rowsum(E) − colsum(E) + βΓ rowsum(Tᵀ dW ⊙ K) + rowsum(dQ' ⊙ Q') + δ_{i,C−1} Γ_C Σ dΓ_C
     dσ  = rowsum(dK̃' ⊙ K̃'),     E = dL ⊙ L + dP ⊙ P
 
-The doubling product is a polynomial in L equal to (I + L)^-1 on strictly lower-triangular L,
-so along strictly lower-triangular directions its derivative is that of the inverse, −T dL T:
-the formulas above are the exact pullback of ``prepare``. In dγ the diagonal of E (P_ii has no
-γ) cancels exactly and is left out rather than formed: with strong decays dγ is a small fraction
-of those terms, and their rounding would be all of it (the same holds for K̃' through σ: as
-γ_C − γ its pullback, −dσ on each row and Σ dσ on the last, cancelled on a padded chunk's last
-real row). Value columns are processed in tiles of ``block_v`` inside the program (registers);
-everything else is held whole ([C, K], [C, C]).
-Inputs are in the kernels' layout (q, k, kw [B, Tp, H, K], v [B, Tp, H, V], beta, g
-[B, Tp, H]), any float dtype; math and outputs are float32.
+The block merges (``triton_common.unit_lower_inverse``) equal (I + L)^-1 on every strictly
+lower-triangular L, so along strictly lower-triangular directions their derivative is that of
+the inverse, −T dL T: the formulas above are the exact pullback of ``prepare``. In dγ the
+diagonal of E (P_ii has no γ) cancels exactly and is left out rather than formed: with strong
+decays dγ is a small fraction of those terms, and their rounding would be all of it (the same
+holds for K̃' through σ: as γ_C − γ its pullback, −dσ on each row and Σ dσ on the last,
+cancelled on a padded chunk's last real row). Value columns are processed in tiles of
+``block_v`` inside the program (registers); everything else is held whole ([C, K], [C, C]).
+Inputs are in the kernels' layout (q, k, kw [B, Tp, H, K], v [B, Tp, H, V], beta, g [B, Tp,
+H]), any float dtype; math and outputs are float32.
 """
 
 import functools
@@ -119,7 +119,7 @@ def _fwd_kernel(*refs, dots, block_v, block_k, has_decay):
     gram = sum(dots.nt(k_ref[:, cols], kw_ref[:, cols]) for cols in key_tiles)
     beta, Gam, tail, gc, D, _, L = _decayed_gram(gram, beta_ref[...].astype(jnp.float32), g_ref, C)
     T = unit_lower_inverse(L, dots)
-    T_ref[...] = T
+    T_ref[...] = T.astype(T_ref.dtype)
     b, Gcol, tcol = beta[:, None], Gam[:, None], tail[:, None]
     u_fwd(T, b, v_ref, U_ref, dots, block_v)
     P = sum(dots.nt(q_ref[:, cols], kw_ref[:, cols]) for cols in key_tiles) * D
@@ -222,28 +222,30 @@ def call(kernel, name, grid, in_specs, out_specs, out_shape, args, dots, num_war
     )(*args)
 
 
-def wy_shapes(q, v, grid, chunk, args, dtype=jnp.float32):
+def wy_shapes(q, v, grid, chunk, args, dtype=jnp.float32, t_dtype=jnp.float32):
     """``wy_fwd``'s output structs: W, U, K̃', Q' [B, H, Tp, ·], P [B, H, Tp, C] in ``dtype``,
-    Γ_C [B, H, NC, K] and T [B, H, Tp, C] in float32."""
+    Γ_C [B, H, NC, K] in float32 and T [B, H, Tp, C] in ``t_dtype``."""
     B, H, nc = grid
     K, V = q.shape[-1], v.shape[-1]
     rows = [out_struct((B, H, nc * chunk, d), dtype, *args) for d in (K, V, K, K, chunk)]
     return rows + [out_struct((B, H, nc, K), jnp.float32, *args),
-                   out_struct((B, H, nc * chunk, chunk), jnp.float32, *args)]
+                   out_struct((B, H, nc * chunk, chunk), t_dtype, *args)]
 
 
 def wy_fwd(q, k, kw, v, beta, g, *, chunk, block_v, dots: Dots, num_warps, num_stages,
-           block_k=64, out_dtype=jnp.float32):
+           block_k=64, out_dtype=jnp.float32, t_dtype=jnp.float32):
     """W, U, K̃ ⊙ Γ_C/Γ, Q ⊙ Γ [B, H, Tp, ·], P [B, H, Tp, C] (stored in ``out_dtype``) and Γ_C
     [B, H, NC, K] (float32): ``delta_rule.prepare``'s outputs by the same formulas (module
-    docstring), and T = (I + L)^-1 [B, H, Tp, C] (float32) for ``wy_bwd``. g: the log decays,
+    docstring), and T = (I + L)^-1 [B, H, Tp, C] (in ``t_dtype``: float32 for ``wy_bwd``,
+    bfloat16 for ``grads_mosaic``, which reads it as a bf16 wgmma operand). g: the log decays,
     None or [B, Tp, H]; ``block_k``: key columns per tile."""
     in_specs, wy_specs, grid = layout(q, v, g, chunk)
     args = [x for x in (q, k, kw, v, beta, g) if x is not None]
     kernel = functools.partial(_fwd_kernel, dots=dots, block_v=block_v, block_k=block_k,
                                has_decay=g is not None)
     return call(kernel, "wy_fwd", grid, in_specs, wy_specs,
-                wy_shapes(q, v, grid, chunk, args, out_dtype), args, dots, num_warps, num_stages)
+                wy_shapes(q, v, grid, chunk, args, out_dtype, t_dtype), args, dots, num_warps,
+                num_stages)
 
 
 def wy_bwd(q, k, kw, v, beta, g, T, dW, dU, dkw_t, dq_dec, dP, dgc, *, chunk, block_v,

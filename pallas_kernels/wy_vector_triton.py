@@ -5,7 +5,7 @@ In a chunk (γ the cumulative log decay from the chunk start per channel, non-in
 rows, Γ = exp γ, e_ij = exp(γ_i − γ_j) [K]):
 
     A_ij = Σ_k k_ik k̃_jk e_ijk    P_ij = Σ_k q_ik k̃_jk e_ijk    (i >= j, else 0)
-    L = strict_tril(Diag(β) A)    T = (I + L)^-1                  (doubling product)
+    L = strict_tril(Diag(β) A)    T = (I + L)^-1                  (block merges)
     W = T Diag(β)(K ⊙ Γ)    U = T Diag(β) V    K̃' = K̃ ⊙ exp σ    Q' = Q ⊙ Γ    Γ_C = exp γ_C [K]
 
 (σ = γ_C − γ as in ``wy_triton``: formed from γ, its cotangent returned apart.)

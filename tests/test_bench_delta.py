@@ -73,3 +73,16 @@ def test_timeit_calls(monkeypatch, pipelined):
 
     ms = bench_delta.timeit(f, jnp.ones(3), reps=5)
     assert len(calls) == 7 and isinstance(ms, float) and ms >= 0
+
+
+def test_similar_keys():
+    """``--similar s``: the keys of a (row, head) have mean cosine ~s² / (1 + s²) (independent
+    unit keys ~0); the write key stays d ⊙ k."""
+    def mean_cosine(s):
+        x, _ = make_inputs(jax.random.key(0), 2, 256, 2, 64, 3, jnp.float32, similar=s)
+        k = x["k"].transpose(0, 2, 1, 3)
+        gram = k @ k.swapaxes(-1, -2)
+        return float((gram.sum() - jnp.trace(gram, axis1=-2, axis2=-1).sum()) / (4 * 256 * 255))
+
+    assert abs(mean_cosine(0.0)) < 0.02
+    assert abs(mean_cosine(1.5) - 1.5 ** 2 / (1 + 1.5 ** 2)) < 0.1

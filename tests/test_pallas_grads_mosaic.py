@@ -100,13 +100,14 @@ def test_op_with_fused_grads_within_fla_bars(rand, decay, monkeypatch):
     64; an initial state): outputs, final state and every gradient within FLA's bars of the
     float32 reference, and within 6e-3 of the Mosaic pipeline without it (``chunk_grads`` then
     ``wy_bwd``: the same algebra, rounded at other places); the initial state's gradient, from
-    the state pass both share, identical; the fused kernel ran once, for the backward
-    (test_sequence_split has it with the passes in sequence pieces)."""
+    the state pass both share, identical; the fused kernel ran once, for the backward, on T as
+    ``wy_fwd`` stored it for it, in bf16 (test_sequence_split has it with the passes in sequence
+    pieces)."""
     calls = []
     monkeypatch.setattr(delta_rule, "chunk_grads_fused",
-                        lambda *a, **kw: calls.append(1) or chunk_grads_fused(*a, **kw))
+                        lambda **kw: calls.append(kw["T"].dtype) or chunk_grads_fused(**kw))
     fused, unfused, ref = kernel_runs(rand, decay, 7, FUSED_GRADS, MOSAIC, K=40)
-    assert len(calls) == 1
+    assert calls == [jnp.bfloat16]
     assert_within_fla_bars(fused, ref)
     for name in ref[2]:
         assert rel_rms(fused[2][name], unfused[2][name]) <= 6e-3, name
