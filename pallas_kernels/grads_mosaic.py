@@ -131,34 +131,32 @@ def chunk_grads_fused(q, k, kw, v, do, T, beta, gamma, R, dR, states, dstates, *
         tail = jnp.exp(g_last - g_row)  # Γ_C/Γ
         D = jnp.exp(jnp.where(i >= j, _rows(g_row, sq) - _cols(g_col, sq), -jnp.inf))
 
-        # value side: X, dX = dV, dT
-        ks = matmul([(k, s.T)], sv, None, interpret)  # K S
-        x = plgpu.load(v, layout=WGMMA).astype(F32) - _rows(gam, sv) * ks
+        # value side: X, dX = dV, dT (every [C, V] float32 tile dead as soon as used: 64
+        # registers a thread each, and the kernel spilled when it held several, RESULTS run 72)
         tdr = matmul([(t.T, dr)], sv, None, interpret)  # Tᵀ dR
+        ks = matmul([(k, s.T)], sv, None, interpret)  # K S
+        dgam = -gam * beta_row * jnp.sum(tdr * ks, axis=1)  # −Γ ⟨dX, K S⟩
+        x = plgpu.load(v, layout=WGMMA).astype(F32) - _rows(gam, sv) * ks
         dbeta = jnp.sum(tdr * x, axis=1)
-        dx = _rows(beta_row, sv) * tdr
-        dx_lo = dx.astype(BF16)
-        dgam = -gam * jnp.sum(dx * ks, axis=1)
         v[...] = (_rows(beta_row, sv) * x).astype(BF16)  # v's buffer now holds Diag(β) X
+        dx_lo = (_rows(beta_row, sv) * tdr).astype(BF16)
         plgpu.commit_smem()
         dtm = matmul([(dr, v.T)], sq, None, interpret)  # dT = dR (Diag(β) X)ᵀ
-        dk_acc = -_rows(gam, sk) * matmul([(dx_lo, s)], sk, None, interpret)  # −Diag(Γ) dX Sᵀ
-        dr[...] = dx_lo  # dR's buffer now holds dV
+        dr[...] = dx_lo  # dR's buffer now holds dV = dX (read again for dK)
         dt[...] = dtm.astype(BF16)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(dr, dv_ref.at[bi, rows, h], commit_group=False)
 
         # output side: dP, P, G_Q, dQ
-        qs = matmul([(q, s.T)], sv, None, interpret)  # Q S
-        do_f = plgpu.load(do, layout=WGMMA).astype(F32)
-        dgam = dgam + scale * gam * jnp.sum(do_f * qs, axis=1)
         dp = scale * jnp.where(i >= j, matmul([(do, r.T)], sq, None, interpret), 0.0)
         p = jnp.where(i >= j, matmul([(q, kw.T)], sq, None, interpret), 0.0) * D
         e = dp * p
         gq[...] = (dp * D).astype(BF16)
         plgpu.commit_smem()
-        dq = matmul([(gq, kw)], sk, scale * _rows(gam, sk) * matmul([(do, s)], sk, None, interpret),
-                 interpret)
+        dos = matmul([(do, s)], sk, None, interpret)  # dO Sᵀ
+        q_f = plgpu.load(q, layout=WGMMA).astype(F32)
+        dgam = dgam + scale * gam * jnp.sum(q_f * dos, axis=1)  # ⟨dO, Q S⟩ = ⟨Q, dO Sᵀ⟩
+        dq = matmul([(gq, kw)], sk, scale * _rows(gam, sk) * dos, interpret)
         dq_o[...] = dq.astype(BF16)  # (K = V: dO's buffer, done with)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(dq_o, dq_ref.at[bi, rows, h], commit_group=False)
@@ -172,7 +170,8 @@ def chunk_grads_fused(q, k, kw, v, do, T, beta, gamma, R, dR, states, dstates, *
         e = jnp.where(i != j, e + _rows(beta_row, sq) * dl * a, 0.0)  # dL ⊙ L = β dL ⊙ A
         gk[...] = (_rows(beta_row, sq) * dl * D).astype(BF16)
         plgpu.commit_smem()
-        dkm = matmul([(gk, kw)], sk, dk_acc, interpret)
+        dk_s = -_rows(gam, sk) * matmul([(dr, s)], sk, None, interpret)  # −Diag(Γ) dX Sᵀ
+        dkm = matmul([(gk, kw)], sk, dk_s, interpret)
         dk_o[...] = dkm.astype(BF16)  # (K = V: v's buffer, done with Diag(β) X)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(dk_o, dk_ref.at[bi, rows, h], commit_group=False)
