@@ -65,14 +65,6 @@ def check_shapes(*, chunk, K, V, dtype):
         raise ValueError(f"the fused Mosaic chunk gradients need {problem}")
 
 
-BN = 64  # the column blocks of the [C, K] and [C, V] tiles
-
-
-def blocks(n):
-    """The 64-column blocks of an n-column tile (one swizzle tile of a bf16 buffer each)."""
-    return [pl.ds(b * BN, BN) for b in range(n // BN)]
-
-
 def _rows(vec, shape):
     """vec [C] (ROWS layout) broadcast along each row of a [C, N] tile."""
     return lax.broadcast_in_dim(vec, shape, [0])
@@ -109,7 +101,7 @@ def chunk_grads_fused(q, k, kw, v, do, T, beta, gamma, R, dR, states, dstates, *
                    bar=plgpu.Barrier(num_arrivals=13))
     if K != V:  # the outputs' own buffers (else dQ, dK, dK̃ reuse dO's, v's and R's)
         scratch.update(dq_o=tile(K), dk_o=tile(K), dkw_o=tile(K))
-    sb, sq = (C, BN), (C, C)
+    sv, sk, sq = (C, V), (C, K), (C, C)
 
     def body(q_ref, k_ref, kw_ref, v_ref, do_ref, t_ref, b_ref, g_ref, r_ref, dr_ref, s_ref,
              ds_ref, dq_ref, dk_ref, dkw_ref, dv_ref, db_ref, dg_ref, *, q, k, kw, v, do,
@@ -139,24 +131,18 @@ def chunk_grads_fused(q, k, kw, v, do, T, beta, gamma, R, dR, states, dstates, *
         tail = jnp.exp(g_last - g_row)  # Γ_C/Γ
         D = jnp.exp(jnp.where(i >= j, _rows(g_row, sq) - _cols(g_col, sq), -jnp.inf))
 
-        # Every [C, K] or [C, V] tile is formed by 64-column blocks ([C, 64] float32: 32
-        # registers a thread) and dies where it is used: whole [C, 128] tiles, 64 registers
-        # each, made the kernel spill (RESULTS runs 72, 74).
-        # value side: X, dX = dV, dT
-        dgam = dbeta = 0.0
-        dx_lo = []
-        for cv in blocks(V):
-            tdr = matmul([(t.T, dr.at[:, cv])], sb, None, interpret)  # Tᵀ dR
-            ks = matmul([(k, s.at[cv].T)], sb, None, interpret)  # K S
-            dgam = dgam - gam * beta_row * jnp.sum(tdr * ks, axis=1)  # −Γ ⟨dX, K S⟩
-            x = plgpu.load(v.at[:, cv], layout=WGMMA).astype(F32) - _rows(gam, sb) * ks
-            dbeta = dbeta + jnp.sum(tdr * x, axis=1)
-            v.at[:, cv][...] = (_rows(beta_row, sb) * x).astype(BF16)  # now Diag(β) X
-            dx_lo.append((_rows(beta_row, sb) * tdr).astype(BF16))
+        # value side: X, dX = dV, dT (every [C, V] float32 tile dead as soon as used: 64
+        # registers a thread each, and the kernel spilled when it held several, RESULTS run 72)
+        tdr = matmul([(t.T, dr)], sv, None, interpret)  # Tᵀ dR
+        ks = matmul([(k, s.T)], sv, None, interpret)  # K S
+        dgam = -gam * beta_row * jnp.sum(tdr * ks, axis=1)  # −Γ ⟨dX, K S⟩
+        x = plgpu.load(v, layout=WGMMA).astype(F32) - _rows(gam, sv) * ks
+        dbeta = jnp.sum(tdr * x, axis=1)
+        v[...] = (_rows(beta_row, sv) * x).astype(BF16)  # v's buffer now holds Diag(β) X
+        dx_lo = (_rows(beta_row, sv) * tdr).astype(BF16)
         plgpu.commit_smem()
         dtm = matmul([(dr, v.T)], sq, None, interpret)  # dT = dR (Diag(β) X)ᵀ
-        for cv, dx in zip(blocks(V), dx_lo):
-            dr.at[:, cv][...] = dx  # dR's buffer now holds dV = dX (read again for dK)
+        dr[...] = dx_lo  # dR's buffer now holds dV = dX (read again for dK)
         dt[...] = dtm.astype(BF16)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(dr, dv_ref.at[bi, rows, h], commit_group=False)
@@ -167,15 +153,11 @@ def chunk_grads_fused(q, k, kw, v, do, T, beta, gamma, R, dR, states, dstates, *
         e = dp * p
         gq[...] = (dp * D).astype(BF16)
         plgpu.commit_smem()
-        dq = []  # stored once every block has read dO (K = V: dQ goes to dO's buffer)
-        for ck in blocks(K):
-            dos = matmul([(do, s.at[:, ck])], sb, None, interpret)  # dO Sᵀ
-            q_f = plgpu.load(q.at[:, ck], layout=WGMMA).astype(F32)
-            dgam = dgam + scale * gam * jnp.sum(q_f * dos, axis=1)  # ⟨dO, Q S⟩ = ⟨Q, dO Sᵀ⟩
-            dq.append(matmul([(gq, kw.at[:, ck])], sb, scale * _rows(gam, sb) * dos,
-                             interpret).astype(BF16))
-        for ck, x in zip(blocks(K), dq):
-            dq_o.at[:, ck][...] = x
+        dos = matmul([(do, s)], sk, None, interpret)  # dO Sᵀ
+        q_f = plgpu.load(q, layout=WGMMA).astype(F32)
+        dgam = dgam + scale * gam * jnp.sum(q_f * dos, axis=1)  # ⟨dO, Q S⟩ = ⟨Q, dO Sᵀ⟩
+        dq = matmul([(gq, kw)], sk, scale * _rows(gam, sk) * dos, interpret)
+        dq_o[...] = dq.astype(BF16)  # (K = V: dO's buffer, done with)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(dq_o, dq_ref.at[bi, rows, h], commit_group=False)
 
@@ -188,22 +170,17 @@ def chunk_grads_fused(q, k, kw, v, do, T, beta, gamma, R, dR, states, dstates, *
         e = jnp.where(i != j, e + _rows(beta_row, sq) * dl * a, 0.0)  # dL ⊙ L = β dL ⊙ A
         gk[...] = (_rows(beta_row, sq) * dl * D).astype(BF16)
         plgpu.commit_smem()
-        for ck in blocks(K):  # (K = V: into v's buffer, done with Diag(β) X)
-            dk_s = -_rows(gam, sb) * matmul([(dr, s.at[:, ck])], sb, None, interpret)  # −Γ dX Sᵀ
-            dk_o.at[:, ck][...] = matmul([(gk, kw.at[:, ck])], sb, dk_s, interpret).astype(BF16)
+        dk_s = -_rows(gam, sk) * matmul([(dr, s)], sk, None, interpret)  # −Diag(Γ) dX Sᵀ
+        dkm = matmul([(gk, kw)], sk, dk_s, interpret)
+        dk_o[...] = dkm.astype(BF16)  # (K = V: v's buffer, done with Diag(β) X)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(dk_o, dk_ref.at[bi, rows, h], commit_group=False)
 
         # dK̃ and the decay's terms
-        w, dkw = 0.0, []  # dK̃ stored once every block has read R (K = V: R's buffer)
-        for ck in blocks(K):
-            rds = matmul([(r, ds.at[:, ck])], sb, None, interpret)  # R dS_Cᵀ
-            w = w + tail * jnp.sum(rds * plgpu.load(kw.at[:, ck], layout=WGMMA).astype(F32),
-                                   axis=1)
-            dkw.append(matmul([(gk.T, k.at[:, ck]), (gq.T, q.at[:, ck])], sb,
-                              _rows(tail, sb) * rds, interpret).astype(BF16))
-        for ck, x in zip(blocks(K), dkw):
-            dkw_o.at[:, ck][...] = x
+        rds = matmul([(r, ds)], sk, None, interpret)  # R dS_Cᵀ
+        w = tail * jnp.sum(rds * plgpu.load(kw, layout=WGMMA).astype(F32), axis=1)
+        dkwm = matmul([(gk.T, k), (gq.T, q)], sk, _rows(tail, sk) * rds, interpret)
+        dkw_o[...] = dkwm.astype(BF16)  # (K = V: R's buffer, done with)
         # colsum(E) as the diagonal of ones @ E, E split into two bf16 parts (exact to ~2^-16)
         e_hi = e.astype(BF16)
         dt[...] = e_hi
@@ -214,10 +191,10 @@ def chunk_grads_fused(q, k, kw, v, do, T, beta, gamma, R, dR, states, dstates, *
         cols = jnp.sum(jnp.where(i == j, matmul([(ones, dt), (ones, t)], sq, None, interpret), 0.0),
                        axis=1)
         sds = 0.0  # ⟨S, dS_C⟩ by rows of the transposed tiles, summed below
-        for cv in blocks(V):
-            for ck in blocks(K):
-                s_f, ds_f = (plgpu.load(x.at[cv, ck], layout=WGMMA).astype(F32) for x in (s, ds))
-                sds = sds + jnp.sum(s_f * ds_f, axis=1)
+        for half in range(V // C):
+            s_f, ds_f = (plgpu.load(x.at[pl.ds(half * C, C)], layout=WGMMA).astype(F32)
+                         for x in (s, ds))
+            sds = sds + jnp.sum(s_f * ds_f, axis=1)
         tot[...] = w + jnp.exp(g_last) * sds
         plgpu.commit_smem()
         total = plgpu.load(tot, layout=COLS).sum()  # Σ_j w_j + Γ_C ⟨dS_C, S⟩
