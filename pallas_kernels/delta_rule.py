@@ -121,7 +121,11 @@ class Options:
     backward's per-chunk cotangents and the WY pullback as one Mosaic GPU kernel
     (``grads_mosaic``: no dW, dK̃', dQ', dP through HBM) instead of ``chunk_grads`` then
     ``wy_bwd`` (GDN fwd+bwd 1.23 -> 0.82 ms, DeltaNet 0.92 -> 0.78 at 8x2048x8x128, RESULTS run
-    69); None: on wherever it applies, True: ValueError where it does not, False: off."""
+    69); None: on wherever it applies, True: ValueError where it does not, False: off.
+    ``wy_split``: with no or a scalar decay, the WY forward as two kernels (``wy_fwd(split=
+    True)``: T, P, Γ_C, then W, U, K̃', Q'; the same values) rather than one holding 255
+    registers a thread (2 programs an SM, RESULTS run 72); not yet timed on the device, so
+    off; the per-channel-decay kernels ignore it."""
 
     precision: str | None = None
     parallel_precision: str | None = None
@@ -144,6 +148,7 @@ class Options:
     serial_backend: str | None = None  # split: "triton" | "mosaic" serial state passes
     sequence_pieces: int | None = None  # mosaic: the serial passes over pieces run in parallel
     fused_grads: bool | None = None  # mosaic: the backward's chunk cotangents and WY pullback fused
+    wy_split: bool = False  # split: the scalar / no-decay WY forward as two kernels
 
     def __post_init__(self):
         tiles = dict(block_v=self.block_v, block_k=self.block_k)
@@ -317,8 +322,10 @@ def _wy_kernel(cfg, kernel, ins, cts=None):
     static = {} if cts is not None else dict(out_dtype=jnp.dtype(o.wy_dtype))
     if vector:
         static["factored_blocks"] = o.vector_wy == "kernel"
-    elif cts is None and o.fused_grads:  # T's one reader is grads_mosaic, in bf16
-        static["t_dtype"] = jnp.dtype(jnp.bfloat16)
+    elif cts is None:
+        static["split"] = o.wy_split
+        if o.fused_grads:  # T's one reader is grads_mosaic, in bf16
+            static["t_dtype"] = jnp.dtype(jnp.bfloat16)
     outs = _kernel_call(cfg, kernel, args, axes, out_axes, chunk=cfg.chunk, block_v=o.block_v,
                         block_k=o.wy_block_k or o.block_k, dots=dots, num_warps=warps,
                         num_stages=o.num_stages, **static)

@@ -131,6 +131,44 @@ def _fwd_kernel(*refs, dots, block_v, block_k, has_decay):
     gc_ref[...] = jnp.full((K,), gc, jnp.float32)
 
 
+def _inverse_kernel(*refs, dots, block_k, has_decay):
+    """``wy_fwd(split=True)``'s first kernel: one chunk's T (float32), P and Γ_C."""
+    q_ref, k_ref, kw_ref, beta_ref, *refs = refs
+    g_ref = refs.pop(0) if has_decay else None
+    P_ref, gc_ref, T_ref = refs
+    C, K = k_ref.shape
+    key_tiles = tiles(K, block_k)
+    gram = sum(dots.nt(k_ref[:, cols], kw_ref[:, cols]) for cols in key_tiles)
+    _, _, _, gc, D, _, L = _decayed_gram(gram, beta_ref[...].astype(jnp.float32), g_ref, C)
+    T_ref[...] = unit_lower_inverse(L, dots)
+    P = sum(dots.nt(q_ref[:, cols], kw_ref[:, cols]) for cols in key_tiles) * D
+    P_ref[...] = P.astype(P_ref.dtype)
+    gc_ref[...] = jnp.full((K,), gc, jnp.float32)
+
+
+def _apply_kernel(*refs, dots, block_v, block_k, has_decay):
+    """``wy_fwd(split=True)``'s second kernel: one chunk's W, U, K̃', Q' from T (float32), and T
+    again in the stored dtype."""
+    q_ref, k_ref, kw_ref, v_ref, beta_ref, *refs = refs
+    g_ref = refs.pop(0) if has_decay else None
+    T32_ref, W_ref, U_ref, kwt_ref, qd_ref, T_ref = refs
+    C, K = k_ref.shape
+    f32 = jnp.float32
+    if g_ref is None:
+        gam, sig = jnp.zeros((C,), f32), jnp.zeros((C,), f32)
+    else:
+        gam, sig, _ = in_chunk_sums(g_ref[...].astype(f32))
+    T = T32_ref[...]
+    T_ref[...] = T.astype(T_ref.dtype)
+    b = beta_ref[...].astype(f32)[:, None]
+    Gcol, tcol = jnp.exp(gam)[:, None], jnp.exp(sig)[:, None]
+    u_fwd(T, b, v_ref, U_ref, dots, block_v)
+    for cols in tiles(K, block_k):
+        W_ref[:, cols] = dots.nn(T, b * Gcol * k_ref[:, cols].astype(f32)).astype(W_ref.dtype)
+        kwt_ref[:, cols] = (kw_ref[:, cols].astype(f32) * tcol).astype(kwt_ref.dtype)
+        qd_ref[:, cols] = (q_ref[:, cols].astype(f32) * Gcol).astype(qd_ref.dtype)
+
+
 def _bwd_kernel(*refs, dots, block_v, block_k, has_decay):
     """One chunk's dQ, dK, dK̃, dV, dβ and dg (from dγ and dσ, module docstring) in two sweeps over tiles of
     ``block_k`` key columns (few [C, K] values live at once): the first forms dT (with the value
@@ -233,19 +271,35 @@ def wy_shapes(q, v, grid, chunk, args, dtype=jnp.float32, t_dtype=jnp.float32):
 
 
 def wy_fwd(q, k, kw, v, beta, g, *, chunk, block_v, dots: Dots, num_warps, num_stages,
-           block_k=64, out_dtype=jnp.float32, t_dtype=jnp.float32):
+           block_k=64, out_dtype=jnp.float32, t_dtype=jnp.float32, split=False):
     """W, U, K̃ ⊙ Γ_C/Γ, Q ⊙ Γ [B, H, Tp, ·], P [B, H, Tp, C] (stored in ``out_dtype``) and Γ_C
     [B, H, NC, K] (float32): ``delta_rule.prepare``'s outputs by the same formulas (module
     docstring), and T = (I + L)^-1 [B, H, Tp, C] (in ``t_dtype``: float32 for ``wy_bwd``,
     bfloat16 for ``grads_mosaic``, which reads it as a bf16 wgmma operand). g: the log decays,
-    None or [B, Tp, H]; ``block_k``: key columns per tile."""
+    None or [B, Tp, H]; ``block_k``: key columns per tile. ``split``: as two kernels, T, P and
+    Γ_C first (T in float32 through HBM), then W, U, K̃', Q' (each with fewer registers a
+    program than the one kernel, whose 255 held 2 programs an SM: RESULTS run 72); the same
+    operations on the same values."""
     in_specs, wy_specs, grid = layout(q, v, g, chunk)
     args = [x for x in (q, k, kw, v, beta, g) if x is not None]
-    kernel = functools.partial(_fwd_kernel, dots=dots, block_v=block_v, block_k=block_k,
-                               has_decay=g is not None)
-    return call(kernel, "wy_fwd", grid, in_specs, wy_specs,
-                wy_shapes(q, v, grid, chunk, args, out_dtype, t_dtype), args, dots, num_warps,
-                num_stages)
+    shapes = wy_shapes(q, v, grid, chunk, args, out_dtype, t_dtype)
+    has_decay = g is not None
+    if not split:
+        kernel = functools.partial(_fwd_kernel, dots=dots, block_v=block_v, block_k=block_k,
+                                   has_decay=has_decay)
+        return call(kernel, "wy_fwd", grid, in_specs, wy_specs, shapes, args, dots, num_warps,
+                    num_stages)
+    no_v = in_specs[:3] + in_specs[4:]  # the inverse kernel reads no values
+    kernel = functools.partial(_inverse_kernel, dots=dots, block_k=block_k, has_decay=has_decay)
+    P, gc, T32 = call(kernel, "wy_inverse", grid, no_v, wy_specs[4:],
+                      shapes[4:6] + [out_struct(shapes[6].shape, jnp.float32, *args)],
+                      args[:3] + args[4:], dots, num_warps, num_stages)
+    kernel = functools.partial(_apply_kernel, dots=dots, block_v=block_v, block_k=block_k,
+                               has_decay=has_decay)
+    W, U, kwt, qd, T = call(kernel, "wy_apply", grid, in_specs + wy_specs[6:],
+                            wy_specs[:4] + wy_specs[6:], shapes[:4] + shapes[6:], args + [T32],
+                            dots, num_warps, num_stages)
+    return W, U, kwt, qd, P, gc, T
 
 
 def wy_bwd(q, k, kw, v, beta, g, T, dW, dU, dkw_t, dq_dec, dP, dgc, *, chunk, block_v,

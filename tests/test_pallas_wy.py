@@ -116,6 +116,23 @@ def test_fp32_matches_prepare(rand, decay, block_v, k_dim, block_k):
 
 
 @pytest.mark.parametrize("decay", ["none", "scalar"])
+@pytest.mark.parametrize("t_dtype", [jnp.float32, jnp.bfloat16])
+def test_split_forward_is_the_same(rand, decay, t_dtype):
+    """``wy_fwd(split=True)`` (T, P, Γ_C, then W, U, K̃', Q' in a second kernel) returns what the
+    one kernel does, bitwise, T in either stored dtype (bf16 inputs and outputs, K = 32 with
+    two key tiles, two value tiles)."""
+    ins = inputs(rand, decay, jnp.bfloat16, 32)
+    opts = dict(chunk=C, block_v=16, block_k=16, dots=DOTS, num_warps=4, num_stages=1,
+                out_dtype=jnp.bfloat16, t_dtype=t_dtype)
+    one, two = (jax.jit(functools.partial(wy_fwd, **opts, split=split))(*ins)
+                for split in (False, True))
+    for name, a, b in zip(WY + ("T",), one, two):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                      err_msg=name)
+
+
+@pytest.mark.parametrize("decay", ["none", "scalar"])
 def test_bf16_inputs(rand, decay):
     """bf16 q, k, kw, v, β: the kernels compute in float32 on the bf16 values, so they match
     ``prepare`` on the same values in float32 as tightly as fp32 inputs do; the cotangents are
@@ -293,12 +310,12 @@ def test_dg_where_every_channel_decays_away(rand, monkeypatch, decay):
 
 
 @pytest.mark.parametrize("decay, factored_blocks", [("vector", True), ("vector", False),
-                                                    ("scalar", None)])
+                                                    ("scalar", None), ("scalar", "split")])
 def test_wy_kernels_lower_for_cuda(decay, factored_blocks):
     """The WY forward and pullback go through the Triton lowering for CUDA (no GPU needed: an
-    abstract H100 mesh), the scalar ones with their in-kernel sums of the log decays, the
-    per-channel ones with the block-size search and the levels' conds; K = V = 128, C = 64,
-    bf16, warps as on the device."""
+    abstract H100 mesh), the scalar ones with their in-kernel sums of the log decays (also as
+    the split forward's two kernels), the per-channel ones with the block-size search and the
+    levels' conds; K = V = 128, C = 64, bf16, warps as on the device."""
     b, t, c = 2, 128, 64
     vector = decay == "vector"
     ins = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in [
@@ -307,15 +324,16 @@ def test_wy_kernels_lower_for_cuda(decay, factored_blocks):
     opts = dict(chunk=c, block_v=64, block_k=64, dots=Dots(precision="tf32"),
                 num_warps=8 if vector else 4, num_stages=2)
     fwd, bwd = (wy_vector_fwd, wy_vector_bwd) if vector else (wy_fwd, wy_bwd)
+    split = factored_blocks == "split"
     if vector:
         opts["factored_blocks"] = factored_blocks
 
     def both(*xs):
-        *wy, T = fwd(*xs, **opts)
+        *wy, T = fwd(*xs, **opts, **(dict(split=True) if split else {}))
         return bwd(*xs, T, *[jnp.ones(w.shape, jnp.float32) for w in wy], **opts,
                    **({} if vector else dict(P=wy[4])))
 
-    assert triton_kernels_lowered_for_cuda(both, ins, grad=False) == 2
+    assert triton_kernels_lowered_for_cuda(both, ins, grad=False) == 2 + split
 
 
 def test_vector_decay_shape_is_checked(rand):
