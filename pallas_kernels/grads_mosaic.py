@@ -36,7 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.state_mosaic import BF16, C, COLS, F32, ROWS, WGMMA, matmul, smem
+from pallas_kernels.state_mosaic import BF16, C, COLS, F32, ROWS, WGMMA, matmul, products, smem
 from pallas_kernels.triton_common import out_struct
 
 def _problem(chunk, K, V, dtype) -> str | None:
@@ -133,8 +133,7 @@ def chunk_grads_fused(q, k, kw, v, do, T, beta, gamma, R, dR, states, dstates, *
 
         # value side: X, dX = dV, dT (every [C, V] float32 tile dead as soon as used: 64
         # registers a thread each, and the kernel spilled when it held several, RESULTS run 72)
-        tdr = matmul([(t.T, dr)], sv, None, interpret)  # Tᵀ dR
-        ks = matmul([(k, s.T)], sv, None, interpret)  # K S
+        tdr, ks = products([(t.T, dr, sv), (k, s.T, sv)], interpret)  # Tᵀ dR, K S
         dgam = -gam * beta_row * jnp.sum(tdr * ks, axis=1)  # −Γ ⟨dX, K S⟩
         x = plgpu.load(v, layout=WGMMA).astype(F32) - _rows(gam, sv) * ks
         dbeta = jnp.sum(tdr * x, axis=1)
@@ -148,8 +147,9 @@ def chunk_grads_fused(q, k, kw, v, do, T, beta, gamma, R, dR, states, dstates, *
         plgpu.copy_smem_to_gmem(dr, dv_ref.at[bi, rows, h], commit_group=False)
 
         # output side: dP, P, G_Q, dQ
-        dp = scale * jnp.where(i >= j, matmul([(do, r.T)], sq, None, interpret), 0.0)
-        p = jnp.where(i >= j, matmul([(q, kw.T)], sq, None, interpret), 0.0) * D
+        dp, p = products([(do, r.T, sq), (q, kw.T, sq)], interpret)  # dO Rᵀ, Q K̃ᵀ
+        dp = scale * jnp.where(i >= j, dp, 0.0)
+        p = jnp.where(i >= j, p, 0.0) * D
         e = dp * p
         gq[...] = (dp * D).astype(BF16)
         plgpu.commit_smem()
@@ -162,10 +162,10 @@ def chunk_grads_fused(q, k, kw, v, do, T, beta, gamma, R, dR, states, dstates, *
         plgpu.copy_smem_to_gmem(dq_o, dq_ref.at[bi, rows, h], commit_group=False)
 
         # the inverse: dL, G_K, dK
-        m = matmul([(t.T, dt)], sq, None, interpret)  # Tᵀ dT
+        m, a = products([(t.T, dt, sq), (k, kw.T, sq)], interpret)  # Tᵀ dT, K K̃ᵀ
+        a = a * D  # A = K K̃ᵀ ⊙ D
         dl = -jnp.where(i > j, matmul([(m.astype(BF16), t.T)], sq, None, interpret), 0.0)
         plgpu.commit_smem()  # (every thread is done reading T and dT: E goes there below)
-        a = matmul([(k, kw.T)], sq, None, interpret) * D  # A = K K̃ᵀ ⊙ D
         dbeta = dbeta + jnp.sum(dl * a, axis=1)
         e = jnp.where(i != j, e + _rows(beta_row, sq) * dl * a, 0.0)  # dL ⊙ L = β dL ⊙ A
         gk[...] = (_rows(beta_row, sq) * dl * D).astype(BF16)

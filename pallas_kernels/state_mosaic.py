@@ -109,6 +109,23 @@ def matmul(pairs, shape, init, interpret):
     return lax.optimization_barrier(pl.run_state(body)(plgpu.ACC.init(init)))
 
 
+def products(specs, interpret):
+    """Independent float32 products a @ b for ``specs`` = [(a, b, shape), ...] (operands as for
+    ``matmul``) issued as one wgmma group with one wait for all, so the tensor cores start the
+    next product while the previous one drains (the bits of ``matmul``'s, one product each)."""
+    if interpret:
+        value = lambda x: x if isinstance(x, jax.Array) else x[...]  # noqa: E731
+        return tuple(jnp.dot(value(a), b[...], preferred_element_type=F32) for a, b, _ in specs)
+
+    def scoped(*accs):
+        for acc, (a, b, _) in zip(accs, specs):
+            plgpu.wgmma(acc, a, b)
+        return tuple(acc[...] for acc in accs)
+
+    return lax.optimization_barrier(
+        pl.run_scoped(scoped, *(plgpu.ACC(shape, F32) for _, _, shape in specs)))
+
+
 FLAGS = 32  # int32 per chunk: TMA writes shared memory at 128-byte aligned addresses
 
 
