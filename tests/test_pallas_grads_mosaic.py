@@ -61,14 +61,16 @@ def case(seed, B, H, nc, K, V, decay):
     return ins, want
 
 
-@pytest.mark.parametrize("K, V, decay", [(64, 64, True), (128, 64, False)])
-def test_matches_the_float32_pullback(K, V, decay):
-    """Two heads, two chunks: dq, dk, dk̃, dv, dβ and dg (dG reverse-summed in each chunk)
-    within 8e-3 relative RMS of ``chunk_pullback`` (FLA's bar for bf16 gradients; measured
-    1.6e-3 to 4.3e-3: the kernel's inputs, R and dR, and its products Diag(β) X, dX, dT, Tᵀ dT,
-    G_K and G_Q are rounded to bf16, each ~2^-9 relative)."""
+@pytest.mark.parametrize("K, V, decay, warpgroups", [(64, 64, True, 1), (128, 64, False, 1),
+                                                     (64, 64, True, 2), (128, 64, False, 2)])
+def test_matches_the_float32_pullback(K, V, decay, warpgroups):
+    """Two heads, two chunks, in one warpgroup or two: dq, dk, dk̃, dv, dβ and dg (dG
+    reverse-summed in each chunk) within 8e-3 relative RMS of ``chunk_pullback`` (FLA's bar for
+    bf16 gradients; measured 1.6e-3 to 4.3e-3: the kernel's inputs, R and dR, and its products
+    Diag(β) X, dX, dT, Tᵀ dT, G_K and G_Q are rounded to bf16, each ~2^-9 relative)."""
     ins, want = case(0, 1, 2, 2, K, V, decay)
-    dq, dk, dkw, dv, db, dG = chunk_grads_fused(**ins, scale=SCALE, interpret=True)
+    dq, dk, dkw, dv, db, dG = chunk_grads_fused(**ins, scale=SCALE, interpret=True,
+                                                warpgroups=warpgroups)
     B, Tp, H = ins["beta"].shape
     dg = jnp.flip(jnp.cumsum(jnp.flip(dG.reshape(B, Tp // C, C, H), 2), 2), 2).reshape(B, Tp, H)
     got = dict(q=dq, k=dk, kw=dkw, v=dv, beta=db, g=dg)
@@ -193,8 +195,8 @@ def test_fused_grads_by_default_where_it_applies(rand, monkeypatch):
     assert not fused(V=150)
 
 
-@pytest.mark.parametrize("K, V", [(128, 128), (128, 64)])
-def test_lowers_for_cuda(K, V):
+@pytest.mark.parametrize("K, V, warpgroups", [(128, 128, 1), (128, 64, 1), (128, 128, 2)])
+def test_lowers_for_cuda(K, V, warpgroups):
     """The kernel goes through Mosaic GPU's lowering for CUDA on the CPU (layout inference, which
     interpret mode does not run: loading one buffer in two layouts failed there)."""
     S = jax.ShapeDtypeStruct
@@ -203,7 +205,8 @@ def test_lowers_for_cuda(K, V):
     args = ([S((B, Tp, H, K), bf)] * 3 + [S((B, Tp, H, V), bf)] * 2
             + [S((B, H, Tp, C), f32), S((B, Tp, H), f32), S((B, Tp, H), f32)]
             + [S((B, H, Tp, V), bf)] * 2 + [S((B, H, nc, V, K), bf)] * 2)
-    fn = lambda *a: chunk_grads_fused(*a, scale=0.1, interpret=False)  # noqa: E731
+    fn = lambda *a: chunk_grads_fused(*a, scale=0.1, interpret=False,  # noqa: E731
+                                      warpgroups=warpgroups)
     assert mosaic_kernels_lowered_for_cuda(fn, args) == 1
 
 
