@@ -283,7 +283,7 @@ def breakdown(core, x, reps, options):
 def variant(v):
     """Options from precision/block_v/num_warps[/num_stages][/fused][/recompute][/vxla|/vhalving][/pP]
     [/kN][/wkN][/bwN][/wwN][/sN][/hbf16|/h32][/wbf16][/qP][/oserial|/okernel][/dserial|/dkernel]
-    [/mosaic|/triton][/cpN][/fg|/nofg][/wys] (vxla / vhalving:
+    [/mosaic|/triton][/cpN][/fg|/nofg][/wys][/gw2] (vxla / vhalving:
     ``Options.vector_wy`` = "xla" / "halving"; pP: ``Options.parallel_precision`` = P, e.g. ptf32, pbf16;
     kN: ``Options.block_k`` = N; wkN: ``Options.wy_block_k`` = N; bwN:
     ``Options.pullback_warps`` = N; wwN: ``Options.wy_warps`` = N; sN:
@@ -294,7 +294,8 @@ def variant(v):
     ``Options.dout_in_serial`` True / False (``breakdown`` ignores both: it times the separate
     kernels);
     mosaic / triton: ``Options.serial_backend``; cpN: ``Options.sequence_pieces`` = N; fg / nofg:
-    ``Options.fused_grads`` True / False; wys: ``Options.wy_split``). Unnamed options keep their defaults."""
+    ``Options.fused_grads`` True / False; wys: ``Options.wy_split``; gw2:
+    ``Options.grads_warpgroups`` = 2). Unnamed options keep their defaults."""
     f = v.split("/")
     flags = [t for t in f[3:] if not t.isdigit()]
     block_k = [int(t[1:]) for t in flags if t[0] == "k" and t[1:].isdigit()]
@@ -327,7 +328,7 @@ def variant(v):
                    serial_backend=next((t for t in flags if t in ("mosaic", "triton")), None),
                    sequence_pieces=pieces[0] if pieces else None,
                    fused_grads=True if "fg" in flags else False if "nofg" in flags else None,
-                   wy_split="wys" in flags)
+                   wy_split="wys" in flags, grads_warpgroups=2 if "gw2" in flags else 1)
 
 
 def variant_tag(opt):
@@ -349,7 +350,8 @@ def variant_tag(opt):
             + (f"/{opt.serial_backend}" if opt.serial_backend else "")
             + (f"/cp{opt.sequence_pieces}" if opt.sequence_pieces else "")
             + {True: "/fg", False: "/nofg", None: ""}[opt.fused_grads]
-            + ("/wys" if opt.wy_split else ""))
+            + ("/wys" if opt.wy_split else "")
+            + ("/gw2" if opt.grads_warpgroups == 2 else ""))
 
 
 def jla_ops():

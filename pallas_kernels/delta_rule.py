@@ -125,7 +125,9 @@ class Options:
     ``wy_split``: with no or a scalar decay, the WY forward as two kernels (``wy_fwd(split=
     True)``: T, P, Γ_C, then W, U, K̃', Q'; the same values) rather than one holding 255
     registers a thread (2 programs an SM, RESULTS run 72); not yet timed on the device, so
-    off; the per-channel-decay kernels ignore it."""
+    off; the per-channel-decay kernels ignore it. ``grads_warpgroups``: ``grads_mosaic``'s two
+    chains (X, dV, the inverse, dK; dP, dQ, dK̃) in one warpgroup or in two (each with its own
+    registers; not yet timed on the device)."""
 
     precision: str | None = None
     parallel_precision: str | None = None
@@ -149,8 +151,12 @@ class Options:
     sequence_pieces: int | None = None  # mosaic: the serial passes over pieces run in parallel
     fused_grads: bool | None = None  # mosaic: the backward's chunk cotangents and WY pullback fused
     wy_split: bool = False  # split: the scalar / no-decay WY forward as two kernels
+    grads_warpgroups: int = 1  # fused_grads: the kernel's two chains in 1 or 2 warpgroups
 
     def __post_init__(self):
+        if self.grads_warpgroups not in (1, 2):
+            raise ValueError(f"Options.grads_warpgroups must be 1 or 2, got "
+                             f"{self.grads_warpgroups!r}")
         tiles = dict(block_v=self.block_v, block_k=self.block_k)
         tiles |= {n: getattr(self, n) for n in ("wy_block_k", "serial_block_v")
                   if getattr(self, n) is not None}  # None: the tile above
@@ -487,7 +493,8 @@ def _fused_bwd(cfg, res, cts):
                 states=_STATE_AXES["mosaic"], dstates=_STATE_AXES["mosaic"])
     *grads, dG = _kernel_call(cfg, chunk_grads_fused, args, axes,
                               tuple(axes[n] for n in ("q", "k", "kw", "v", "beta", "gamma")),
-                              mosaic=True, scale=cfg.scale, interpret=cfg.dots.interpret)
+                              mosaic=True, scale=cfg.scale, interpret=cfg.dots.interpret,
+                              warpgroups=cfg.options.grads_warpgroups)
     dg = None
     if g is not None:  # dg_t = Σ_{i >= t} dG_i within the chunk
         B, Tp, H = dG.shape

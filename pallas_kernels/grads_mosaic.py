@@ -109,7 +109,8 @@ def chunk_grads_fused(q, k, kw, v, do, T, beta, gamma, R, dR, states, dstates, *
         # load of one, even in the same layout, made Mosaic's layout inference fail)
         scratch.update(gk_ready=plgpu.Barrier(), part_ready=plgpu.Barrier(),
                        done=plgpu.Barrier(num_arrivals=2), b1=plgpu.SMEM((C,), F32),
-                       g_r1=plgpu.SMEM((C,), F32), g_c1=plgpu.SMEM((C,), F32))
+                       g_r1=plgpu.SMEM((C,), F32), g_c1=plgpu.SMEM((C,), F32),
+                       sd_out=plgpu.SMEM((C,), F32))
         scratch["bar"] = plgpu.Barrier(num_arrivals=16)
     sv, sk, sq = (C, V), (C, K), (C, C)
 
@@ -117,7 +118,7 @@ def chunk_grads_fused(q, k, kw, v, do, T, beta, gamma, R, dR, states, dstates, *
              ds_ref, dq_ref, dk_ref, dkw_ref, dv_ref, db_ref, dg_ref, *, q, k, kw, v, do,
              r, dr, s, ds, t, dt, gk, gq, b, g_r, g_c, tot, db_out, dg_out, bar, dq_o=None,
              dk_o=None, dkw_o=None, gk_ready=None, part_ready=None, done=None, b1=None,
-             g_r1=None, g_c1=None):
+             g_r1=None, g_c1=None, sd_out=None):
         dq_o, dk_o, dkw_o = (do, v, r) if dq_o is None else (dq_o, dk_o, dkw_o)
         bi, h, c = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("c")
         rows = pl.ds(c * C, C)
@@ -137,7 +138,7 @@ def chunk_grads_fused(q, k, kw, v, do, T, beta, gamma, R, dR, states, dstates, *
         def chain_0(z):
             """X, dV, dT; the inverse's dL, G_K; dK; E_I = dL ⊙ L's row and column sums: this
             chain's (dβ, dG) parts."""
-            i, j, _, _, beta_row, gam, _, _, D = z
+            i, j, _, _, beta_row, gam, g_last, _, D = z
             tdr, ks = products([(t.T, dr, sv), (k, s.T, sv)], interpret)  # Tᵀ dR, K S
             dgam = -gam * beta_row * jnp.sum(tdr * ks, axis=1)  # −Γ ⟨dX, K S⟩
             x = plgpu.load(v, layout=WGMMA).astype(F32) - _rows(gam, sv) * ks
@@ -171,7 +172,12 @@ def chunk_grads_fused(q, k, kw, v, do, T, beta, gamma, R, dR, states, dstates, *
             ones = plgpu.layout_cast(jnp.ones(sq, BF16), WGMMA)
             cols = jnp.sum(jnp.where(i == j, matmul([(ones, dt), (ones, t)], sq, None, interpret),
                                      0.0), axis=1)
-            return dbeta, dgam + jnp.sum(e, axis=1) - cols
+            sds = 0.0  # ⟨S, dS_C⟩ by rows of the transposed tiles (for the last row's dG)
+            for half in range(V // C):
+                s_f, ds_f = (plgpu.load(x.at[pl.ds(half * C, C)], layout=WGMMA).astype(F32)
+                             for x in (s, ds))
+                sds = sds + jnp.sum(s_f * ds_f, axis=1)
+            return dbeta, dgam + jnp.sum(e, axis=1) - cols, jnp.exp(g_last) * sds
 
         def chain_1(z):
             """dP, G_Q, dQ; E_O = dP ⊙ P's row sums and, as row sums of the transposed products,
@@ -202,15 +208,10 @@ def chunk_grads_fused(q, k, kw, v, do, T, beta, gamma, R, dR, states, dstates, *
             plgpu.copy_smem_to_gmem(dkw_o, dkw_ref.at[bi, rows, h], commit_group=False)
             return dgam, w
 
-        def finish(z, dbeta, dgam, w):
-            """dG's terms of the last row (Σ_j w_j + Γ_C ⟨dS_C, S⟩) and w; dβ and dG out."""
-            g_last = z[6]
-            sds = 0.0  # ⟨S, dS_C⟩ by rows of the transposed tiles, summed below
-            for half in range(V // C):
-                s_f, ds_f = (plgpu.load(x.at[pl.ds(half * C, C)], layout=WGMMA).astype(F32)
-                             for x in (s, ds))
-                sds = sds + jnp.sum(s_f * ds_f, axis=1)
-            tot[...] = w + jnp.exp(g_last) * sds
+        def finish(dbeta, dgam, w, sd):
+            """dG's terms of the last row (Σ_j w_j + Γ_C ⟨dS_C, S⟩: w and sd by rows summed)
+            and w; dβ and dG out."""
+            tot[...] = w + sd
             plgpu.commit_smem()
             total = plgpu.load(tot, layout=COLS).sum()
             at_last = plgpu.broadcasted_iota(jnp.int32, (C,), 0, layout=ROWS) == C - 1
@@ -238,9 +239,9 @@ def chunk_grads_fused(q, k, kw, v, do, T, beta, gamma, R, dR, states, dstates, *
             load_all()
             plgpu.barrier_wait(bar)
             z = gates(b, g_r, g_c)
-            dbeta, dgam0 = chain_0(z)
+            dbeta, dgam0, sd = chain_0(z)
             dgam1, w = chain_1(z)
-            finish(z, dbeta, dgam0 + dgam1, w)
+            finish(dbeta, dgam0 + dgam1, w, sd)
             return
 
         wg = lax.axis_index("wg")
@@ -249,9 +250,10 @@ def chunk_grads_fused(q, k, kw, v, do, T, beta, gamma, R, dR, states, dstates, *
         def _():
             load_all()
             plgpu.barrier_wait(bar)
-            dbeta, dgam = chain_0(gates(b, g_r, g_c))
+            dbeta, dgam, sd = chain_0(gates(b, g_r, g_c))
             db_out[...] = dbeta
             dg_out[...] = dgam
+            sd_out[...] = sd
             plgpu.commit_smem()
             plgpu.barrier_arrive(part_ready)
             plgpu.wait_smem_to_gmem(0)
@@ -262,7 +264,8 @@ def chunk_grads_fused(q, k, kw, v, do, T, beta, gamma, R, dR, states, dstates, *
             z = gates(b1, g_r1, g_c1)
             dgam, w = chain_1(z)
             plgpu.barrier_wait(part_ready)
-            finish(z, plgpu.load(db_out, layout=ROWS), plgpu.load(dg_out, layout=ROWS) + dgam, w)
+            finish(plgpu.load(db_out, layout=ROWS), plgpu.load(dg_out, layout=ROWS) + dgam, w,
+                   plgpu.load(sd_out, layout=ROWS))
 
         plgpu.barrier_arrive(done)
         plgpu.barrier_wait(done)

@@ -18,6 +18,8 @@ from pallas_kernels.delta_rule import Options
                                             sequence_pieces=8)),
     ("auto/64/4/mosaic/fg", dict(serial_backend="mosaic", fused_grads=True)),
     ("auto/64/4/nofg/wys", dict(fused_grads=False, wy_split=True)),
+    ("auto/64/4/mosaic/fg/gw2", dict(serial_backend="mosaic", fused_grads=True,
+                                     grads_warpgroups=2)),
     ("auto/64/4/okernel/bw8/dkernel", dict(output_in_serial=False, pullback_warps=8,
                                            dout_in_serial=False)),
     ("tf32/32/8/1/triton/oserial/k128/s32", dict(precision="tf32", block_v=32, num_warps=8,

@@ -1,6 +1,8 @@
 """grads_mosaic.chunk_grads_fused in interpret mode (its dots as jnp.dot of the same bf16
 operands) against chunk_pullback's float32 algebra on the same bf16 inputs."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -96,19 +98,21 @@ MOSAIC = Options(serial_backend="mosaic", fused_grads=False)
 FUSED_GRADS = Options(serial_backend="mosaic", fused_grads=True)
 
 
-@pytest.mark.parametrize("decay", [None, "scalar"])
-def test_op_with_fused_grads_within_fla_bars(rand, decay, monkeypatch):
-    """The op with ``fused_grads`` (T = 150: two chunks and a tail; K = 40 and V = 48 padded to
-    64; an initial state): outputs, final state and every gradient within FLA's bars of the
-    float32 reference, and within 6e-3 of the Mosaic pipeline without it (``chunk_grads`` then
-    ``wy_bwd``: the same algebra, rounded at other places); the initial state's gradient, from
-    the state pass both share, identical; the fused kernel ran once, for the backward, on T as
-    ``wy_fwd`` stored it for it, in bf16 (test_sequence_split has it with the passes in sequence
-    pieces)."""
+@pytest.mark.parametrize("decay, warpgroups", [(None, 1), ("scalar", 1), ("scalar", 2)])
+def test_op_with_fused_grads_within_fla_bars(rand, decay, warpgroups, monkeypatch):
+    """The op with ``fused_grads``, the kernel in one warpgroup or two (T = 150: two chunks and a tail;
+    K = 40 and V = 48 padded to 64; an initial state): outputs, final state and every gradient
+    within FLA's bars of the float32 reference, and within 6e-3 of the Mosaic pipeline without
+    it (``chunk_grads`` then ``wy_bwd``: the same algebra, rounded at other places); the initial
+    state's gradient, from the state pass both share, identical; the fused kernel ran once, for
+    the backward, on T as ``wy_fwd`` stored it for it, in bf16 (test_sequence_split has it with
+    the passes in sequence pieces)."""
     calls = []
     monkeypatch.setattr(delta_rule, "chunk_grads_fused",
                         lambda **kw: calls.append(kw["T"].dtype) or chunk_grads_fused(**kw))
-    fused, unfused, ref = kernel_runs(rand, decay, 7, FUSED_GRADS, MOSAIC, K=40)
+    fused, unfused, ref = kernel_runs(
+        rand, decay, 7, dataclasses.replace(FUSED_GRADS, grads_warpgroups=warpgroups), MOSAIC,
+        K=40)
     assert calls == [jnp.bfloat16]
     assert_within_fla_bars(fused, ref)
     for name in ref[2]:
@@ -156,6 +160,8 @@ def test_fused_grads_refuses_what_it_cannot_run(rand):
         call(FUSED_GRADS, x["log_decay"])
     with pytest.raises(ValueError, match="bfloat16"):
         call(FUSED_GRADS, None, jnp.float16)
+    with pytest.raises(ValueError, match="grads_warpgroups must be 1 or 2"):
+        Options(grads_warpgroups=3)
 
 
 def test_fused_grads_by_default_where_it_applies(rand, monkeypatch):
