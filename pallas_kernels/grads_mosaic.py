@@ -2,8 +2,8 @@
 (wgmma, TMA; Hopper), no decay or a scalar one: rung 2's first kernel (benchmarks/NOTES.md).
 
 It replaces ``state_bwd_triton.chunk_grads`` and ``wy_triton.wy_bwd`` (which pass dW, dK̃', dQ',
-dP and dΓ_C through HBM in float32) for chunks of 64 with K, V in {64, 128}. One CTA (one
-warpgroup) a (batch row, head, chunk) reads the chunk's q, k, k̃, v, dO, its T = (I + L)^-1
+dP and dΓ_C through HBM in float32) for chunks of 64 with K, V in {64, 128}. One CTA a
+(batch row, head, chunk) reads the chunk's q, k, k̃, v, dO, its T = (I + L)^-1
 (``wy_fwd``'s, in bf16), R and dR (the state passes'), the chunk-start state S and the cotangent
 dS_C of the chunk-end state (both transposed, as ``state_mosaic`` stores them), β and the
 in-chunk cumsum G of the log decays (0 without a decay), and forms, with Γ = exp G, Γ_C = exp
@@ -21,6 +21,10 @@ G_{C−1}, D_ij = exp(G_i − G_j) (i >= j), A = K K̃ᵀ ⊙ D, L = strict_tril
 
 (``chunk_pullback``'s algebra with the decayed inverse T in place of T0: L carries the decay,
 as ``wy_bwd``'s pullback does). The caller turns dG into dg (a reverse cumsum in the chunk).
+The work is two chains, in one warpgroup or in one each (``warpgroups``): chain 0 forms X, dV,
+dT, dL, G_K, dK and E_I = dL ⊙ L's row and column sums (colsum as the diagonal of ones @ E_I),
+chain 1 dP, G_Q, dQ, E_O = dP ⊙ P's row sums and its column sums as the row sums of the
+transposed products (R dOᵀ ⊙ K̃ Qᵀ ⊙ Dᵀ), then, once G_K is written, dK̃ and w.
 All dots take bf16 operands with float32 accumulation (the parallel kernels' ``bf16`` dots);
 the results are stored in the inputs' dtypes, dβ and dG in float32.
 
