@@ -85,6 +85,16 @@ def test_matches_the_float32_pullback(K, V, decay, warpgroups):
         assert err <= 8e-3, f"d{name}: relative RMS {err:.3g}"
 
 
+def test_two_warpgroups_give_the_same_bits():
+    """The two chains in a warpgroup each (their partial dβ and dG passed through shared
+    memory, after barriers) give bitwise the results of one warpgroup running both."""
+    ins, _ = case(1, 1, 2, 2, 64, 64, True)
+    one, two = (chunk_grads_fused(**ins, scale=SCALE, interpret=True, warpgroups=n)
+                for n in (1, 2))
+    for a, b in zip(one, two):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 def test_refuses_what_it_cannot_take():
     for kw, match in ((dict(chunk=32, K=64, V=64, dtype=jnp.bfloat16), "chunk_size"),
                       (dict(chunk=64, K=96, V=64, dtype=jnp.bfloat16), "head dim K"),
