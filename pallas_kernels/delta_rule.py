@@ -479,14 +479,15 @@ def _state_backward(cfg, wy, res, cts, out_axes, **extra):
 def _fused_bwd(cfg, res, cts):
     """``_core_bwd`` with ``Options.fused_grads``: the dO products and the Mosaic backward state
     pass, then ``grads_mosaic.chunk_grads_fused`` from the forward's T, states and R; dg is the
-    reverse cumsum of its dG in each chunk."""
+    pullback of γ (the in-chunk cumsum) applied to its dG."""
     ins, init, _, _, _, (states, R), wy, extra = res
     (q, k, kw, v, beta, g), do = ins, cts[0]
     if wy is None:
         wy, extra = _wy(cfg, ins)
     dU, dstates, dinit = _state_backward(
         cfg, wy, res, cts, ("b h t v", _STATE_AXES["mosaic"], "n h k v"), with_grads=False)
-    gamma = jnp.zeros(beta.shape, jnp.float32) if g is None else _gamma(cfg, g)
+    gamma, to_dg = ((jnp.zeros(beta.shape, jnp.float32), None) if g is None
+                    else jax.vjp(functools.partial(_gamma, cfg), g))
     args = dict(q=q, k=k, kw=kw, v=v, do=do.astype(jnp.bfloat16), T=extra[0], beta=beta,
                 gamma=gamma, R=R, dR=dU, states=states, dstates=dstates)
     axes = dict(_WY_IN, do="b t h v", T="b h t s", gamma="b t h", R="b h t v", dR="b h t v",
@@ -495,11 +496,7 @@ def _fused_bwd(cfg, res, cts):
                               tuple(axes[n] for n in ("q", "k", "kw", "v", "beta", "gamma")),
                               mosaic=True, scale=cfg.scale, interpret=cfg.dots.interpret,
                               warpgroups=cfg.options.grads_warpgroups)
-    dg = None
-    if g is not None:  # dg_t = Σ_{i >= t} dG_i within the chunk
-        B, Tp, H = dG.shape
-        per_chunk = jnp.flip(dG.reshape(B, Tp // cfg.chunk, cfg.chunk, H), 2)
-        dg = jnp.flip(jnp.cumsum(per_chunk, 2), 2).reshape(B, Tp, H)
+    dg = None if to_dg is None else to_dg(dG)[0]  # dg_t = Σ_{i >= t} dG_i within the chunk
     return (*match_types((*grads, dg, None if init is None else dinit), (*ins, init)),
             None, None, None)
 

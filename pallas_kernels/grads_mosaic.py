@@ -43,6 +43,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.state_mosaic import BF16, C, COLS, F32, ROWS, WGMMA, matmul, products, smem
 from pallas_kernels.triton_common import out_struct
 
+
 def _problem(chunk, K, V, dtype) -> str | None:
     """Why the kernel cannot take chunk, K, V and the inputs' dtype, or None."""
     if jnp.dtype(dtype) != BF16:
