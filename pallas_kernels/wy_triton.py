@@ -108,27 +108,40 @@ def u_bwd(T, b, v_ref, dU_ref, dv_ref, dots, block_v):
     return dT, db
 
 
-def _fwd_kernel(*refs, dots, block_v, block_k, has_decay):
-    """One chunk's W, U, K̃', Q', P, Γ_C and T (module docstring), the [C, K] tensors by key
-    tiles of ``block_k``."""
-    q_ref, k_ref, kw_ref, v_ref, beta_ref, *refs = refs
-    g_ref = refs.pop(0) if has_decay else None
-    W_ref, U_ref, kwt_ref, qd_ref, P_ref, gc_ref, T_ref = refs
+def _inverse(q_ref, k_ref, kw_ref, beta_ref, g_ref, P_ref, gc_ref, dots, block_k):
+    """One chunk's P and Γ_C (stored), its T = (I + L)^-1 and (β, Γ, Γ_C/Γ) [C] (returned)."""
     C, K = k_ref.shape
     key_tiles = tiles(K, block_k)
     gram = sum(dots.nt(k_ref[:, cols], kw_ref[:, cols]) for cols in key_tiles)
     beta, Gam, tail, gc, D, _, L = _decayed_gram(gram, beta_ref[...].astype(jnp.float32), g_ref, C)
-    T = unit_lower_inverse(L, dots)
-    T_ref[...] = T.astype(T_ref.dtype)
-    b, Gcol, tcol = beta[:, None], Gam[:, None], tail[:, None]
-    u_fwd(T, b, v_ref, U_ref, dots, block_v)
     P = sum(dots.nt(q_ref[:, cols], kw_ref[:, cols]) for cols in key_tiles) * D
     P_ref[...] = P.astype(P_ref.dtype)
-    for cols in key_tiles:
-        W_ref[:, cols] = dots.nn(T, b * Gcol * k_ref[:, cols].astype(jnp.float32)).astype(W_ref.dtype)
-        kwt_ref[:, cols] = (kw_ref[:, cols].astype(jnp.float32) * tcol).astype(kwt_ref.dtype)
-        qd_ref[:, cols] = (q_ref[:, cols].astype(jnp.float32) * Gcol).astype(qd_ref.dtype)
     gc_ref[...] = jnp.full((K,), gc, jnp.float32)
+    return unit_lower_inverse(L, dots), (beta, Gam, tail)
+
+
+def _apply(T, vecs, q_ref, k_ref, kw_ref, v_ref, W_ref, U_ref, kwt_ref, qd_ref, dots, block_v,
+           block_k):
+    """One chunk's W, U, K̃', Q' from T and ``vecs`` = (β, Γ, Γ_C/Γ), the [C, K] tensors by key
+    tiles of ``block_k``."""
+    f32 = jnp.float32
+    b, Gcol, tcol = (x[:, None] for x in vecs)
+    u_fwd(T, b, v_ref, U_ref, dots, block_v)
+    for cols in tiles(k_ref.shape[-1], block_k):
+        W_ref[:, cols] = dots.nn(T, b * Gcol * k_ref[:, cols].astype(f32)).astype(W_ref.dtype)
+        kwt_ref[:, cols] = (kw_ref[:, cols].astype(f32) * tcol).astype(kwt_ref.dtype)
+        qd_ref[:, cols] = (q_ref[:, cols].astype(f32) * Gcol).astype(qd_ref.dtype)
+
+
+def _fwd_kernel(*refs, dots, block_v, block_k, has_decay):
+    """One chunk's W, U, K̃', Q', P, Γ_C and T (module docstring)."""
+    q_ref, k_ref, kw_ref, v_ref, beta_ref, *refs = refs
+    g_ref = refs.pop(0) if has_decay else None
+    W_ref, U_ref, kwt_ref, qd_ref, P_ref, gc_ref, T_ref = refs
+    T, vecs = _inverse(q_ref, k_ref, kw_ref, beta_ref, g_ref, P_ref, gc_ref, dots, block_k)
+    T_ref[...] = T.astype(T_ref.dtype)
+    _apply(T, vecs, q_ref, k_ref, kw_ref, v_ref, W_ref, U_ref, kwt_ref, qd_ref, dots, block_v,
+           block_k)
 
 
 def _inverse_kernel(*refs, dots, block_k, has_decay):
@@ -136,14 +149,7 @@ def _inverse_kernel(*refs, dots, block_k, has_decay):
     q_ref, k_ref, kw_ref, beta_ref, *refs = refs
     g_ref = refs.pop(0) if has_decay else None
     P_ref, gc_ref, T_ref = refs
-    C, K = k_ref.shape
-    key_tiles = tiles(K, block_k)
-    gram = sum(dots.nt(k_ref[:, cols], kw_ref[:, cols]) for cols in key_tiles)
-    _, _, _, gc, D, _, L = _decayed_gram(gram, beta_ref[...].astype(jnp.float32), g_ref, C)
-    T_ref[...] = unit_lower_inverse(L, dots)
-    P = sum(dots.nt(q_ref[:, cols], kw_ref[:, cols]) for cols in key_tiles) * D
-    P_ref[...] = P.astype(P_ref.dtype)
-    gc_ref[...] = jnp.full((K,), gc, jnp.float32)
+    T_ref[...] = _inverse(q_ref, k_ref, kw_ref, beta_ref, g_ref, P_ref, gc_ref, dots, block_k)[0]
 
 
 def _apply_kernel(*refs, dots, block_v, block_k, has_decay):
@@ -152,21 +158,14 @@ def _apply_kernel(*refs, dots, block_v, block_k, has_decay):
     q_ref, k_ref, kw_ref, v_ref, beta_ref, *refs = refs
     g_ref = refs.pop(0) if has_decay else None
     T32_ref, W_ref, U_ref, kwt_ref, qd_ref, T_ref = refs
-    C, K = k_ref.shape
     f32 = jnp.float32
-    if g_ref is None:
-        gam, sig = jnp.zeros((C,), f32), jnp.zeros((C,), f32)
-    else:
-        gam, sig, _ = in_chunk_sums(g_ref[...].astype(f32))
+    C = k_ref.shape[0]
+    gam, sig = ((jnp.zeros((C,), f32),) * 2 if g_ref is None
+                else in_chunk_sums(g_ref[...].astype(f32))[:2])
     T = T32_ref[...]
     T_ref[...] = T.astype(T_ref.dtype)
-    b = beta_ref[...].astype(f32)[:, None]
-    Gcol, tcol = jnp.exp(gam)[:, None], jnp.exp(sig)[:, None]
-    u_fwd(T, b, v_ref, U_ref, dots, block_v)
-    for cols in tiles(K, block_k):
-        W_ref[:, cols] = dots.nn(T, b * Gcol * k_ref[:, cols].astype(f32)).astype(W_ref.dtype)
-        kwt_ref[:, cols] = (kw_ref[:, cols].astype(f32) * tcol).astype(kwt_ref.dtype)
-        qd_ref[:, cols] = (q_ref[:, cols].astype(f32) * Gcol).astype(qd_ref.dtype)
+    _apply(T, (beta_ref[...].astype(f32), jnp.exp(gam), jnp.exp(sig)), q_ref, k_ref, kw_ref,
+           v_ref, W_ref, U_ref, kwt_ref, qd_ref, dots, block_v, block_k)
 
 
 def _bwd_kernel(*refs, dots, block_v, block_k, has_decay):
