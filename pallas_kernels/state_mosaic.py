@@ -90,6 +90,11 @@ def smem(shape, dtype):
         plgpu.SwizzleTransform(swizzle)))
 
 
+def _value(x):
+    """An interpret-mode operand's value: registers as they are, a shared-memory ref read."""
+    return x if isinstance(x, jax.Array) else x[...]
+
+
 def matmul(pairs, shape, init, interpret):
     """init + Σ a @ b over ``pairs`` into one float32 accumulator of ``shape`` (a: bf16 registers
     or a shared-memory ref, possibly a ``.T`` view; b: a shared-memory ref; init None: zeros).
@@ -99,8 +104,7 @@ def matmul(pairs, shape, init, interpret):
     if init is None:
         init = plgpu.layout_cast(jnp.zeros(shape, F32), WGMMA)
     if interpret:
-        value = lambda x: x if isinstance(x, jax.Array) else x[...]  # noqa: E731
-        return init + sum(jnp.dot(value(a), b[...], preferred_element_type=F32) for a, b in pairs)
+        return init + sum(jnp.dot(_value(a), b[...], preferred_element_type=F32) for a, b in pairs)
 
     def body(acc):
         for a, b in pairs:
@@ -114,8 +118,7 @@ def products(specs, interpret):
     ``matmul``) issued as one wgmma group with one wait for all, so the tensor cores start the
     next product while the previous one drains (the bits of ``matmul``'s, one product each)."""
     if interpret:
-        value = lambda x: x if isinstance(x, jax.Array) else x[...]  # noqa: E731
-        return tuple(jnp.dot(value(a), b[...], preferred_element_type=F32) for a, b, _ in specs)
+        return tuple(jnp.dot(_value(a), b[...], preferred_element_type=F32) for a, b, _ in specs)
 
     def scoped(*accs):
         for acc, (a, b, _) in zip(accs, specs):

@@ -211,19 +211,21 @@ def test_fused_grads_by_default_where_it_applies(rand, monkeypatch):
     assert not fused(V=150)
 
 
+def arg_shapes(B, H, nc, K, V):
+    """ShapeDtypeStructs of ``chunk_grads_fused``'s arguments, in order."""
+    S, bf, f32, Tp = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32, nc * C
+    return ([S((B, Tp, H, K), bf)] * 3 + [S((B, Tp, H, V), bf)] * 2
+            + [S((B, H, Tp, C), f32), S((B, Tp, H), f32), S((B, Tp, H), f32)]
+            + [S((B, H, Tp, V), bf)] * 2 + [S((B, H, nc, V, K), bf)] * 2)
+
+
 @pytest.mark.parametrize("K, V, warpgroups", [(128, 128, 1), (128, 64, 1), (128, 128, 2)])
 def test_lowers_for_cuda(K, V, warpgroups):
     """The kernel goes through Mosaic GPU's lowering for CUDA on the CPU (layout inference, which
     interpret mode does not run: loading one buffer in two layouts failed there)."""
-    S = jax.ShapeDtypeStruct
-    B, H, nc, bf, f32 = 1, 2, 2, jnp.bfloat16, jnp.float32
-    Tp = nc * C
-    args = ([S((B, Tp, H, K), bf)] * 3 + [S((B, Tp, H, V), bf)] * 2
-            + [S((B, H, Tp, C), f32), S((B, Tp, H), f32), S((B, Tp, H), f32)]
-            + [S((B, H, Tp, V), bf)] * 2 + [S((B, H, nc, V, K), bf)] * 2)
     fn = lambda *a: chunk_grads_fused(*a, scale=0.1, interpret=False,  # noqa: E731
                                       warpgroups=warpgroups)
-    assert mosaic_kernels_lowered_for_cuda(fn, args) == 1
+    assert mosaic_kernels_lowered_for_cuda(fn, arg_shapes(1, 2, 2, K, V)) == 1
 
 
 def test_fused_grads_under_vmap_repeat_bitwise_and_effect_free(rand):
@@ -243,10 +245,6 @@ def test_fused_grads_under_vmap_repeat_bitwise_and_effect_free(rand):
     args = [x[n] for n in names]
     assert_vmap_matches_loop(grad, [a.reshape(2, 1, *a.shape[1:]) for a in args])
     assert_repeats_bitwise(lambda: jax.jit(grad)(*args))
-    S = jax.ShapeDtypeStruct
-    bf, f32 = jnp.bfloat16, jnp.float32
-    shapes = ([S((1, 64, 1, 64), bf)] * 5 + [S((1, 1, 64, 64), f32), S((1, 64, 1), f32),
-                                             S((1, 64, 1), f32)]
-              + [S((1, 1, 64, 64), bf)] * 2 + [S((1, 1, 1, 64, 64), bf)] * 2)
-    traced = jax.make_jaxpr(lambda *a: chunk_grads_fused(*a, scale=0.1, interpret=False))(*shapes)
+    traced = jax.make_jaxpr(lambda *a: chunk_grads_fused(*a, scale=0.1, interpret=False))(
+        *arg_shapes(1, 1, 1, 64, 64))
     assert not traced.effects
