@@ -126,8 +126,11 @@ class Options:
     True)``: T, P, Γ_C, then W, U, K̃', Q'; the same values) rather than one holding 255
     registers a thread (2 programs an SM, RESULTS run 72); not yet timed on the device, so
     off; the per-channel-decay kernels ignore it. ``grads_warpgroups``: ``grads_mosaic``'s two
-    chains (X, dV, the inverse, dK; dP, dQ, dK̃) in one warpgroup or in two (each with its own
-    registers; not yet timed on the device)."""
+    chains (X, dV, the inverse, dK; dP, dQ, dK̃) in one warpgroup or in two (the default: each
+    with its own registers; the kernel 280 -> 184 µs, DeltaNet / GDN fwd+bwd 0.80 / 0.82 ->
+    0.66 / 0.68-0.71 ms, RESULTS run 76). ``wy_precision``: the no / scalar-decay WY forward's
+    dots (the grams, P, the inverse; None: ``precision``); ``wy_apply_precision``: its W and U
+    dots (None: as ``wy_precision``); the per-channel-decay kernels ignore both."""
 
     precision: str | None = None
     parallel_precision: str | None = None
@@ -151,7 +154,9 @@ class Options:
     sequence_pieces: int | None = None  # mosaic: the serial passes over pieces run in parallel
     fused_grads: bool | None = None  # mosaic: the backward's chunk cotangents and WY pullback fused
     wy_split: bool = False  # split: the scalar / no-decay WY forward as two kernels
-    grads_warpgroups: int = 1  # fused_grads: the kernel's two chains in 1 or 2 warpgroups
+    grads_warpgroups: int = 2  # fused_grads: the kernel's two chains in 1 or 2 warpgroups
+    wy_precision: str | None = None  # split: the scalar / no-decay WY forward's dots
+    wy_apply_precision: str | None = None  # split: that forward's W and U dots
 
     def __post_init__(self):
         if self.grads_warpgroups not in (1, 2):
@@ -170,8 +175,9 @@ class Options:
         if self.state_dtype not in (None, "float32", "bfloat16"):
             raise ValueError("Options.state_dtype must be None, 'float32' or 'bfloat16', got "
                              f"{self.state_dtype!r}")
-        if self.serial_precision is not None:
-            Dots(self.serial_precision)  # ValueError naming the valid ones
+        for p in (self.serial_precision, self.wy_precision, self.wy_apply_precision):
+            if p is not None:
+                Dots(p)  # ValueError naming the valid ones
         if self.wy_dtype not in (None, "float32", "bfloat16"):
             raise ValueError("Options.wy_dtype must be None, 'float32' or 'bfloat16', got "
                              f"{self.wy_dtype!r}")
@@ -330,6 +336,9 @@ def _wy_kernel(cfg, kernel, ins, cts=None):
         static["factored_blocks"] = o.vector_wy == "kernel"
     elif cts is None:
         static["split"] = o.wy_split
+        wy_dots = lambda p, dots: dots if p is None else Dots(p, dots.interpret)  # noqa: E731
+        dots = wy_dots(o.wy_precision, dots)
+        static["apply_dots"] = wy_dots(o.wy_apply_precision, dots)
         if o.fused_grads:  # T's one reader is grads_mosaic, in bf16
             static["t_dtype"] = jnp.dtype(jnp.bfloat16)
     outs = _kernel_call(cfg, kernel, args, axes, out_axes, chunk=cfg.chunk, block_v=o.block_v,

@@ -123,7 +123,7 @@ def _inverse(q_ref, k_ref, kw_ref, beta_ref, g_ref, P_ref, gc_ref, dots, block_k
 def _apply(T, vecs, q_ref, k_ref, kw_ref, v_ref, W_ref, U_ref, kwt_ref, qd_ref, dots, block_v,
            block_k):
     """One chunk's W, U, K̃', Q' from T and ``vecs`` = (β, Γ, Γ_C/Γ), the [C, K] tensors by key
-    tiles of ``block_k``."""
+    tiles of ``block_k``; ``dots``: those of W and U."""
     f32 = jnp.float32
     b, Gcol, tcol = (x[:, None] for x in vecs)
     u_fwd(T, b, v_ref, U_ref, dots, block_v)
@@ -133,15 +133,15 @@ def _apply(T, vecs, q_ref, k_ref, kw_ref, v_ref, W_ref, U_ref, kwt_ref, qd_ref, 
         qd_ref[:, cols] = (q_ref[:, cols].astype(f32) * Gcol).astype(qd_ref.dtype)
 
 
-def _fwd_kernel(*refs, dots, block_v, block_k, has_decay):
-    """One chunk's W, U, K̃', Q', P, Γ_C and T (module docstring)."""
+def _fwd_kernel(*refs, dots, apply_dots, block_v, block_k, has_decay):
+    """One chunk's W, U, K̃', Q', P, Γ_C and T (module docstring); ``apply_dots``: W's and U's."""
     q_ref, k_ref, kw_ref, v_ref, beta_ref, *refs = refs
     g_ref = refs.pop(0) if has_decay else None
     W_ref, U_ref, kwt_ref, qd_ref, P_ref, gc_ref, T_ref = refs
     T, vecs = _inverse(q_ref, k_ref, kw_ref, beta_ref, g_ref, P_ref, gc_ref, dots, block_k)
     T_ref[...] = T.astype(T_ref.dtype)
-    _apply(T, vecs, q_ref, k_ref, kw_ref, v_ref, W_ref, U_ref, kwt_ref, qd_ref, dots, block_v,
-           block_k)
+    _apply(T, vecs, q_ref, k_ref, kw_ref, v_ref, W_ref, U_ref, kwt_ref, qd_ref, apply_dots,
+           block_v, block_k)
 
 
 def _inverse_kernel(*refs, dots, block_k, has_decay):
@@ -270,7 +270,8 @@ def wy_shapes(q, v, grid, chunk, args, dtype=jnp.float32, t_dtype=jnp.float32):
 
 
 def wy_fwd(q, k, kw, v, beta, g, *, chunk, block_v, dots: Dots, num_warps, num_stages,
-           block_k=64, out_dtype=jnp.float32, t_dtype=jnp.float32, split=False):
+           block_k=64, out_dtype=jnp.float32, t_dtype=jnp.float32, split=False,
+           apply_dots: Dots | None = None):
     """W, U, K̃ ⊙ Γ_C/Γ, Q ⊙ Γ [B, H, Tp, ·], P [B, H, Tp, C] (stored in ``out_dtype``) and Γ_C
     [B, H, NC, K] (float32): ``delta_rule.prepare``'s outputs by the same formulas (module
     docstring), and T = (I + L)^-1 [B, H, Tp, C] (in ``t_dtype``: float32 for ``wy_bwd``,
@@ -278,14 +279,15 @@ def wy_fwd(q, k, kw, v, beta, g, *, chunk, block_v, dots: Dots, num_warps, num_s
     None or [B, Tp, H]; ``block_k``: key columns per tile. ``split``: as two kernels, T, P and
     Γ_C first (T in float32 through HBM), then W, U, K̃', Q' (each with fewer registers a
     program than the one kernel, whose 255 held 2 programs an SM: RESULTS run 72); the same
-    operations on the same values."""
+    operations on the same values. ``apply_dots``: the dots of W and U (None: ``dots``, which
+    the inverse, the grams and P take)."""
     in_specs, wy_specs, grid = layout(q, v, g, chunk)
     args = [x for x in (q, k, kw, v, beta, g) if x is not None]
     shapes = wy_shapes(q, v, grid, chunk, args, out_dtype, t_dtype)
     has_decay = g is not None
     if not split:
-        kernel = functools.partial(_fwd_kernel, dots=dots, block_v=block_v, block_k=block_k,
-                                   has_decay=has_decay)
+        kernel = functools.partial(_fwd_kernel, dots=dots, apply_dots=apply_dots or dots,
+                                   block_v=block_v, block_k=block_k, has_decay=has_decay)
         return call(kernel, "wy_fwd", grid, in_specs, wy_specs, shapes, args, dots, num_warps,
                     num_stages)
     no_v = in_specs[:3] + in_specs[4:]  # the inverse kernel reads no values
@@ -293,8 +295,8 @@ def wy_fwd(q, k, kw, v, beta, g, *, chunk, block_v, dots: Dots, num_warps, num_s
     P, gc, T32 = call(kernel, "wy_inverse", grid, no_v, wy_specs[4:],
                       shapes[4:6] + [out_struct(shapes[6].shape, jnp.float32, *args)],
                       args[:3] + args[4:], dots, num_warps, num_stages)
-    kernel = functools.partial(_apply_kernel, dots=dots, block_v=block_v, block_k=block_k,
-                               has_decay=has_decay)
+    kernel = functools.partial(_apply_kernel, dots=apply_dots or dots, block_v=block_v,
+                               block_k=block_k, has_decay=has_decay)
     W, U, kwt, qd, T = call(kernel, "wy_apply", grid, in_specs + wy_specs[6:],
                             wy_specs[:4] + wy_specs[6:], shapes[:4] + shapes[6:], args + [T32],
                             dots, num_warps, num_stages)

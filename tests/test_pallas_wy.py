@@ -115,6 +115,27 @@ def test_fp32_matches_prepare(rand, decay, block_v, k_dim, block_k):
     check(list(got_grads) + [None] * (decay == "none"), want_grads, 2e-6, GRADS)
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_apply_dots_round_w_and_u_operands(rand, split):
+    """``apply_dots`` = bf16: W = T Diag(β) K and U = T Diag(β) V from bf16-rounded operands
+    (float32 sums), T itself and P as with the forward's own dots (no decay: Γ = 1)."""
+    ins = inputs(rand, "none", jnp.float32, 32)
+    opts = dict(chunk=C, block_v=16, block_k=16, dots=DOTS, num_warps=4, num_stages=1,
+                split=split)
+    exact, rounded = (jax.jit(functools.partial(wy_fwd, **opts, apply_dots=d))(*ins)
+                      for d in (None, Dots("bf16", interpret=True)))
+    np.testing.assert_array_equal(exact[-1], rounded[-1])  # T
+    np.testing.assert_array_equal(exact[4], rounded[4])  # P
+    bf = lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)  # noqa: E731
+    T = bf(exact[-1]).reshape(B, H, NC, C, C)
+    beta = np.asarray(ins[4]).transpose(0, 2, 1).reshape(B, H, NC, C, 1)
+    for got, want_exact, x in ((rounded[0], exact[0], ins[1]), (rounded[1], exact[1], ins[3])):
+        x = np.asarray(x).transpose(0, 2, 1, 3).reshape(B, H, NC, C, -1)
+        want = np.einsum("bhcij,bhcjd->bhcid", T, bf(beta * x)).reshape(got.shape)
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)
+        assert rel_err(got, want_exact) > 1e-4  # the operands were rounded
+
+
 @pytest.mark.parametrize("decay", ["none", "scalar"])
 @pytest.mark.parametrize("t_dtype", [jnp.float32, jnp.bfloat16])
 def test_split_forward_is_the_same(rand, decay, t_dtype):
