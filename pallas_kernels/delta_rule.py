@@ -130,7 +130,10 @@ class Options:
     with its own registers; the kernel 280 -> 184 µs, DeltaNet / GDN fwd+bwd 0.80 / 0.82 ->
     0.66 / 0.68-0.71 ms, RESULTS run 76). ``wy_precision``: the no / scalar-decay WY forward's
     dots (the grams, P, the inverse; None: ``precision``); ``wy_apply_precision``: its W and U
-    dots (None: as ``wy_precision``); the per-channel-decay kernels ignore both."""
+    dots (None: "bf16" with the Mosaic passes, which store W and U in bf16 (T rounded to bf16
+    first, as FLA's ``recompute_w_u`` reads it: ``wy_fwd`` 235 -> 206 µs, errors within the
+    bars with similar keys too, RESULTS run 78), else as ``wy_precision``); the
+    per-channel-decay kernels ignore both."""
 
     precision: str | None = None
     parallel_precision: str | None = None
@@ -535,7 +538,8 @@ def resolve(options: Options, *, sixteen_bit: bool, mosaic_fits: bool = False,
     ``precision`` and "float32"; serial_backend "mosaic" when ``mosaic_fits`` (a GPU, not
     interpret mode, shapes ``state_mosaic`` takes), the inputs are 16-bit, ``precision`` was
     left None and no option clashes, else "triton"; "mosaic" sets wy_dtype, state_dtype and
-    serial_precision to bf16 (ValueError without 16-bit inputs); wy_dtype otherwise "float32";
+    serial_precision to bf16 (ValueError without 16-bit inputs) and wy_apply_precision, unless
+    given, to "bf16"; wy_dtype otherwise "float32";
     output_in_serial and dout_in_serial as the backend's defaults; fused_grads on with the
     Mosaic passes where ``grads_fit`` (bf16 inputs, no or a scalar decay, shapes
     ``grads_mosaic`` takes)."""
@@ -555,7 +559,8 @@ def resolve(options: Options, *, sixteen_bit: bool, mosaic_fits: bool = False,
             raise ValueError("Options.serial_backend='mosaic' takes 16-bit q, k, k̃ and v "
                              "(bf16 serial passes); use serial_backend='triton' for float32")
         options = dataclasses.replace(options, wy_dtype="bfloat16", state_dtype="bfloat16",
-                                      serial_precision="bf16")
+                                      serial_precision="bf16",
+                                      wy_apply_precision=options.wy_apply_precision or "bf16")
     return dataclasses.replace(
         options, precision=precision,
         parallel_precision=options.parallel_precision or ("bf16" if fast16 else precision),

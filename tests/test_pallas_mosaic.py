@@ -6,6 +6,8 @@ layouts, document flags, initial and final states) runs as on the device. Checke
 Triton passes at the same numerics and, end to end, against the float32 token-by-token
 reference with FLA's bars."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,7 +29,8 @@ MOSAIC = Options(serial_backend="mosaic", output_in_serial=False, dout_in_serial
 FUSED = Options(serial_backend="mosaic", output_in_serial=True, dout_in_serial=False,
                 fused_grads=False)
 DSERIAL = Options(serial_backend="mosaic", fused_grads=False)  # the default's passes: also G
-TWIN = Options(wy_dtype="bfloat16", serial_precision="bf16")  # the Triton passes, same numerics
+TWIN = Options(wy_dtype="bfloat16", serial_precision="bf16",  # the Triton passes, same numerics
+               wy_apply_precision="bf16")
 
 
 def transposed(x):
@@ -140,7 +143,11 @@ def test_mosaic_backend_refuses_what_it_cannot_run(rand):
     """float32 inputs, another chunk, head dims, or options that contradict bf16 passes: a
     ValueError naming the cause; the resolved options carry the bf16 settings."""
     r = resolve(MOSAIC, sixteen_bit=True)
-    assert (r.wy_dtype, r.state_dtype, r.serial_precision) == ("bfloat16", "bfloat16", "bf16")
+    assert (r.wy_dtype, r.state_dtype, r.serial_precision, r.wy_apply_precision) == (
+        "bfloat16", "bfloat16", "bf16", "bf16")
+    assert resolve(dataclasses.replace(MOSAIC, wy_apply_precision="tf32"),
+                   sixteen_bit=True).wy_apply_precision == "tf32"
+    assert resolve(Options(), sixteen_bit=True).wy_apply_precision is None  # the Triton passes
     with pytest.raises(ValueError, match="takes 16-bit"):
         resolve(MOSAIC, sixteen_bit=False)
     with pytest.raises(ValueError, match=r"\['state_dtype', 'split'\]|values given for"):
