@@ -42,6 +42,7 @@ H]), any float dtype; math and outputs are float32.
 
 import functools
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -145,11 +146,12 @@ def _fwd_kernel(*refs, dots, apply_dots, block_v, block_k, has_decay):
 
 
 def _inverse_kernel(*refs, dots, block_k, has_decay):
-    """``wy_fwd(split=True)``'s first kernel: one chunk's T (float32), P and Γ_C."""
+    """``wy_inverse``'s kernel: one chunk's T, P and Γ_C."""
     q_ref, k_ref, kw_ref, beta_ref, *refs = refs
     g_ref = refs.pop(0) if has_decay else None
     P_ref, gc_ref, T_ref = refs
-    T_ref[...] = _inverse(q_ref, k_ref, kw_ref, beta_ref, g_ref, P_ref, gc_ref, dots, block_k)[0]
+    T_ref[...] = _inverse(q_ref, k_ref, kw_ref, beta_ref, g_ref, P_ref, gc_ref, dots,
+                          block_k)[0].astype(T_ref.dtype)
 
 
 def _apply_kernel(*refs, dots, block_v, block_k, has_decay):
@@ -269,6 +271,22 @@ def wy_shapes(q, v, grid, chunk, args, dtype=jnp.float32, t_dtype=jnp.float32):
                    out_struct((B, H, nc * chunk, chunk), t_dtype, *args)]
 
 
+def wy_inverse(q, k, kw, beta, g, *, chunk, dots: Dots, num_warps, num_stages, block_k=64,
+               out_dtype=jnp.float32, t_dtype=jnp.float32):
+    """P [B, H, Tp, C] in ``out_dtype``, Γ_C [B, H, NC, K] float32 and T = (I + L)^-1
+    [B, H, Tp, C] in ``t_dtype``: ``wy_fwd``'s outputs that are not scaled inputs (module
+    docstring), for ``wy_fwd(split=True)``'s second kernel (T in float32) or for the state
+    passes that apply T themselves (``state_wy_mosaic``, T in bf16)."""
+    v = jax.ShapeDtypeStruct(q.shape[:3] + (16,), q.dtype)  # no values: a shape for ``layout``
+    in_specs, wy_specs, grid = layout(q, v, g, chunk)
+    args = [x for x in (q, k, kw, beta, g) if x is not None]
+    kernel = functools.partial(_inverse_kernel, dots=dots, block_k=block_k,
+                               has_decay=g is not None)
+    shapes = wy_shapes(q, v, grid, chunk, args, out_dtype, t_dtype)[4:]
+    return call(kernel, "wy_inverse", grid, in_specs[:3] + in_specs[4:], wy_specs[4:], shapes,
+                args, dots, num_warps, num_stages)
+
+
 def wy_fwd(q, k, kw, v, beta, g, *, chunk, block_v, dots: Dots, num_warps, num_stages,
            block_k=64, out_dtype=jnp.float32, t_dtype=jnp.float32, split=False,
            apply_dots: Dots | None = None):
@@ -290,11 +308,8 @@ def wy_fwd(q, k, kw, v, beta, g, *, chunk, block_v, dots: Dots, num_warps, num_s
                                    block_v=block_v, block_k=block_k, has_decay=has_decay)
         return call(kernel, "wy_fwd", grid, in_specs, wy_specs, shapes, args, dots, num_warps,
                     num_stages)
-    no_v = in_specs[:3] + in_specs[4:]  # the inverse kernel reads no values
-    kernel = functools.partial(_inverse_kernel, dots=dots, block_k=block_k, has_decay=has_decay)
-    P, gc, T32 = call(kernel, "wy_inverse", grid, no_v, wy_specs[4:],
-                      shapes[4:6] + [out_struct(shapes[6].shape, jnp.float32, *args)],
-                      args[:3] + args[4:], dots, num_warps, num_stages)
+    P, gc, T32 = wy_inverse(q, k, kw, beta, g, chunk=chunk, dots=dots, num_warps=num_warps,
+                            num_stages=num_stages, block_k=block_k, out_dtype=out_dtype)
     kernel = functools.partial(_apply_kernel, dots=apply_dots or dots, block_v=block_v,
                                block_k=block_k, has_decay=has_decay)
     W, U, kwt, qd, T = call(kernel, "wy_apply", grid, in_specs + wy_specs[6:],

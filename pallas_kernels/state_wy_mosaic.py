@@ -1,0 +1,227 @@
+"""The Mosaic serial state passes fed by the inverse T and the raw inputs instead of the WY
+tensors (jax-linear-attention's / FlashQLA's fused forward): no W, U, K̃' or Q' in HBM.
+
+With a scalar (or no) decay every WY tensor is an input tile scaled by a per-row vector, so
+each pass applies T and the scalings to its own products (chunk rows i, j; β the write
+strengths, Γ = exp γ the in-chunk cumulative decay, Γ_C/Γ = exp σ, transposed carry Sᵀ
+[BV, K] float32 in registers, one CTA per (batch row, head, 64-wide V tile) as in
+``state_mosaic``):
+
+    forward (chunks in order)
+        Yᵀ  = Vᵀ Diag(β) − (Sᵀ Kᵀ) Diag(βΓ)           (Diag(β)(V − Diag(Γ) K S))ᵀ
+        Rᵀ  = Yᵀ Tᵀ                                    (= (U − W S)ᵀ of SPEC 2.1)
+        Oᵀ  = scale ((Sᵀ Qᵀ) Diag(Γ) + Rᵀ Pᵀ)          (Q' = Diag(Γ) Q)
+        Sᵀ ← Γ_C Sᵀ + (Rᵀ Diag(Γ_C/Γ)) K̃               (K̃' = Diag(Γ_C/Γ) K̃)
+    backward (chunks reversed)
+        dRᵀ = Aᵀ + (dSᵀ K̃ᵀ) Diag(Γ_C/Γ)               (A = scale Pᵀ dO, ``dout_products``)
+        dSᵀ ← Γ_C dSᵀ + ((scale dO)ᵀ Diag(Γ)) Q − ((dRᵀ T) Diag(βΓ)) K
+
+The forward chain is three dependent products a chunk (the WY form's two, after
+``wy_fwd`` wrote W and U); Sᵀ Qᵀ joins the first as one wgmma group. Operands are bf16
+(Y, R Diag(Γ_C/Γ), dR T Diag(βΓ) and scale dO Diag(Γ) rounded once, after their scaling),
+accumulators float32, as in ``state_mosaic``. The stored results are those of
+``state_mosaic``'s passes (chunk states and R, then dR and dS_C, transposed, bf16), so
+``grads_mosaic`` reads them unchanged. The per-row vectors come as one float32 array
+[B, H, 4, Tp] (``row_vectors``), each loaded once a chunk into its own buffer (Mosaic's layout
+inference fails on one buffer loaded twice, benchmarks/NOTES.md session 14). Dense rows or
+chunk-aligned documents (the flags of ``state_mosaic``); no sequence pieces.
+"""
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.state_mosaic import (BF16, BV, C, COLS, F32, FLAGS, WGMMA, _doc_state_in,
+                                         _doc_state_out, _doc_states, _flags, _kernel, _loop,
+                                         _start, check_shapes, matmul, products, smem)
+from pallas_kernels.triton_common import out_struct
+
+BETA, BETA_GAMMA, GAMMA, TAIL = range(4)  # rows of ``row_vectors``
+
+
+def row_vectors(beta, gamma, sigma):
+    """[B, H, 4, Tp] float32 rows β, βΓ, Γ, Γ_C/Γ from β and the in-chunk sums γ, σ
+    [B, Tp, H] (``delta_rule._decay_sums``; zeros without a decay)."""
+    beta, Gam = beta.astype(F32), jnp.exp(gamma.astype(F32))
+    rows = jnp.stack([beta, beta * Gam, Gam, jnp.exp(sigma.astype(F32))], axis=1)  # [B, 4, Tp, H]
+    return jnp.transpose(rows, (0, 3, 1, 2))
+
+
+def _columns(buf, slot, width):
+    """Row vector ``buf[slot]`` [C] loaded once by columns, broadcast over ``width`` rows."""
+    return lax.broadcast_in_dim(plgpu.load(buf.at[slot], layout=COLS), (width, C), [1])
+
+
+def _issue(c, slot, bar, position, pairs, vec_ref, vec_bufs):
+    """TMA copies of chunk ``c``: (GMEM ref, SMEM buffer, columns: None for a [B, H, Tp, ·]
+    tensor, else the V columns of a [B, Tp, H, ·] one or ``"all"``) and the named rows of the
+    vectors into their own buffers."""
+    b, h, v0 = position
+    rows = pl.ds(c * C, C)
+    for src, dst, cols in pairs:
+        if cols is None:
+            tile = src.at[b, h, rows]
+        elif cols == "all":
+            tile = src.at[b, rows, h]
+        else:
+            tile = src.at[b, rows, h, pl.ds(v0, BV)]
+        plgpu.copy_gmem_to_smem(tile, dst.at[slot], bar)
+    for row, buf in vec_bufs.items():
+        plgpu.copy_gmem_to_smem(vec_ref.at[b, h, row, rows], buf.at[slot], bar)
+
+
+def state_fwd(T, k, kw, v, q, P, vecs, gc, initial_state, doc, first, last, *, scale, out_dtype,
+              num_docs, interpret):
+    """Forward pass from T, P [B, H, Tp, C] (bf16, ``wy_inverse``), the inputs k, k̃, q
+    [B, Tp, H, K] and v [B, Tp, H, V] (bf16), ``vecs`` (``row_vectors``) and Γ_C [B, H, NC, K]:
+    [chunk-start states [B, H, NC, V, K] (transposed), R [B, H, Tp, V], both bf16; final
+    states [N, H, K, V] float32; o = scale (Q' S + P R) [B, Tp, H, V] in ``out_dtype``]
+    (module docstring). ``initial_state``: None or [N, H, K, V]; ``num_docs``: N, or None for
+    one document per batch row."""
+    B, H, Tp, _ = T.shape
+    K, V, nc = k.shape[-1], v.shape[-1], Tp // C
+    check_shapes(chunk=Tp // gc.shape[2], K=K, V=V)
+    N, has_init = B if num_docs is None else num_docs, initial_state is not None
+    ins = (T, k, kw, v, q, P, vecs, gc, initial_state)
+    out_type = (out_struct((B, H, nc, V, K), BF16, *ins), out_struct((B, H, Tp, V), BF16, *ins),
+                out_struct((N, H, V, K), F32, *ins), out_struct((B, Tp, H, V), out_dtype, *ins))
+    vec = plgpu.SMEM((2, C), F32)
+    scratch = dict(t=smem((2, C, C), BF16), p=smem((2, C, C), BF16), k=smem((2, C, K), BF16),
+                   kw=smem((2, C, K), BF16), q=smem((2, C, K), BF16), v=smem((2, C, BV), BF16),
+                   vb=vec, vbg=vec, vg=vec, vt=vec, g=plgpu.SMEM((2, K), F32),
+                   fl=plgpu.SMEM((2, FLAGS), jnp.int32), doc_buf=plgpu.SMEM((BV, K), F32),
+                   doc_bar=plgpu.Barrier(), in_bar=plgpu.Barrier(num_arrivals=12, num_barriers=2),
+                   s_out=smem((BV, K), BF16), r_out=smem((C, BV), BF16),
+                   o_out=smem((C, BV), out_dtype))
+    args = [T, P, k, kw, q, v, vecs, gc, _flags(doc, first, last)]
+    args += [_doc_states(initial_state)] if has_init else []
+
+    def body(*refs, t, p, k, kw, q, v, vb, vbg, vg, vt, g, fl, doc_buf, doc_bar, in_bar, s_out,
+             r_out, o_out):
+        refs = list(refs)
+        T_ref, P_ref, k_ref, kw_ref, q_ref, v_ref, vec_ref, gc_ref, f_ref = (
+            refs.pop(0) for _ in range(9))
+        init_ref = refs.pop(0) if has_init else None
+        states_ref, R_ref, final_ref, o_ref = refs
+        b, h, v0 = _start(doc_buf)
+
+        def issue(c, slot):
+            bar = in_bar.at[slot]
+            _issue(c, slot, bar, (b, h, v0),
+                   [(T_ref, t, None), (P_ref, p, None), (k_ref, k, "all"), (kw_ref, kw, "all"),
+                    (q_ref, q, "all"), (v_ref, v, "v")],
+                   vec_ref, {BETA: vb, BETA_GAMMA: vbg, GAMMA: vg, TAIL: vt})
+            plgpu.copy_gmem_to_smem(gc_ref.at[b, h, c], g.at[slot], bar)
+            plgpu.copy_gmem_to_smem(f_ref.at[b, c], fl.at[slot], bar)
+
+        def step(c, slot, S):
+            d, is_first, is_last = fl[slot, 0], fl[slot, 1], fl[slot, 2]
+            rows = pl.ds(c * C, C)
+            S = S * (1 - is_first).astype(F32)
+            if has_init:
+                S = S + _doc_state_in(init_ref, d, h, v0, doc_buf, doc_bar, is_first) * \
+                    is_first.astype(F32)
+            s_lo = S.astype(BF16)
+            ks_t, qs_t = products([(s_lo, k.at[slot].T, (BV, C)), (s_lo, q.at[slot].T, (BV, C))],
+                                  interpret)  # Sᵀ Kᵀ, Sᵀ Qᵀ
+            v_t = plgpu.load(v.at[slot].T, layout=WGMMA).astype(F32)
+            y_lo = (v_t * _columns(vb, slot, BV) - ks_t * _columns(vbg, slot, BV)).astype(BF16)
+            r_t = matmul([(y_lo, t.at[slot].T)], (BV, C), None, interpret)  # Rᵀ = Yᵀ Tᵀ
+            r_lo = r_t.astype(BF16)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's stores were read
+            s_out[...] = s_lo
+            r_out.T[...] = r_lo
+            o_t = matmul([(r_lo, p.at[slot].T)], (BV, C), qs_t * _columns(vg, slot, BV),
+                         interpret)  # Oᵀ / scale = (Sᵀ Qᵀ) Diag(Γ) + Rᵀ Pᵀ
+            o_out.T[...] = (scale * o_t).astype(o_out.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(s_out, states_ref.at[b, h, c, pl.ds(v0, BV)],
+                                    commit_group=False)
+            plgpu.copy_smem_to_gmem(r_out, R_ref.at[b, h, rows, pl.ds(v0, BV)], commit_group=False)
+            plgpu.copy_smem_to_gmem(o_out, o_ref.at[b, rows, h, pl.ds(v0, BV)], commit_group=False)
+            plgpu.commit_smem_to_gmem_group()
+            decay = lax.broadcast_in_dim(plgpu.load(g.at[slot], layout=COLS), (BV, K), [1])
+            rt_lo = (r_t * _columns(vt, slot, BV)).astype(BF16)
+            S = matmul([(rt_lo, kw.at[slot])], (BV, K), S * decay, interpret)  # Γ_C Sᵀ + ... K̃
+            _doc_state_out(S, final_ref, d, h, v0, doc_buf, is_last)
+            return S
+
+        zero = plgpu.layout_cast(jnp.zeros((BV, K), F32), WGMMA)
+        _loop(nc, False, issue, in_bar, step, zero)
+
+    outs = list(_kernel(body, name="state_fwd_wy_mosaic", out_type=out_type, scratch=scratch,
+                        grid=(B, H, V // BV), interpret=interpret)(*args))
+    outs[2] = _doc_states(outs[2])
+    return outs
+
+
+def state_bwd(T, k, kw, q, vecs, gc, A, do, dfinal, doc, first, last, *, scale, interpret):
+    """Backward pass: dU = dR [B, H, Tp, V] and the chunk-end cotangents dS_C [B, H, NC, V, K]
+    (transposed), both bf16; dS_0 [N, H, K, V] float32 (module docstring). T, k, k̃, q, vecs,
+    Γ_C as for ``state_fwd``; A = scale Pᵀ dO [B, H, Tp, V] bf16; dO [B, Tp, H, V] 16-bit;
+    dfinal [N, H, K, V]."""
+    B, H, Tp, _ = T.shape
+    K, V, nc, N = k.shape[-1], A.shape[-1], Tp // C, dfinal.shape[0]
+    check_shapes(chunk=Tp // gc.shape[2], K=K, V=V)
+    ins = (T, k, kw, q, vecs, gc, A, do, dfinal)
+    out_type = (out_struct((B, H, Tp, V), BF16, *ins), out_struct((B, H, nc, V, K), BF16, *ins),
+                out_struct((N, H, V, K), F32, *ins))
+    vec = plgpu.SMEM((2, C), F32)
+    scratch = dict(t=smem((2, C, C), BF16), k=smem((2, C, K), BF16), kw=smem((2, C, K), BF16),
+                   q=smem((2, C, K), BF16), a=smem((2, C, BV), BF16),
+                   dout=smem((2, C, BV), do.dtype), vbg=vec, vg=vec, vt=vec,
+                   g=plgpu.SMEM((2, K), F32), fl=plgpu.SMEM((2, FLAGS), jnp.int32),
+                   ds_out=smem((BV, K), BF16), du_out=smem((C, BV), BF16),
+                   doc_buf=plgpu.SMEM((BV, K), F32), doc_bar=plgpu.Barrier(),
+                   in_bar=plgpu.Barrier(num_arrivals=11, num_barriers=2))
+    args = [T, k, kw, q, A, do, vecs, gc, _flags(doc, first, last), _doc_states(dfinal)]
+
+    def body(T_ref, k_ref, kw_ref, q_ref, A_ref, do_ref, vec_ref, gc_ref, f_ref, dfinal_ref,
+             dU_ref, dstates_ref, dinit_ref, *, t, k, kw, q, a, dout, vbg, vg, vt, g, fl, ds_out,
+             du_out, doc_buf, doc_bar, in_bar):
+        b, h, v0 = _start(doc_buf)
+
+        def issue(c, slot):
+            bar = in_bar.at[slot]
+            _issue(c, slot, bar, (b, h, v0),
+                   [(T_ref, t, None), (k_ref, k, "all"), (kw_ref, kw, "all"), (q_ref, q, "all"),
+                    (do_ref, dout, "v")], vec_ref, {BETA_GAMMA: vbg, GAMMA: vg, TAIL: vt})
+            plgpu.copy_gmem_to_smem(A_ref.at[b, h, pl.ds(c * C, C), pl.ds(v0, BV)], a.at[slot],
+                                    bar)
+            plgpu.copy_gmem_to_smem(gc_ref.at[b, h, c], g.at[slot], bar)
+            plgpu.copy_gmem_to_smem(f_ref.at[b, c], fl.at[slot], bar)
+
+        def step(c, slot, dS):
+            d, is_first, is_last = fl[slot, 0], fl[slot, 1], fl[slot, 2]
+            dS = dS * (1 - is_last).astype(F32) + _doc_state_in(
+                dfinal_ref, d, h, v0, doc_buf, doc_bar, is_last) * is_last.astype(F32)
+            ds_lo = dS.astype(BF16)
+            a_t = plgpu.load(a.at[slot].T, layout=WGMMA).astype(F32)
+            dsk_t = matmul([(ds_lo, kw.at[slot].T)], (BV, C), None, interpret)  # dSᵀ K̃ᵀ
+            dr_lo = (a_t + dsk_t * _columns(vt, slot, BV)).astype(BF16)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's stores were read
+            ds_out[...] = ds_lo
+            du_out.T[...] = dr_lo
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(ds_out, dstates_ref.at[b, h, c, pl.ds(v0, BV)],
+                                    commit_group=False)
+            plgpu.copy_smem_to_gmem(du_out, dU_ref.at[b, h, pl.ds(c * C, C), pl.ds(v0, BV)],
+                                    commit_group=False)
+            plgpu.commit_smem_to_gmem_group()
+            drt_t = matmul([(dr_lo, t.at[slot])], (BV, C), None, interpret)  # dRᵀ T
+            w_lo = (drt_t * _columns(vbg, slot, BV)).astype(BF16)
+            do_t = plgpu.load(dout.at[slot].T, layout=WGMMA).astype(F32)
+            g_lo = (scale * do_t * _columns(vg, slot, BV)).astype(BF16)
+            decay = lax.broadcast_in_dim(plgpu.load(g.at[slot], layout=COLS), (BV, K), [1])
+            dS = matmul([(-w_lo, k.at[slot]), (g_lo, q.at[slot])], (BV, K), dS * decay,
+                        interpret)
+            _doc_state_out(dS, dinit_ref, d, h, v0, doc_buf, is_first)
+            return dS * (1 - is_first).astype(F32)
+
+        zero = plgpu.layout_cast(jnp.zeros((BV, K), F32), WGMMA)
+        _loop(nc, True, issue, in_bar, step, zero)
+
+    dU, dstates, dinit = _kernel(body, name="state_bwd_wy_mosaic", out_type=out_type,
+                                 scratch=scratch, grid=(B, H, V // BV), interpret=interpret)(*args)
+    return dU, dstates, _doc_states(dinit)
