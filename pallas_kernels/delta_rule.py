@@ -43,13 +43,14 @@ import jax.numpy as jnp
 from pallas_kernels.delta_bwd_triton import delta_bwd
 from pallas_kernels.grads_mosaic import chunk_grads_fused
 from pallas_kernels.delta_fwd_triton import delta_fwd
-from pallas_kernels import grads_mosaic, sequence_split, state_mosaic
+from pallas_kernels import grads_mosaic, sequence_split, state_mosaic, state_wy_mosaic
 from pallas_kernels.partition import match_types, sharded_call
-from pallas_kernels.state_bwd_triton import split_backward
+from pallas_kernels.state_bwd_triton import dout_products, split_backward
 from pallas_kernels.state_fwd_triton import split_forward
 from pallas_kernels.triton_common import (
     MAX_HEAD_DIM, Dots, interpret_default, pad_last, pow2_dim, unit_lower_inverse, vary_alike)
-from pallas_kernels.wy_triton import wy_bwd, wy_fwd
+from pallas_kernels.state_wy_mosaic import row_vectors
+from pallas_kernels.wy_triton import wy_bwd, wy_fwd, wy_inverse
 from pallas_kernels.wy_vector_triton import wy_vector_bwd, wy_vector_fwd
 from precond_linattn.chunked.delta import chunk_grams, chunk_wy, decay_sums
 from precond_linattn.numerics import f32
@@ -133,7 +134,11 @@ class Options:
     dots (None: "bf16" with the Mosaic passes, which store W and U in bf16 (T rounded to bf16
     first, as FLA's ``recompute_w_u`` reads it: ``wy_fwd`` 235 -> 206 µs, errors within the
     bars with similar keys too, RESULTS run 78), else as ``wy_precision``); the
-    per-channel-decay kernels ignore both."""
+    per-channel-decay kernels ignore both. ``wy_in_serial``: with ``fused_grads`` and one
+    sequence piece, the WY step stores only T, P and Γ_C (``wy_triton.wy_inverse``) and the
+    state passes apply T and the per-row scalings themselves (``state_wy_mosaic``: no W, U, K̃',
+    Q' through HBM, where the WY forward spent half its time writing them, RESULTS run 78);
+    None: off (not yet timed on the device), True: ValueError where it does not apply."""
 
     precision: str | None = None
     parallel_precision: str | None = None
@@ -159,6 +164,7 @@ class Options:
     wy_split: bool = False  # split: the scalar / no-decay WY forward as two kernels
     grads_warpgroups: int = 2  # fused_grads: the kernel's two chains in 1 or 2 warpgroups
     wy_precision: str | None = None  # split: the scalar / no-decay WY forward's dots
+    wy_in_serial: bool | None = None  # fused_grads: the state passes apply T (no W, U, K̃', Q')
     wy_apply_precision: str | None = None  # split: that forward's W and U dots
 
     def __post_init__(self):
@@ -455,15 +461,55 @@ def _forward(cfg, q, k, kw, v, beta, g, init, doc, first, last, store_states, wy
                         **static)
 
 
+def _inverse_and_vectors(cfg, ins):
+    """``Options.wy_in_serial``'s WY step on ``ins`` = (q, k, kw, v, beta, g): T (bf16), P, Γ_C
+    (``wy_inverse``) and the row vectors β, βΓ, Γ, Γ_C/Γ (``state_wy_mosaic.row_vectors``)."""
+    q, k, kw, _, beta, g = ins
+    o, bf16 = cfg.options, jnp.dtype(jnp.bfloat16)
+    P, gc, T = _kernel_call(
+        cfg, wy_inverse, dict(q=q, k=k, kw=kw, beta=beta, g=g), _WY_IN,
+        (_WY_OUT["dP"], _WY_OUT["dgc"], _WY_T["T"]), chunk=cfg.chunk,
+        dots=cfg.dots if o.wy_precision is None else Dots(o.wy_precision, cfg.dots.interpret),
+        num_warps=o.wy_warps or o.num_warps, num_stages=o.num_stages,
+        block_k=o.wy_block_k or o.block_k, out_dtype=bf16, t_dtype=bf16)
+    sums = (jnp.zeros(beta.shape, jnp.float32),) * 2 if g is None else _decay_sums(cfg, g)
+    return T, P, gc, row_vectors(beta, *sums)
+
+
+_ROWS = dict(T="b h t s", P="b h t s", gc="b h c k", vecs="b h r t")  # _inverse_and_vectors'
+
+
+def _serial_wy_forward(cfg, ins, wy, init, doc, first, last):
+    """``Options.wy_in_serial``'s forward: (o, final, chunk states, R) from ``state_wy_mosaic``
+    given ``wy`` = ``_inverse_and_vectors(cfg, ins)``."""
+    q, k, kw, v = ins[:4]
+    args = dict(zip(_ROWS, wy)) | dict(k=k, kw=kw, v=v, q=q, initial_state=init, doc=doc,
+                                       first=first, last=last)
+    axes = _ROWS | dict(_WY_IN, initial_state="n h k v", **_FLAGS)
+    states, R, final, o = _kernel_call(
+        cfg, state_wy_mosaic.state_fwd, args, axes,
+        (_STATE_AXES["mosaic"], "b h t v", "n h k v", "b t h v"), mosaic=True, scale=cfg.scale,
+        out_dtype=v.dtype, num_docs=cfg.num_docs, interpret=cfg.dots.interpret)
+    return o, final, states, R
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _core(cfg, q, k, kw, v, beta, g, init, doc, first, last):
-    return _forward(cfg, q, k, kw, v, beta, g, init, doc, first, last, False)
+    ins = (q, k, kw, v, beta, g)
+    if cfg.options.wy_in_serial:
+        return _serial_wy_forward(cfg, ins, _inverse_and_vectors(cfg, ins), init, doc, first,
+                                  last)[:2]
+    return _forward(cfg, *ins, init, doc, first, last, False)
 
 
 def _core_fwd(cfg, q, k, kw, v, beta, g, init, doc, first, last):
     opts = cfg.options
     save = opts.split and opts.save_wy and not _xla_wy(cfg)
     ins = (q, k, kw, v, beta, g)
+    if opts.wy_in_serial:
+        wy = _inverse_and_vectors(cfg, ins)
+        o, final, *saved = _serial_wy_forward(cfg, ins, wy, init, doc, first, last)
+        return (o, final), (ins, init, doc, first, last, saved, wy, None)
     wy, extra = _wy(cfg, ins) if save else (None, None)
     o, final, *saved = _forward(cfg, *ins, init, doc, first, last, True, wy)
     return (o, final), (ins, init, doc, first, last, saved, wy, extra)
@@ -492,15 +538,31 @@ def _fused_bwd(cfg, res, cts):
     """``_core_bwd`` with ``Options.fused_grads``: the dO products and the Mosaic backward state
     pass, then ``grads_mosaic.chunk_grads_fused`` from the forward's T, states and R; dg is the
     pullback of γ (the in-chunk cumsum) applied to its dG."""
-    ins, init, _, _, _, (states, R), wy, extra = res
+    ins, init, doc, first, last, (states, R), wy, extra = res
     (q, k, kw, v, beta, g), do = ins, cts[0]
-    if wy is None:
-        wy, extra = _wy(cfg, ins)
-    dU, dstates, dinit = _state_backward(
-        cfg, wy, res, cts, ("b h t v", _STATE_AXES["mosaic"], "n h k v"), with_grads=False)
+    out_axes = ("b h t v", _STATE_AXES["mosaic"], "n h k v")
+    if cfg.options.wy_in_serial:
+        T, P = wy[:2]
+        o = cfg.options
+        (A,) = _kernel_call(cfg, dout_products, dict(P=P, do=do), dict(P="b h t s", do="b t h v"),
+                            ("b h t v",), q=None, chunk=cfg.chunk, scale=cfg.scale,
+                            block_v=o.block_v, dots=cfg.pdots, num_warps=o.num_warps,
+                            num_stages=o.num_stages, state_dtype=jnp.dtype(jnp.bfloat16),
+                            transposed=True, with_G=False)
+        args = dict(T=T, gc=wy[2], vecs=wy[3], k=k, kw=kw, q=q, A=A, do=do.astype(jnp.bfloat16),
+                    dfinal=cts[1], doc=doc, first=first, last=last)
+        axes = _ROWS | dict(_WY_IN, A="b h t v", do="b t h v", dfinal="n h k v", **_FLAGS)
+        dU, dstates, dinit = _kernel_call(cfg, state_wy_mosaic.state_bwd, args, axes, out_axes,
+                                          mosaic=True, scale=cfg.scale,
+                                          interpret=cfg.dots.interpret)
+    else:
+        if wy is None:
+            wy, extra = _wy(cfg, ins)
+        dU, dstates, dinit = _state_backward(cfg, wy, res, cts, out_axes, with_grads=False)
+        T = extra[0]
     gamma, to_dg = ((jnp.zeros(beta.shape, jnp.float32), None) if g is None
                     else jax.vjp(functools.partial(_gamma, cfg), g))
-    args = dict(q=q, k=k, kw=kw, v=v, do=do.astype(jnp.bfloat16), T=extra[0], beta=beta,
+    args = dict(q=q, k=k, kw=kw, v=v, do=do.astype(jnp.bfloat16), T=T, beta=beta,
                 gamma=gamma, R=R, dR=dU, states=states, dstates=dstates)
     axes = dict(_WY_IN, do="b t h v", T="b h t s", gamma="b t h", R="b h t v", dR="b h t v",
                 states=_STATE_AXES["mosaic"], dstates=_STATE_AXES["mosaic"])
@@ -635,6 +697,12 @@ def delta_rule_pallas(q, k, kw, v, beta, log_decay, scale, initial_state, cu_seq
     programs = B * H * Vp // state_mosaic.BV  # CTAs of a Mosaic serial pass
     options = dataclasses.replace(options, sequence_pieces=_pieces(options, programs, nc,
                                                                    cu_seqlens is None))
+    serial_wy = bool(options.fused_grads) and options.sequence_pieces == 1
+    if options.wy_in_serial and not serial_wy:
+        raise ValueError("Options.wy_in_serial needs fused_grads and one sequence piece; got "
+                         f"fused_grads={options.fused_grads}, "
+                         f"sequence_pieces={options.sequence_pieces}")
+    options = dataclasses.replace(options, wy_in_serial=bool(options.wy_in_serial))
     cfg = _Config(chunk_size, decay, float(scale),
                   None if cu_seqlens is None else layout.num_docs, options,
                   Dots(options.precision, interpret), Dots(options.parallel_precision, interpret))

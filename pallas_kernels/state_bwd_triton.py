@@ -40,11 +40,14 @@ def dout_g(q, do, scale, dots, transposed=False):
     return scale * (dots.tn(dO, q) if transposed else dots.tn(q, dO))
 
 
-def _dout_kernel(P_ref, q_ref, do_ref, A_ref, G_ref=None, *, scale, dots, transposed):
-    """A = scale Pᵀ dO and (if ``G_ref`` is given) G = scale Q'ᵀ dO for one chunk and V tile."""
-    A_ref[...] = dout_a(P_ref[...], do_ref[...], scale, dots).astype(A_ref.dtype)
-    if G_ref is not None:
+def _dout_kernel(*refs, scale, dots, transposed, with_G):
+    """A = scale Pᵀ dO and (``with_G``) G = scale Q'ᵀ dO for one chunk and V tile."""
+    if with_G:
+        P_ref, q_ref, do_ref, A_ref, G_ref = refs
         G_ref[...] = dout_g(q_ref[...], do_ref[...], scale, dots, transposed).astype(G_ref.dtype)
+    else:
+        P_ref, do_ref, A_ref = refs
+    A_ref[...] = dout_a(P_ref[...], do_ref[...], scale, dots).astype(A_ref.dtype)
 
 
 def _serial_kernel(doc_ref, first_ref, last_ref, W_ref, kw_ref, gc_ref, *refs, chunk, dots,
@@ -120,19 +123,22 @@ def dout_products(P, q, do, *, chunk, scale, block_v, dots: Dots, num_warps, num
                   state_dtype=jnp.float32, transposed=False, with_G=True):
     """Kernel 1: A = scale Pᵀ dO [B, H, Tp, V] and (``with_G``) G = scale Q'ᵀ dO
     [B, H, NC, K, V] per chunk (``transposed``: Gᵀ [B, H, NC, V, K]), stored in
-    ``state_dtype``; a list."""
-    B, H, Tp, K = q.shape
+    ``state_dtype``; a list. Without G, q is not read (None allowed)."""
+    B, H, Tp, _ = P.shape
     V, nc, BV = do.shape[-1], Tp // chunk, min(block_v, do.shape[-1])
+    K = q.shape[-1] if with_G else 16  # no q tile without G
     c = chunk_specs(chunk, K, BV, transposed)
     shapes = [(B, H, Tp, V)] + [(B, H, nc, V, K) if transposed else (B, H, nc, K, V)] * with_G
+    ins, specs = ([P, q, do], [c["c"], c["k"], c["btv"]]) if with_G else (
+        [P, do], [c["c"], c["btv"]])
     return pl.pallas_call(
-        functools.partial(_dout_kernel, scale=scale, dots=dots, transposed=transposed),
-        grid=(B, H, nc, V // BV), in_specs=[c["c"], c["k"], c["btv"]],
-        out_specs=[c["v"], c["state"]][:len(shapes)],
-        out_shape=[out_struct(shape, state_dtype, P, q, do) for shape in shapes],
+        functools.partial(_dout_kernel, scale=scale, dots=dots, transposed=transposed,
+                          with_G=with_G),
+        grid=(B, H, nc, V // BV), in_specs=specs, out_specs=[c["v"], c["state"]][:len(shapes)],
+        out_shape=[out_struct(shape, state_dtype, *ins) for shape in shapes],
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=dots.interpret, name="dout_products",
-    )(P, q, do)
+    )(*ins)
 
 
 def state_pass(W, kw, gc, A, G, dfinal, doc, first, last, *, chunk, block_v, dots: Dots,

@@ -7,13 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import state_mosaic, state_wy_mosaic
+import precond_linattn as pla
+from pallas_kernels import delta_rule, state_mosaic, state_wy_mosaic
+from pallas_kernels.delta_rule import Options, delta_rule_pallas
 from pallas_kernels.state_wy_mosaic import BETA, BETA_GAMMA, GAMMA, TAIL, row_vectors
 from pallas_kernels.triton_common import Dots
 from pallas_kernels.wy_triton import wy_inverse
 from precond_linattn.chunked.delta import decay_sums
-from conftest import mosaic_kernels_lowered_for_cuda
-from test_pallas_precision import rel_rms
+from conftest import mosaic_kernels_lowered_for_cuda, packed_cu_seqlens
+from test_pallas_precision import assert_within_fla_bars, kernel_runs, outputs_and_grads, rel_rms
 
 B, H, NC, C, V = 2, 2, 3, 64, 128
 TP, BF16, F32 = NC * C, jnp.bfloat16, jnp.float32
@@ -125,3 +127,78 @@ def test_row_vectors():
     assert got.shape == (1, 2, 4, 3)
     want = np.stack([beta, beta * np.exp(gamma), np.exp(gamma), np.exp(sigma)], axis=1)
     np.testing.assert_allclose(got, np.transpose(want, (0, 3, 1, 2)), rtol=1e-6)
+
+
+FUSED_GRADS = Options(serial_backend="mosaic", fused_grads=True)
+SERIAL_WY = Options(serial_backend="mosaic", fused_grads=True, wy_in_serial=True)
+
+
+def count_passes(monkeypatch):
+    """The names of ``state_wy_mosaic``'s passes as the op calls them."""
+    calls = []
+    for name in ("state_fwd", "state_bwd"):
+        real = getattr(state_wy_mosaic, name)
+        monkeypatch.setattr(state_wy_mosaic, name,
+                            lambda *a, _n=name, _r=real, **kw: calls.append(_n) or _r(*a, **kw))
+    return calls
+
+
+@pytest.mark.parametrize("decay", [None, "scalar"])
+def test_op_within_fla_bars(rand, decay, monkeypatch):
+    """The op with ``wy_in_serial`` (T = 150: two chunks and a tail; K = 40 and V = 48 padded
+    to 64; an initial state): outputs, final state and every gradient within FLA's bars of the
+    float32 reference, and each no more than 1.25x as far from it as the same pipeline with the
+    WY tensors through HBM (the two round at different places: they differ from each other
+    about as much as from the reference, so closeness to each other says less); both new passes
+    ran, once each."""
+    calls = count_passes(monkeypatch)
+    serial, wy, ref = kernel_runs(rand, decay, 7, SERIAL_WY, FUSED_GRADS, K=40)
+    assert calls == ["state_fwd", "state_bwd"]
+    assert_within_fla_bars(serial, ref)
+    pairs = [("o", serial[0], wy[0], ref[0]), ("final", serial[1], wy[1], ref[1])]
+    pairs += [(n, serial[2][n], wy[2][n], ref[2][n]) for n in ref[2]]
+    for name, a, b, want in pairs:
+        assert rel_rms(a, want) <= 1.25 * rel_rms(b, want), name
+
+
+def test_op_packed_documents(rand):
+    """Three packed documents (64, 1 and 85 tokens) with per-document initial states and a
+    scalar decay: within FLA's bars of the float32 reference, outputs, final states and every
+    gradient."""
+    T, H, K, V = 150, 2, 64, 64
+    x = rand.delta_inputs(1, T, H, K, V, decay="scalar", dtype=BF16)
+    x["s0"] = rand.normal(3, H, K, V)
+    cu = packed_cu_seqlens([64, 1, 85])
+
+    def run(impl, x):
+        if impl == "reference":
+            return pla.delta_rule(x["q"], x["k"], x["v"], x["beta"], write_key=x["write_key"],
+                                  log_decay=x["log_decay"], initial_state=x["s0"],
+                                  cu_seqlens=cu, output_final_state=True, impl="reference")
+        return delta_rule_pallas(x["q"], x["k"], x["write_key"], x["v"], x["beta"],
+                                 x["log_decay"], K ** -0.5, x["s0"], cu, 64, SERIAL_WY)
+
+    key = jax.random.key(3)
+    got, ref = (jax.jit(lambda x, i=i: outputs_and_grads(lambda y: run(i, y), x, key))(x)
+                for i in ("pallas", "reference"))
+    assert_within_fla_bars(got, ref)
+
+
+def test_refused_where_it_does_not_apply(rand):
+    """``wy_in_serial=True`` without ``fused_grads`` or with sequence pieces: a ValueError
+    naming both; None resolves to False (the option's default until timed)."""
+    x = rand.delta_inputs(1, 256, 1, 64, 64, dtype=BF16)
+    args = (x["q"], x["k"], x["write_key"], x["v"], x["beta"], None, 0.125, None, None, 64)
+    for options in (Options(serial_backend="mosaic", fused_grads=False, wy_in_serial=True),
+                    Options(serial_backend="mosaic", fused_grads=True, wy_in_serial=True,
+                            sequence_pieces=2)):
+        with pytest.raises(ValueError, match="wy_in_serial needs fused_grads and one sequence"):
+            delta_rule_pallas(*args, options)
+    seen = []
+    real = delta_rule._core
+    delta_rule._core = lambda cfg, *a: seen.append(cfg.options.wy_in_serial) or real(cfg, *a)
+    try:
+        delta_rule_pallas(*args, FUSED_GRADS)
+    finally:
+        delta_rule._core = real
+    assert seen == [False]
