@@ -137,8 +137,10 @@ class Options:
     per-channel-decay kernels ignore both. ``wy_in_serial``: with ``fused_grads`` and one
     sequence piece, the WY step stores only T, P and Γ_C (``wy_triton.wy_inverse``) and the
     state passes apply T and the per-row scalings themselves (``state_wy_mosaic``: no W, U, K̃',
-    Q' through HBM, where the WY forward spent half its time writing them, RESULTS run 78);
-    None: off (not yet timed on the device), True: ValueError where it does not apply."""
+    Q' through HBM, where the WY forward spent half its time writing them, RESULTS run 78:
+    DeltaNet / GDN forwards 0.261 / 0.281 -> 0.212 / 0.229 ms, fwd+bwd 0.622 / 0.651 -> 0.549 /
+    0.579, run 79); None: on wherever it applies, True: ValueError where it does not, False:
+    off."""
 
     precision: str | None = None
     parallel_precision: str | None = None
@@ -702,7 +704,8 @@ def delta_rule_pallas(q, k, kw, v, beta, log_decay, scale, initial_state, cu_seq
         raise ValueError("Options.wy_in_serial needs fused_grads and one sequence piece; got "
                          f"fused_grads={options.fused_grads}, "
                          f"sequence_pieces={options.sequence_pieces}")
-    options = dataclasses.replace(options, wy_in_serial=bool(options.wy_in_serial))
+    options = dataclasses.replace(options, wy_in_serial=serial_wy if options.wy_in_serial is None
+                                  else options.wy_in_serial)
     cfg = _Config(chunk_size, decay, float(scale),
                   None if cu_seqlens is None else layout.num_docs, options,
                   Dots(options.precision, interpret), Dots(options.parallel_precision, interpret))

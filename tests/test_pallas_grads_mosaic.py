@@ -105,7 +105,7 @@ def test_refuses_what_it_cannot_take():
 
 
 MOSAIC = Options(serial_backend="mosaic", fused_grads=False)
-FUSED_GRADS = Options(serial_backend="mosaic", fused_grads=True)
+FUSED_GRADS = Options(serial_backend="mosaic", fused_grads=True, wy_in_serial=False)  # W, U via HBM
 
 
 @pytest.mark.parametrize("decay, warpgroups", [(None, 1), ("scalar", 1), ("scalar", 2)])

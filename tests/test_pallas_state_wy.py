@@ -14,7 +14,8 @@ from pallas_kernels.state_wy_mosaic import BETA, BETA_GAMMA, GAMMA, TAIL, row_ve
 from pallas_kernels.triton_common import Dots
 from pallas_kernels.wy_triton import wy_inverse
 from precond_linattn.chunked.delta import decay_sums
-from conftest import mosaic_kernels_lowered_for_cuda, packed_cu_seqlens
+from conftest import (assert_repeats_bitwise, assert_vmap_matches_loop,
+                      mosaic_kernels_lowered_for_cuda, packed_cu_seqlens)
 from test_pallas_precision import assert_within_fla_bars, kernel_runs, outputs_and_grads, rel_rms
 
 B, H, NC, C, V = 2, 2, 3, 64, 128
@@ -131,6 +132,7 @@ def test_row_vectors():
 
 FUSED_GRADS = Options(serial_backend="mosaic", fused_grads=True)
 SERIAL_WY = Options(serial_backend="mosaic", fused_grads=True, wy_in_serial=True)
+WY_IN_HBM = Options(serial_backend="mosaic", fused_grads=True, wy_in_serial=False)
 
 
 def count_passes(monkeypatch):
@@ -152,7 +154,7 @@ def test_op_within_fla_bars(rand, decay, monkeypatch):
     about as much as from the reference, so closeness to each other says less); both new passes
     ran, once each."""
     calls = count_passes(monkeypatch)
-    serial, wy, ref = kernel_runs(rand, decay, 7, SERIAL_WY, FUSED_GRADS, K=40)
+    serial, wy, ref = kernel_runs(rand, decay, 7, SERIAL_WY, WY_IN_HBM, K=40)
     assert calls == ["state_fwd", "state_bwd"]
     assert_within_fla_bars(serial, ref)
     pairs = [("o", serial[0], wy[0], ref[0]), ("final", serial[1], wy[1], ref[1])]
@@ -186,7 +188,7 @@ def test_op_packed_documents(rand):
 
 def test_refused_where_it_does_not_apply(rand):
     """``wy_in_serial=True`` without ``fused_grads`` or with sequence pieces: a ValueError
-    naming both; None resolves to False (the option's default until timed)."""
+    naming both; None resolves to True with fused_grads over one piece, else to False."""
     x = rand.delta_inputs(1, 256, 1, 64, 64, dtype=BF16)
     args = (x["q"], x["k"], x["write_key"], x["v"], x["beta"], None, 0.125, None, None, 64)
     for options in (Options(serial_backend="mosaic", fused_grads=False, wy_in_serial=True),
@@ -198,7 +200,38 @@ def test_refused_where_it_does_not_apply(rand):
     real = delta_rule._core
     delta_rule._core = lambda cfg, *a: seen.append(cfg.options.wy_in_serial) or real(cfg, *a)
     try:
-        delta_rule_pallas(*args, FUSED_GRADS)
+        for options in (FUSED_GRADS, Options(serial_backend="mosaic", fused_grads=False),
+                        Options(serial_backend="mosaic", fused_grads=True, sequence_pieces=2)):
+            delta_rule_pallas(*args, options)
     finally:
         delta_rule._core = real
-    assert seen == [False]
+    assert seen == [True, False, False]
+
+
+def test_under_vmap_repeat_bitwise_and_effect_free(rand):
+    """Gradients of a loss of the op with ``wy_in_serial``: ``jax.vmap`` over rows as [1, T]
+    sequences equals the rows one by one, a second run (compiled afresh) is bitwise the first,
+    and traced for the GPU both passes carry no effects (so ``jax.checkpoint`` and
+    ``custom_partitioning`` take them there)."""
+    x = rand.delta_inputs(2, 100, 2, 64, 64, decay="scalar", dtype=BF16)
+    names = ("q", "k", "write_key", "v", "beta", "log_decay")
+
+    def loss(*args):
+        o, final = delta_rule_pallas(*args, 0.125, None, None, 64, SERIAL_WY)
+        return jnp.sum(jnp.sin(o.astype(F32))) + jnp.sum(final ** 2)
+
+    grad = jax.grad(loss, argnums=tuple(range(6)))
+    args = [x[n] for n in names]
+    assert_vmap_matches_loop(grad, [a.reshape(2, 1, *a.shape[1:]) for a in args])
+    assert_repeats_bitwise(lambda: jax.jit(grad)(*args))
+    s = jax.ShapeDtypeStruct
+    tok, rows = s((1, C, 1, 64), BF16), s((1, 1, C, C), BF16)
+    flags = (s((1, 1), jnp.int32),) * 3
+    vecs, gc = s((1, 1, 4, C), F32), s((1, 1, 1, 64), F32)
+    fwd = jax.make_jaxpr(lambda *a: state_wy_mosaic.state_fwd(
+        *a[:8], None, *a[8:], scale=0.1, out_dtype=BF16, num_docs=None, interpret=False))(
+        rows, tok, tok, tok, tok, rows, vecs, gc, *flags)
+    bwd = jax.make_jaxpr(lambda *a: state_wy_mosaic.state_bwd(
+        *a, scale=0.1, interpret=False))(rows, tok, tok, tok, vecs, gc, s((1, 1, C, 64), BF16),
+                                          tok, s((1, 1, 64, 64), F32), *flags)
+    assert not fwd.effects and not bwd.effects
