@@ -283,7 +283,7 @@ def breakdown(core, x, reps, options):
 def variant(v):
     """Options from precision/block_v/num_warps[/num_stages][/fused][/recompute][/vxla|/vhalving][/pP]
     [/kN][/wkN][/bwN][/wwN][/sN][/hbf16|/h32][/wbf16][/qP][/oserial|/okernel][/dserial|/dkernel]
-    [/mosaic|/triton][/cpN][/fg|/nofg][/wys][/gw1][/wyP][/waP][/wis] (vxla / vhalving:
+    [/mosaic|/triton][/cpN][/fg|/nofg][/gw1][/wyP][/waP][/wis] (vxla / vhalving:
     ``Options.vector_wy`` = "xla" / "halving"; pP: ``Options.parallel_precision`` = P, e.g. ptf32, pbf16;
     kN: ``Options.block_k`` = N; wkN: ``Options.wy_block_k`` = N; bwN:
     ``Options.pullback_warps`` = N; wwN: ``Options.wy_warps`` = N; sN:
@@ -294,7 +294,7 @@ def variant(v):
     ``Options.dout_in_serial`` True / False (``breakdown`` ignores both: it times the separate
     kernels);
     mosaic / triton: ``Options.serial_backend``; cpN: ``Options.sequence_pieces`` = N; fg / nofg:
-    ``Options.fused_grads`` True / False; wys: ``Options.wy_split``; gw1:
+    ``Options.fused_grads`` True / False; gw1:
     ``Options.grads_warpgroups`` = 1; wyP / waP: ``Options.wy_precision`` /
     ``wy_apply_precision`` = P; wis: ``Options.wy_in_serial``). Unnamed options keep their
     defaults."""
@@ -308,7 +308,7 @@ def variant(v):
     serial_dots = [t[1:] for t in flags if t[0] == "q"]
     serial = [int(t[1:]) for t in flags if t[0] == "s" and t[1:].isdigit()]
     pieces = [int(t[2:]) for t in flags if t[:2] == "cp" and t[2:].isdigit()]
-    wy_dots = [t[2:] for t in flags if t[:2] == "wy" and t != "wys"]
+    wy_dots = [t[2:] for t in flags if t[:2] == "wy"]
     apply_dots = [t[2:] for t in flags if t[:2] == "wa"]
     stages = int(f[3]) if len(f) > 3 and f[3].isdigit() else Options().num_stages
     return Options(precision=None if f[0] == "auto" else f[0], block_v=int(f[1]),
@@ -332,7 +332,7 @@ def variant(v):
                    serial_backend=next((t for t in flags if t in ("mosaic", "triton")), None),
                    sequence_pieces=pieces[0] if pieces else None,
                    fused_grads=True if "fg" in flags else False if "nofg" in flags else None,
-                   wy_split="wys" in flags, grads_warpgroups=1 if "gw1" in flags else 2,
+                   grads_warpgroups=1 if "gw1" in flags else 2,
                    wy_precision=wy_dots[0] if wy_dots else None,
                    wy_apply_precision=apply_dots[0] if apply_dots else None,
                    wy_in_serial=True if "wis" in flags else None)
@@ -357,7 +357,6 @@ def variant_tag(opt):
             + (f"/{opt.serial_backend}" if opt.serial_backend else "")
             + (f"/cp{opt.sequence_pieces}" if opt.sequence_pieces else "")
             + {True: "/fg", False: "/nofg", None: ""}[opt.fused_grads]
-            + ("/wys" if opt.wy_split else "")
             + ("/gw1" if opt.grads_warpgroups == 1 else "")
             + (f"/wy{opt.wy_precision}" if opt.wy_precision else "")
             + (f"/wa{opt.wy_apply_precision}" if opt.wy_apply_precision else "")

@@ -123,10 +123,7 @@ class Options:
     (``grads_mosaic``: no dW, dK̃', dQ', dP through HBM) instead of ``chunk_grads`` then
     ``wy_bwd`` (GDN fwd+bwd 1.23 -> 0.82 ms, DeltaNet 0.92 -> 0.78 at 8x2048x8x128, RESULTS run
     69); None: on wherever it applies, True: ValueError where it does not, False: off.
-    ``wy_split``: with no or a scalar decay, the WY forward as two kernels (``wy_fwd(split=
-    True)``: T, P, Γ_C, then W, U, K̃', Q'; the same values) rather than one holding 255
-    registers a thread (2 programs an SM, RESULTS run 72); not yet timed on the device, so
-    off; the per-channel-decay kernels ignore it. ``grads_warpgroups``: ``grads_mosaic``'s two
+    ``grads_warpgroups``: ``grads_mosaic``'s two
     chains (X, dV, the inverse, dK; dP, dQ, dK̃) in one warpgroup or in two (the default: each
     with its own registers; the kernel 280 -> 184 µs, DeltaNet / GDN fwd+bwd 0.80 / 0.82 ->
     0.66 / 0.68-0.71 ms, RESULTS run 76). ``wy_precision``: the no / scalar-decay WY forward's
@@ -163,7 +160,6 @@ class Options:
     serial_backend: str | None = None  # split: "triton" | "mosaic" serial state passes
     sequence_pieces: int | None = None  # mosaic: the serial passes over pieces run in parallel
     fused_grads: bool | None = None  # mosaic: the backward's chunk cotangents and WY pullback fused
-    wy_split: bool = False  # split: the scalar / no-decay WY forward as two kernels
     grads_warpgroups: int = 2  # fused_grads: the kernel's two chains in 1 or 2 warpgroups
     wy_precision: str | None = None  # split: the scalar / no-decay WY forward's dots
     wy_in_serial: bool | None = None  # fused_grads: the state passes apply T (no W, U, K̃', Q')
@@ -346,7 +342,6 @@ def _wy_kernel(cfg, kernel, ins, cts=None):
     if vector:
         static["factored_blocks"] = o.vector_wy == "kernel"
     elif cts is None:
-        static["split"] = o.wy_split
         wy_dots = lambda p, dots: dots if p is None else Dots(p, dots.interpret)  # noqa: E731
         dots = wy_dots(o.wy_precision, dots)
         static["apply_dots"] = wy_dots(o.wy_apply_precision, dots)

@@ -154,22 +154,6 @@ def _inverse_kernel(*refs, dots, block_k, has_decay):
                           block_k)[0].astype(T_ref.dtype)
 
 
-def _apply_kernel(*refs, dots, block_v, block_k, has_decay):
-    """``wy_fwd(split=True)``'s second kernel: one chunk's W, U, K̃', Q' from T (float32), and T
-    again in the stored dtype."""
-    q_ref, k_ref, kw_ref, v_ref, beta_ref, *refs = refs
-    g_ref = refs.pop(0) if has_decay else None
-    T32_ref, W_ref, U_ref, kwt_ref, qd_ref, T_ref = refs
-    f32 = jnp.float32
-    C = k_ref.shape[0]
-    gam, sig = ((jnp.zeros((C,), f32),) * 2 if g_ref is None
-                else in_chunk_sums(g_ref[...].astype(f32))[:2])
-    T = T32_ref[...]
-    T_ref[...] = T.astype(T_ref.dtype)
-    _apply(T, (beta_ref[...].astype(f32), jnp.exp(gam), jnp.exp(sig)), q_ref, k_ref, kw_ref,
-           v_ref, W_ref, U_ref, kwt_ref, qd_ref, dots, block_v, block_k)
-
-
 def _bwd_kernel(*refs, dots, block_v, block_k, has_decay):
     """One chunk's dQ, dK, dK̃, dV, dβ and dg (from dγ and dσ, module docstring) in two sweeps over tiles of
     ``block_k`` key columns (few [C, K] values live at once): the first forms dT (with the value
@@ -275,8 +259,8 @@ def wy_inverse(q, k, kw, beta, g, *, chunk, dots: Dots, num_warps, num_stages, b
                out_dtype=jnp.float32, t_dtype=jnp.float32):
     """P [B, H, Tp, C] in ``out_dtype``, Γ_C [B, H, NC, K] float32 and T = (I + L)^-1
     [B, H, Tp, C] in ``t_dtype``: ``wy_fwd``'s outputs that are not scaled inputs (module
-    docstring), for ``wy_fwd(split=True)``'s second kernel (T in float32) or for the state
-    passes that apply T themselves (``state_wy_mosaic``, T in bf16)."""
+    docstring), for the state passes that apply T themselves (``state_wy_mosaic``, T in
+    bf16)."""
     v = jax.ShapeDtypeStruct(q.shape[:3] + (16,), q.dtype)  # no values: a shape for ``layout``
     in_specs, wy_specs, grid = layout(q, v, g, chunk)
     args = [x for x in (q, k, kw, beta, g) if x is not None]
@@ -288,34 +272,22 @@ def wy_inverse(q, k, kw, beta, g, *, chunk, dots: Dots, num_warps, num_stages, b
 
 
 def wy_fwd(q, k, kw, v, beta, g, *, chunk, block_v, dots: Dots, num_warps, num_stages,
-           block_k=64, out_dtype=jnp.float32, t_dtype=jnp.float32, split=False,
+           block_k=64, out_dtype=jnp.float32, t_dtype=jnp.float32,
            apply_dots: Dots | None = None):
     """W, U, K̃ ⊙ Γ_C/Γ, Q ⊙ Γ [B, H, Tp, ·], P [B, H, Tp, C] (stored in ``out_dtype``) and Γ_C
     [B, H, NC, K] (float32): ``delta_rule.prepare``'s outputs by the same formulas (module
     docstring), and T = (I + L)^-1 [B, H, Tp, C] (in ``t_dtype``: float32 for ``wy_bwd``,
     bfloat16 for ``grads_mosaic``, which reads it as a bf16 wgmma operand). g: the log decays,
-    None or [B, Tp, H]; ``block_k``: key columns per tile. ``split``: as two kernels, T, P and
-    Γ_C first (T in float32 through HBM), then W, U, K̃', Q' (each with fewer registers a
-    program than the one kernel, whose 255 held 2 programs an SM: RESULTS run 72); the same
-    operations on the same values. ``apply_dots``: the dots of W and U (None: ``dots``, which
-    the inverse, the grams and P take)."""
+    None or [B, Tp, H]; ``block_k``: key columns per tile; ``apply_dots``: the dots of W and U
+    (None: ``dots``, which the inverse, the grams and P take). (As two kernels, T first through
+    HBM, it was slower: 117 + 127 µs against 235, RESULTS run 78.)"""
     in_specs, wy_specs, grid = layout(q, v, g, chunk)
     args = [x for x in (q, k, kw, v, beta, g) if x is not None]
     shapes = wy_shapes(q, v, grid, chunk, args, out_dtype, t_dtype)
-    has_decay = g is not None
-    if not split:
-        kernel = functools.partial(_fwd_kernel, dots=dots, apply_dots=apply_dots or dots,
-                                   block_v=block_v, block_k=block_k, has_decay=has_decay)
-        return call(kernel, "wy_fwd", grid, in_specs, wy_specs, shapes, args, dots, num_warps,
-                    num_stages)
-    P, gc, T32 = wy_inverse(q, k, kw, beta, g, chunk=chunk, dots=dots, num_warps=num_warps,
-                            num_stages=num_stages, block_k=block_k, out_dtype=out_dtype)
-    kernel = functools.partial(_apply_kernel, dots=apply_dots or dots, block_v=block_v,
-                               block_k=block_k, has_decay=has_decay)
-    W, U, kwt, qd, T = call(kernel, "wy_apply", grid, in_specs + wy_specs[6:],
-                            wy_specs[:4] + wy_specs[6:], shapes[:4] + shapes[6:], args + [T32],
-                            dots, num_warps, num_stages)
-    return W, U, kwt, qd, P, gc, T
+    kernel = functools.partial(_fwd_kernel, dots=dots, apply_dots=apply_dots or dots,
+                               block_v=block_v, block_k=block_k, has_decay=g is not None)
+    return call(kernel, "wy_fwd", grid, in_specs, wy_specs, shapes, args, dots, num_warps,
+                num_stages)
 
 
 def wy_bwd(q, k, kw, v, beta, g, T, dW, dU, dkw_t, dq_dec, dP, dgc, *, chunk, block_v,

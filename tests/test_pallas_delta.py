@@ -150,15 +150,13 @@ def test_unsupported_calls_raise():
 
 @pytest.mark.parametrize("opts", [
     Options(split=False), Options(save_wy=False),
-    Options(block_v=32, serial_block_v=16, output_in_serial=True, dout_in_serial=True),
-    Options(wy_split=True, save_wy=False)],
-    ids=["fused", "recompute_wy", "in_serial", "wy_split"])
+    Options(block_v=32, serial_block_v=16, output_in_serial=True, dout_in_serial=True)],
+    ids=["fused", "recompute_wy", "in_serial"])
 @pytest.mark.parametrize("decay", DECAYS)
 def test_kernel_options_match_reference(decay, opts):
     """The fused pipeline (the measured baseline), the split one that recomputes the WY
-    tensors in the backward (instead of keeping the forward's), the split one with outputs
-    and dO products formed inside the serial passes on narrower serial tiles, and the WY
-    forward as two kernels (run again in the backward: save_wy off) stay exact too."""
+    tensors in the backward (instead of keeping the forward's) and the split one with outputs
+    and dO products formed inside the serial passes on narrower serial tiles stay exact too."""
     x = make_inputs(3, decay)
     got = fixed_loss_run(lambda x: delta_rule_pallas(
         x["q"], x["k"], x["write_key"], x["v"], x["beta"], x.get("log_decay"), K ** -0.5,

@@ -10,7 +10,7 @@ import pytest
 
 from pallas_kernels import delta_rule as dr
 from pallas_kernels.triton_common import Dots, unit_lower_inverse
-from pallas_kernels.wy_triton import wy_bwd, wy_fwd
+from pallas_kernels.wy_triton import wy_bwd, wy_fwd, wy_inverse
 from pallas_kernels.wy_vector_triton import wy_vector_bwd, wy_vector_fwd
 from precond_linattn.chunked.delta import chunk_grams, decay_sums
 from conftest import rel_err, triton_kernels_lowered_for_cuda
@@ -115,13 +115,11 @@ def test_fp32_matches_prepare(rand, decay, block_v, k_dim, block_k):
     check(list(got_grads) + [None] * (decay == "none"), want_grads, 2e-6, GRADS)
 
 
-@pytest.mark.parametrize("split", [False, True])
-def test_apply_dots_round_w_and_u_operands(rand, split):
+def test_apply_dots_round_w_and_u_operands(rand):
     """``apply_dots`` = bf16: W = T Diag(β) K and U = T Diag(β) V from bf16-rounded operands
     (float32 sums), T itself and P as with the forward's own dots (no decay: Γ = 1)."""
     ins = inputs(rand, "none", jnp.float32, 32)
-    opts = dict(chunk=C, block_v=16, block_k=16, dots=DOTS, num_warps=4, num_stages=1,
-                split=split)
+    opts = dict(chunk=C, block_v=16, block_k=16, dots=DOTS, num_warps=4, num_stages=1)
     exact, rounded = (jax.jit(functools.partial(wy_fwd, **opts, apply_dots=d))(*ins)
                       for d in (None, Dots("bf16", interpret=True)))
     np.testing.assert_array_equal(exact[-1], rounded[-1])  # T
@@ -138,16 +136,15 @@ def test_apply_dots_round_w_and_u_operands(rand, split):
 
 @pytest.mark.parametrize("decay", ["none", "scalar"])
 @pytest.mark.parametrize("t_dtype", [jnp.float32, jnp.bfloat16])
-def test_split_forward_is_the_same(rand, decay, t_dtype):
-    """``wy_fwd(split=True)`` (T, P, Γ_C, then W, U, K̃', Q' in a second kernel) returns what the
-    one kernel does, bitwise, T in either stored dtype (bf16 inputs and outputs, K = 32 with
-    two key tiles, two value tiles)."""
+def test_inverse_alone_is_the_same(rand, decay, t_dtype):
+    """``wy_inverse`` (P, Γ_C and T only, no values read) returns ``wy_fwd``'s P, Γ_C and T
+    bitwise, T in either stored dtype (bf16 inputs and outputs, K = 32 with two key tiles)."""
     ins = inputs(rand, decay, jnp.bfloat16, 32)
-    opts = dict(chunk=C, block_v=16, block_k=16, dots=DOTS, num_warps=4, num_stages=1,
+    opts = dict(chunk=C, block_k=16, dots=DOTS, num_warps=4, num_stages=1,
                 out_dtype=jnp.bfloat16, t_dtype=t_dtype)
-    one, two = (jax.jit(functools.partial(wy_fwd, **opts, split=split))(*ins)
-                for split in (False, True))
-    for name, a, b in zip(WY + ("T",), one, two):
+    one = jax.jit(functools.partial(wy_fwd, **opts, block_v=16))(*ins)[4:]
+    two = jax.jit(functools.partial(wy_inverse, **opts))(*ins[:3], *ins[4:])
+    for name, a, b in zip(("P", "gc", "T"), one, two):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                       err_msg=name)
@@ -331,12 +328,13 @@ def test_dg_where_every_channel_decays_away(rand, monkeypatch, decay):
 
 
 @pytest.mark.parametrize("decay, factored_blocks", [("vector", True), ("vector", False),
-                                                    ("scalar", None), ("scalar", "split")])
+                                                    ("scalar", None), ("scalar", "inverse")])
 def test_wy_kernels_lower_for_cuda(decay, factored_blocks):
     """The WY forward and pullback go through the Triton lowering for CUDA (no GPU needed: an
     abstract H100 mesh), the scalar ones with their in-kernel sums of the log decays (also as
     the split forward's two kernels), the per-channel ones with the block-size search and the
-    levels' conds; K = V = 128, C = 64, bf16, warps as on the device."""
+    levels' conds; K = V = 128, C = 64, bf16, warps as on the device; ``wy_inverse``
+    alone too."""
     b, t, c = 2, 128, 64
     vector = decay == "vector"
     ins = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in [
@@ -345,16 +343,20 @@ def test_wy_kernels_lower_for_cuda(decay, factored_blocks):
     opts = dict(chunk=c, block_v=64, block_k=64, dots=Dots(precision="tf32"),
                 num_warps=8 if vector else 4, num_stages=2)
     fwd, bwd = (wy_vector_fwd, wy_vector_bwd) if vector else (wy_fwd, wy_bwd)
-    split = factored_blocks == "split"
     if vector:
         opts["factored_blocks"] = factored_blocks
+    if factored_blocks == "inverse":
+        opts.pop("block_v")
+        inverse = lambda q, k, kw, v, *rest: wy_inverse(q, k, kw, *rest, **opts)  # noqa: E731
+        assert triton_kernels_lowered_for_cuda(inverse, ins, grad=False) == 1
+        return
 
     def both(*xs):
-        *wy, T = fwd(*xs, **opts, **(dict(split=True) if split else {}))
+        *wy, T = fwd(*xs, **opts)
         return bwd(*xs, T, *[jnp.ones(w.shape, jnp.float32) for w in wy], **opts,
                    **({} if vector else dict(P=wy[4])))
 
-    assert triton_kernels_lowered_for_cuda(both, ins, grad=False) == 2 + split
+    assert triton_kernels_lowered_for_cuda(both, ins, grad=False) == 2
 
 
 def test_vector_decay_shape_is_checked(rand):
