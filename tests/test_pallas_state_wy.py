@@ -69,7 +69,7 @@ def assert_close(got, want, names):
         assert rel_rms(a, b) <= 1e-2, (name, rel_rms(a, b))
 
 
-@pytest.mark.parametrize("K", [64, 128])
+@pytest.mark.parametrize("K", [128])  # K = 64: the op tests (K = 40 padded)
 def test_forward_pass_matches_the_wy_pass(rand, K):
     """Chunk states, R, final document states (from initial ones) and outputs as
     ``state_mosaic.state_fwd`` gives from W, U, K̃', Q' of the same T."""
@@ -83,7 +83,7 @@ def test_forward_pass_matches_the_wy_pass(rand, K):
     assert_close(got, want, ("states", "R", "final", "o"))
 
 
-@pytest.mark.parametrize("K", [64, 128])
+@pytest.mark.parametrize("K", [128])  # K = 64: the op tests (K = 40 padded)
 def test_backward_pass_matches_the_wy_pass(rand, K):
     """dR, the chunk-end cotangents and dS_0 as ``state_mosaic.state_bwd`` gives from W, K̃',
     Q' of the same T (its G formed in the pass from dO, as here)."""
