@@ -476,18 +476,19 @@ def _inverse_and_vectors(cfg, ins):
 _ROWS = dict(T="b h t s", P="b h t s", gc="b h c k", vecs="b h r t")  # _inverse_and_vectors'
 
 
-def _serial_wy_forward(cfg, ins, wy, init, doc, first, last):
-    """``Options.wy_in_serial``'s forward: (o, final, chunk states, R) from ``state_wy_mosaic``
-    given ``wy`` = ``_inverse_and_vectors(cfg, ins)``."""
+def _serial_wy_forward(cfg, ins, wy, init, doc, first, last, store):
+    """``Options.wy_in_serial``'s forward: (o, final) and, if ``store``, the chunk states and R
+    from ``state_wy_mosaic`` given ``wy`` = ``_inverse_and_vectors(cfg, ins)``."""
     q, k, kw, v = ins[:4]
     args = dict(zip(_ROWS, wy)) | dict(k=k, kw=kw, v=v, q=q, initial_state=init, doc=doc,
                                        first=first, last=last)
     axes = _ROWS | dict(_WY_IN, initial_state="n h k v", **_FLAGS)
-    states, R, final, o = _kernel_call(
+    *saved, final, o = _kernel_call(
         cfg, state_wy_mosaic.state_fwd, args, axes,
-        (_STATE_AXES["mosaic"], "b h t v", "n h k v", "b t h v"), mosaic=True, scale=cfg.scale,
-        out_dtype=v.dtype, num_docs=cfg.num_docs, interpret=cfg.dots.interpret)
-    return o, final, states, R
+        (_STATE_AXES["mosaic"], "b h t v")[:2 * store] + ("n h k v", "b t h v"), mosaic=True,
+        scale=cfg.scale, out_dtype=v.dtype, num_docs=cfg.num_docs,
+        interpret=cfg.dots.interpret, store=store)
+    return (o, final, *saved)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -495,7 +496,7 @@ def _core(cfg, q, k, kw, v, beta, g, init, doc, first, last):
     ins = (q, k, kw, v, beta, g)
     if cfg.options.wy_in_serial:
         return _serial_wy_forward(cfg, ins, _inverse_and_vectors(cfg, ins), init, doc, first,
-                                  last)[:2]
+                                  last, False)
     return _forward(cfg, *ins, init, doc, first, last, False)
 
 
@@ -505,7 +506,7 @@ def _core_fwd(cfg, q, k, kw, v, beta, g, init, doc, first, last):
     ins = (q, k, kw, v, beta, g)
     if opts.wy_in_serial:
         wy = _inverse_and_vectors(cfg, ins)
-        o, final, *saved = _serial_wy_forward(cfg, ins, wy, init, doc, first, last)
+        o, final, *saved = _serial_wy_forward(cfg, ins, wy, init, doc, first, last, True)
         return (o, final), (ins, init, doc, first, last, saved, wy, None)
     wy, extra = _wy(cfg, ins) if save else (None, None)
     o, final, *saved = _forward(cfg, *ins, init, doc, first, last, True, wy)

@@ -72,38 +72,42 @@ def _issue(c, slot, bar, position, pairs, vec_ref, vec_bufs):
 
 
 def state_fwd(T, k, kw, v, q, P, vecs, gc, initial_state, doc, first, last, *, scale, out_dtype,
-              num_docs, interpret):
+              num_docs, interpret, store=True):
     """Forward pass from T, P [B, H, Tp, C] (bf16, ``wy_inverse``), the inputs k, k̃, q
     [B, Tp, H, K] and v [B, Tp, H, V] (bf16), ``vecs`` (``row_vectors``) and Γ_C [B, H, NC, K]:
-    [chunk-start states [B, H, NC, V, K] (transposed), R [B, H, Tp, V], both bf16; final
-    states [N, H, K, V] float32; o = scale (Q' S + P R) [B, Tp, H, V] in ``out_dtype``]
-    (module docstring). ``initial_state``: None or [N, H, K, V]; ``num_docs``: N, or None for
-    one document per batch row."""
+    a list, if ``store`` the chunk-start states [B, H, NC, V, K] (transposed) and R [B, H, Tp,
+    V], both bf16 (the backward's; a forward alone needs neither), then the final states [N,
+    H, K, V] float32 and o = scale (Q' S + P R) [B, Tp, H, V] in ``out_dtype`` (module
+    docstring). ``initial_state``: None or [N, H, K, V]; ``num_docs``: N, or None for one
+    document per batch row."""
     B, H, Tp, _ = T.shape
     K, V, nc = k.shape[-1], v.shape[-1], Tp // C
     check_shapes(chunk=Tp // gc.shape[2], K=K, V=V)
     N, has_init = B if num_docs is None else num_docs, initial_state is not None
     ins = (T, k, kw, v, q, P, vecs, gc, initial_state)
-    out_type = (out_struct((B, H, nc, V, K), BF16, *ins), out_struct((B, H, Tp, V), BF16, *ins),
-                out_struct((N, H, V, K), F32, *ins), out_struct((B, Tp, H, V), out_dtype, *ins))
+    out_type = [out_struct((N, H, V, K), F32, *ins), out_struct((B, Tp, H, V), out_dtype, *ins)]
     vec = plgpu.SMEM((2, C), F32)
     scratch = dict(t=smem((2, C, C), BF16), p=smem((2, C, C), BF16), k=smem((2, C, K), BF16),
                    kw=smem((2, C, K), BF16), q=smem((2, C, K), BF16), v=smem((2, C, BV), BF16),
                    vb=vec, vbg=vec, vg=vec, vt=vec, g=plgpu.SMEM((2, K), F32),
                    fl=plgpu.SMEM((2, FLAGS), jnp.int32), doc_buf=plgpu.SMEM((BV, K), F32),
                    doc_bar=plgpu.Barrier(), in_bar=plgpu.Barrier(num_arrivals=12, num_barriers=2),
-                   s_out=smem((BV, K), BF16), r_out=smem((C, BV), BF16),
                    o_out=smem((C, BV), out_dtype))
+    if store:
+        out_type[:0] = [out_struct((B, H, nc, V, K), BF16, *ins),
+                        out_struct((B, H, Tp, V), BF16, *ins)]
+        scratch.update(s_out=smem((BV, K), BF16), r_out=smem((C, BV), BF16))
     args = [T, P, k, kw, q, v, vecs, gc, _flags(doc, first, last)]
     args += [_doc_states(initial_state)] if has_init else []
 
-    def body(*refs, t, p, k, kw, q, v, vb, vbg, vg, vt, g, fl, doc_buf, doc_bar, in_bar, s_out,
-             r_out, o_out):
+    def body(*refs, t, p, k, kw, q, v, vb, vbg, vg, vt, g, fl, doc_buf, doc_bar, in_bar, o_out,
+             s_out=None, r_out=None):
         refs = list(refs)
         T_ref, P_ref, k_ref, kw_ref, q_ref, v_ref, vec_ref, gc_ref, f_ref = (
             refs.pop(0) for _ in range(9))
         init_ref = refs.pop(0) if has_init else None
-        states_ref, R_ref, final_ref, o_ref = refs
+        states_ref, R_ref = (refs.pop(0), refs.pop(0)) if store else (None, None)
+        final_ref, o_ref = refs
         b, h, v0 = _start(doc_buf)
 
         def issue(c, slot):
@@ -130,15 +134,18 @@ def state_fwd(T, k, kw, v, q, P, vecs, gc, initial_state, doc, first, last, *, s
             r_t = matmul([(y_lo, t.at[slot].T)], (BV, C), None, interpret)  # Rᵀ = Yᵀ Tᵀ
             r_lo = r_t.astype(BF16)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's stores were read
-            s_out[...] = s_lo
-            r_out.T[...] = r_lo
+            if store:
+                s_out[...] = s_lo
+                r_out.T[...] = r_lo
             o_t = matmul([(r_lo, p.at[slot].T)], (BV, C), qs_t * _columns(vg, slot, BV),
                          interpret)  # Oᵀ / scale = (Sᵀ Qᵀ) Diag(Γ) + Rᵀ Pᵀ
             o_out.T[...] = (scale * o_t).astype(o_out.dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(s_out, states_ref.at[b, h, c, pl.ds(v0, BV)],
-                                    commit_group=False)
-            plgpu.copy_smem_to_gmem(r_out, R_ref.at[b, h, rows, pl.ds(v0, BV)], commit_group=False)
+            if store:
+                plgpu.copy_smem_to_gmem(s_out, states_ref.at[b, h, c, pl.ds(v0, BV)],
+                                        commit_group=False)
+                plgpu.copy_smem_to_gmem(r_out, R_ref.at[b, h, rows, pl.ds(v0, BV)],
+                                        commit_group=False)
             plgpu.copy_smem_to_gmem(o_out, o_ref.at[b, rows, h, pl.ds(v0, BV)], commit_group=False)
             plgpu.commit_smem_to_gmem_group()
             decay = lax.broadcast_in_dim(plgpu.load(g.at[slot], layout=COLS), (BV, K), [1])
@@ -150,9 +157,9 @@ def state_fwd(T, k, kw, v, q, P, vecs, gc, initial_state, doc, first, last, *, s
         zero = plgpu.layout_cast(jnp.zeros((BV, K), F32), WGMMA)
         _loop(nc, False, issue, in_bar, step, zero)
 
-    outs = list(_kernel(body, name="state_fwd_wy_mosaic", out_type=out_type, scratch=scratch,
-                        grid=(B, H, V // BV), interpret=interpret)(*args))
-    outs[2] = _doc_states(outs[2])
+    outs = list(_kernel(body, name="state_fwd_wy_mosaic", out_type=tuple(out_type),
+                        scratch=scratch, grid=(B, H, V // BV), interpret=interpret)(*args))
+    outs[2 * store] = _doc_states(outs[2 * store])
     return outs
 
 

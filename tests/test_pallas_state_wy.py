@@ -100,7 +100,8 @@ def test_backward_pass_matches_the_wy_pass(rand, K):
 
 
 def test_passes_lower_for_cuda():
-    """Both passes through Mosaic GPU's own passes (layout inference) at K = V = 128."""
+    """Both passes (the forward with and without its stores) through Mosaic GPU's own passes
+    (layout inference) at K = V = 128."""
     K = 128
     s = jax.ShapeDtypeStruct
     tok = lambda d: s((B, TP, H, d), BF16)  # noqa: E731
@@ -108,11 +109,12 @@ def test_passes_lower_for_cuda():
     common = dict(T=rows(C), k=tok(K), kw=tok(K))
     flags = tuple(s(f.shape, jnp.int32) for f in FLAGS)
     vecs, gc = s((B, H, 4, TP), F32), s((B, H, NC, K), F32)
-    fwd = lambda T, k, kw, v, q, P, vecs, gc, *fl: state_wy_mosaic.state_fwd(  # noqa: E731
-        T, k, kw, v, q, P, vecs, gc, None, *fl, scale=SCALE, out_dtype=BF16, num_docs=None,
-        interpret=False)
-    assert mosaic_kernels_lowered_for_cuda(
-        fwd, (*common.values(), tok(V), tok(K), rows(C), vecs, gc, *flags)) == 1
+    for store in (True, False):
+        fwd = lambda T, k, kw, v, q, P, vecs, gc, *fl, store=store: state_wy_mosaic.state_fwd(  # noqa: E731
+            T, k, kw, v, q, P, vecs, gc, None, *fl, scale=SCALE, out_dtype=BF16, num_docs=None,
+            interpret=False, store=store)
+        assert mosaic_kernels_lowered_for_cuda(
+            fwd, (*common.values(), tok(V), tok(K), rows(C), vecs, gc, *flags)) == 1
     bwd = lambda T, k, kw, q, vecs, gc, A, do, df, *fl: state_wy_mosaic.state_bwd(  # noqa: E731
         T, k, kw, q, vecs, gc, A, do, df, *fl, scale=SCALE, interpret=False)
     assert mosaic_kernels_lowered_for_cuda(
@@ -235,3 +237,23 @@ def test_under_vmap_repeat_bitwise_and_effect_free(rand):
         *a, scale=0.1, interpret=False))(rows, tok, tok, tok, vecs, gc, s((1, 1, C, 64), BF16),
                                           tok, s((1, 1, 64, 64), F32), *flags)
     assert not fwd.effects and not bwd.effects
+
+
+def test_forward_without_gradients_stores_nothing_else(rand, monkeypatch):
+    """The op's forward alone runs the pass without the chunk states and R (``store=False``)
+    and gives the bits of the forward that stores them for a backward."""
+    stores = []
+    real = state_wy_mosaic.state_fwd
+    monkeypatch.setattr(state_wy_mosaic, "state_fwd",
+                        lambda *a, **kw: stores.append(kw["store"]) or real(*a, **kw))
+    x = rand.delta_inputs(2, 150, 2, 64, 64, decay="scalar", dtype=BF16)
+
+    def op(q, k, kw, v, beta, g):
+        return delta_rule_pallas(q, k, kw, v, beta, g, 0.125, None, None, 64, SERIAL_WY)
+
+    args = [x[n] for n in ("q", "k", "write_key", "v", "beta", "log_decay")]
+    alone = jax.jit(op)(*args)
+    stored = jax.jit(lambda *a: jax.vjp(op, *a)[0])(*args)
+    assert stores == [False, True]
+    for a, b in zip(alone, stored):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
