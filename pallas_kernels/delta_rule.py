@@ -49,7 +49,6 @@ from pallas_kernels.state_bwd_triton import dout_products, split_backward
 from pallas_kernels.state_fwd_triton import split_forward
 from pallas_kernels.triton_common import (
     MAX_HEAD_DIM, Dots, interpret_default, pad_last, pow2_dim, unit_lower_inverse, vary_alike)
-from pallas_kernels.state_wy_mosaic import row_vectors
 from pallas_kernels.wy_triton import wy_bwd, wy_fwd, wy_inverse
 from pallas_kernels.wy_vector_triton import wy_vector_bwd, wy_vector_fwd
 from precond_linattn.chunked.delta import chunk_grams, chunk_wy, decay_sums
@@ -458,22 +457,21 @@ def _forward(cfg, q, k, kw, v, beta, g, init, doc, first, last, store_states, wy
                         **static)
 
 
+_ROWS = dict(T="b h t s", P="b h t s", gc="b h c k", vecs="b h r t")  # _inverse_and_vectors'
+
+
 def _inverse_and_vectors(cfg, ins):
     """``Options.wy_in_serial``'s WY step on ``ins`` = (q, k, kw, v, beta, g): T (bf16), P, Γ_C
-    (``wy_inverse``) and the row vectors β, βΓ, Γ, Γ_C/Γ (``state_wy_mosaic.row_vectors``)."""
+    and the row vectors β, βΓ, Γ, Γ_C/Γ, all from ``wy_inverse``."""
     q, k, kw, _, beta, g = ins
     o, bf16 = cfg.options, jnp.dtype(jnp.bfloat16)
-    P, gc, T = _kernel_call(
+    P, gc, T, vecs = _kernel_call(
         cfg, wy_inverse, dict(q=q, k=k, kw=kw, beta=beta, g=g), _WY_IN,
-        (_WY_OUT["dP"], _WY_OUT["dgc"], _WY_T["T"]), chunk=cfg.chunk,
+        (_WY_OUT["dP"], _WY_OUT["dgc"], _WY_T["T"], _ROWS["vecs"]), chunk=cfg.chunk,
         dots=cfg.dots if o.wy_precision is None else Dots(o.wy_precision, cfg.dots.interpret),
         num_warps=o.wy_warps or o.num_warps, num_stages=o.num_stages,
         block_k=o.wy_block_k or o.block_k, out_dtype=bf16, t_dtype=bf16)
-    sums = (jnp.zeros(beta.shape, jnp.float32),) * 2 if g is None else _decay_sums(cfg, g)
-    return T, P, gc, row_vectors(beta, *sums)
-
-
-_ROWS = dict(T="b h t s", P="b h t s", gc="b h c k", vecs="b h r t")  # _inverse_and_vectors'
+    return T, P, gc, vecs
 
 
 def _serial_wy_forward(cfg, ins, wy, init, doc, first, last, store):

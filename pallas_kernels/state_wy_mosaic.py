@@ -22,9 +22,9 @@ The forward chain is three dependent products a chunk (the WY form's two, after
 accumulators float32, as in ``state_mosaic``. The stored results are those of
 ``state_mosaic``'s passes (chunk states and R, then dR and dS_C, transposed, bf16), so
 ``grads_mosaic`` reads them unchanged. The per-row vectors come as one float32 array
-[B, H, 4, Tp] (``row_vectors``), each loaded once a chunk into its own buffer (Mosaic's layout
-inference fails on one buffer loaded twice, benchmarks/NOTES.md session 14). Dense rows or
-chunk-aligned documents (the flags of ``state_mosaic``); no sequence pieces.
+[B, H, 4, Tp] (``wy_triton.wy_inverse`` writes them), each loaded once a chunk into its own
+buffer (Mosaic's layout inference fails on one buffer loaded twice, benchmarks/NOTES.md
+session 14). Dense rows or chunk-aligned documents (the flags of ``state_mosaic``); no sequence pieces.
 """
 
 import jax.numpy as jnp
@@ -37,15 +37,7 @@ from pallas_kernels.state_mosaic import (BF16, BV, C, COLS, F32, FLAGS, WGMMA, _
                                          _start, check_shapes, matmul, products, smem)
 from pallas_kernels.triton_common import out_struct
 
-BETA, BETA_GAMMA, GAMMA, TAIL = range(4)  # rows of ``row_vectors``
-
-
-def row_vectors(beta, gamma, sigma):
-    """[B, H, 4, Tp] float32 rows β, βΓ, Γ, Γ_C/Γ from β and the in-chunk sums γ, σ
-    [B, Tp, H] (``delta_rule._decay_sums``; zeros without a decay)."""
-    beta, Gam = beta.astype(F32), jnp.exp(gamma.astype(F32))
-    rows = jnp.stack([beta, beta * Gam, Gam, jnp.exp(sigma.astype(F32))], axis=1)  # [B, 4, Tp, H]
-    return jnp.transpose(rows, (0, 3, 1, 2))
+BETA, BETA_GAMMA, GAMMA, TAIL = range(4)  # rows of the vectors (``wy_triton.wy_inverse``'s)
 
 
 def _columns(buf, slot, width):
@@ -74,7 +66,8 @@ def _issue(c, slot, bar, position, pairs, vec_ref, vec_bufs):
 def state_fwd(T, k, kw, v, q, P, vecs, gc, initial_state, doc, first, last, *, scale, out_dtype,
               num_docs, interpret, store=True):
     """Forward pass from T, P [B, H, Tp, C] (bf16, ``wy_inverse``), the inputs k, k̃, q
-    [B, Tp, H, K] and v [B, Tp, H, V] (bf16), ``vecs`` (``row_vectors``) and Γ_C [B, H, NC, K]:
+    [B, Tp, H, K] and v [B, Tp, H, V] (bf16), ``vecs`` (rows β, βΓ, Γ, Γ_C/Γ [B, H, 4, Tp]
+    float32) and Γ_C [B, H, NC, K]:
     a list, if ``store`` the chunk-start states [B, H, NC, V, K] (transposed) and R [B, H, Tp,
     V], both bf16 (the backward's; a forward alone needs neither), then the final states [N,
     H, K, V] float32 and o = scale (Q' S + P R) [B, Tp, H, V] in ``out_dtype`` (module

@@ -146,12 +146,15 @@ def _fwd_kernel(*refs, dots, apply_dots, block_v, block_k, has_decay):
 
 
 def _inverse_kernel(*refs, dots, block_k, has_decay):
-    """``wy_inverse``'s kernel: one chunk's T, P and Γ_C."""
+    """``wy_inverse``'s kernel: one chunk's T, P, Γ_C and rows β, βΓ, Γ, Γ_C/Γ."""
     q_ref, k_ref, kw_ref, beta_ref, *refs = refs
     g_ref = refs.pop(0) if has_decay else None
-    P_ref, gc_ref, T_ref = refs
-    T_ref[...] = _inverse(q_ref, k_ref, kw_ref, beta_ref, g_ref, P_ref, gc_ref, dots,
-                          block_k)[0].astype(T_ref.dtype)
+    P_ref, gc_ref, T_ref, vec_ref = refs
+    T, (beta, Gam, tail) = _inverse(q_ref, k_ref, kw_ref, beta_ref, g_ref, P_ref, gc_ref, dots,
+                                    block_k)
+    T_ref[...] = T.astype(T_ref.dtype)
+    for row, x in enumerate((beta, beta * Gam, Gam, tail)):
+        vec_ref[row, :] = x
 
 
 def _bwd_kernel(*refs, dots, block_v, block_k, has_decay):
@@ -259,16 +262,20 @@ def wy_inverse(q, k, kw, beta, g, *, chunk, dots: Dots, num_warps, num_stages, b
                out_dtype=jnp.float32, t_dtype=jnp.float32):
     """P [B, H, Tp, C] in ``out_dtype``, Γ_C [B, H, NC, K] float32 and T = (I + L)^-1
     [B, H, Tp, C] in ``t_dtype``: ``wy_fwd``'s outputs that are not scaled inputs (module
-    docstring), for the state passes that apply T themselves (``state_wy_mosaic``, T in
-    bf16)."""
+    docstring), and the scalings' rows β, βΓ, Γ, Γ_C/Γ [B, H, 4, Tp] float32 (Γ = exp γ,
+    Γ_C/Γ = exp σ from the in-chunk sums), for the state passes that apply T themselves
+    (``state_wy_mosaic``, T in bf16)."""
     v = jax.ShapeDtypeStruct(q.shape[:3] + (16,), q.dtype)  # no values: a shape for ``layout``
     in_specs, wy_specs, grid = layout(q, v, g, chunk)
     args = [x for x in (q, k, kw, beta, g) if x is not None]
     kernel = functools.partial(_inverse_kernel, dots=dots, block_k=block_k,
                                has_decay=g is not None)
+    B, H, nc = grid
     shapes = wy_shapes(q, v, grid, chunk, args, out_dtype, t_dtype)[4:]
-    return call(kernel, "wy_inverse", grid, in_specs[:3] + in_specs[4:], wy_specs[4:], shapes,
-                args, dots, num_warps, num_stages)
+    shapes.append(out_struct((B, H, 4, nc * chunk), jnp.float32, *args))
+    vec_spec = pl.BlockSpec((None, None, 4, chunk), lambda b, h, c: (b, h, 0, c))
+    return call(kernel, "wy_inverse", grid, in_specs[:3] + in_specs[4:], wy_specs[4:] + [vec_spec],
+                shapes, args, dots, num_warps, num_stages)
 
 
 def wy_fwd(q, k, kw, v, beta, g, *, chunk, block_v, dots: Dots, num_warps, num_stages,

@@ -10,7 +10,7 @@ import pytest
 import precond_linattn as pla
 from pallas_kernels import delta_rule, state_mosaic, state_wy_mosaic
 from pallas_kernels.delta_rule import Options, delta_rule_pallas
-from pallas_kernels.state_wy_mosaic import BETA, BETA_GAMMA, GAMMA, TAIL, row_vectors
+from pallas_kernels.state_wy_mosaic import BETA, BETA_GAMMA, GAMMA, TAIL
 from pallas_kernels.triton_common import Dots
 from pallas_kernels.wy_triton import wy_inverse
 from precond_linattn.chunked.delta import decay_sums
@@ -28,16 +28,15 @@ FLAGS = tuple(jnp.asarray(x, jnp.int32) for x in (
 
 def inputs(rand, K):
     """Kernel-layout bf16 q, k, k̃ [B, Tp, H, K], v [B, Tp, H, V], β and log decays g [B, Tp, H]
-    (per-chunk decays down to ~0.2: Γ, βΓ and Γ_C/Γ far apart), their T, P, Γ_C
-    (``wy_inverse``) and row vectors."""
+    (per-chunk decays down to ~0.2: Γ, βΓ and Γ_C/Γ far apart), their T, P, Γ_C and row
+    vectors (``wy_inverse``; ``test_row_vectors`` checks those)."""
     x = rand.delta_inputs(B, TP, H, K, V, decay="scalar", dtype=BF16)
     g = 3 * x["log_decay"].astype(F32)
-    gamma, sigma = (s.reshape(B, TP, H) for s in decay_sums(g.reshape(B, NC, C, H), 2))
-    P, gc, T = wy_inverse(x["q"], x["k"], x["write_key"], x["beta"], g, chunk=C,
-                          dots=Dots("tf32x3", interpret=True), num_warps=4, num_stages=1,
-                          out_dtype=BF16, t_dtype=BF16)
-    return dict(T=T, k=x["k"], kw=x["write_key"], v=x["v"], q=x["q"], P=P,
-                vecs=row_vectors(x["beta"], gamma, sigma), gc=gc)
+    P, gc, T, vecs = wy_inverse(x["q"], x["k"], x["write_key"], x["beta"], g, chunk=C,
+                                dots=Dots("tf32x3", interpret=True), num_warps=4, num_stages=1,
+                                out_dtype=BF16, t_dtype=BF16)
+    return dict(T=T, k=x["k"], kw=x["write_key"], v=x["v"], q=x["q"], P=P, vecs=vecs, gc=gc,
+                beta=x["beta"], g=g)
 
 
 def wy_tensors(x):
@@ -75,7 +74,7 @@ def test_forward_pass_matches_the_wy_pass(rand, K):
     ``state_mosaic.state_fwd`` gives from W, U, K̃', Q' of the same T."""
     x = inputs(rand, K)
     init = rand.normal(3, H, K, V)
-    got = state_wy_mosaic.state_fwd(*x.values(), init, *FLAGS, scale=SCALE, out_dtype=BF16,
+    got = state_wy_mosaic.state_fwd(*list(x.values())[:8], init, *FLAGS, scale=SCALE, out_dtype=BF16,
                                     num_docs=3, interpret=True)
     W, U, kwt, qd = wy_tensors(x)
     want = state_mosaic.state_fwd(W, U, kwt, x["gc"], init, *FLAGS, num_docs=3, interpret=True,
@@ -122,14 +121,15 @@ def test_passes_lower_for_cuda():
               *flags)) == 1
 
 
-def test_row_vectors():
-    """β, βΓ, Γ, Γ_C/Γ by rows, [B, H, 4, Tp], from [B, Tp, H] inputs."""
-    beta = jnp.asarray(np.random.default_rng(0).uniform(0, 1, (1, 3, 2)), F32)
-    gamma, sigma = -beta, -2 * beta
-    got = row_vectors(beta, gamma, sigma)
-    assert got.shape == (1, 2, 4, 3)
-    want = np.stack([beta, beta * np.exp(gamma), np.exp(gamma), np.exp(sigma)], axis=1)
-    np.testing.assert_allclose(got, np.transpose(want, (0, 3, 1, 2)), rtol=1e-6)
+def test_row_vectors(rand):
+    """``wy_inverse``'s rows β, βΓ, Γ, Γ_C/Γ [B, H, 4, Tp] from the in-chunk sums γ, σ of the
+    log decays as XLA forms them (``decay_sums``), to float32 rounding."""
+    x = inputs(rand, 64)
+    gamma, sigma = (s.reshape(B, TP, H) for s in decay_sums(x["g"].reshape(B, NC, C, H), 2))
+    beta, Gam = x["beta"].astype(F32), jnp.exp(gamma)
+    want = jnp.stack([beta, beta * Gam, Gam, jnp.exp(sigma)], axis=1)  # [B, 4, Tp, H]
+    np.testing.assert_allclose(x["vecs"], jnp.transpose(want, (0, 3, 1, 2)), rtol=2e-6,
+                               atol=1e-7)
 
 
 FUSED_GRADS = Options(serial_backend="mosaic", fused_grads=True)
