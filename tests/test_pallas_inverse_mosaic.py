@@ -1,0 +1,95 @@
+"""The Mosaic WY inverse (pallas_kernels/inverse_mosaic.py) against float64 and against the
+Triton ``wy_inverse`` (interpret mode), and its lowering for CUDA."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import inverse_mosaic
+from pallas_kernels.triton_common import Dots, unit_lower_inverse
+from pallas_kernels.wy_triton import wy_inverse
+from conftest import mosaic_kernels_lowered_for_cuda
+from test_pallas_precision import rel_rms
+
+B, H, NC, C = 1, 2, 2, 64
+TP, BF16, F32 = NC * C, jnp.bfloat16, jnp.float32
+
+
+def inputs(rand, K, similar):
+    """bf16 q, k, k̃ [B, Tp, H, K], β and log decays g [B, Tp, H] (down to ~0.2 a chunk); with
+    ``similar`` the keys share a direction (mean cosine ~0.7 at 1.5), where (I + L)^-1 is
+    ill-conditioned."""
+    x = rand.delta_inputs(B, TP, H, K, 16, decay="scalar", dtype=F32)
+    shared = rand.normal(K)
+    k, kw = (x[n] + similar * shared for n in ("k", "write_key"))
+    k, kw = (a / jnp.linalg.norm(a, axis=-1, keepdims=True) for a in (k, kw))
+    return (x["q"].astype(BF16), k.astype(BF16), kw.astype(BF16), x["beta"],
+            3 * x["log_decay"].astype(F32))
+
+
+def float64_inverse(q, k, kw, beta, g):
+    """T [B, H, Tp, C] and P of the bf16 inputs in float64 (numpy)."""
+    f = lambda a: np.asarray(a, np.float64).reshape(B, NC, C, H, -1).transpose(0, 3, 1, 2, 4)  # noqa: E731
+    q, k, kw, beta, g = (f(a) for a in (q, k, kw, beta, g))
+    gamma = np.cumsum(g[..., 0], axis=-1)
+    i, j = np.arange(C)[:, None], np.arange(C)[None, :]
+    D = np.where(i >= j, np.exp(np.where(i >= j, gamma[..., :, None] - gamma[..., None, :], 0)), 0)
+    L = np.where(i > j, beta * (k @ np.swapaxes(kw, -1, -2)) * D, 0)
+    T = np.linalg.inv(np.eye(C) + L)
+    P = (q @ np.swapaxes(kw, -1, -2)) * D
+    return T.reshape(B, H, TP, C), P.reshape(B, H, TP, C)
+
+
+class Tf32Dots:
+    """``Dots.nn`` as the H200 runs the Triton inverse's "tf32" dots: operands rounded to 10
+    mantissa bits (nearest), float32 sums."""
+
+    @staticmethod
+    def nn(a, b):
+        def tf32(x):
+            bits = np.asarray(x, np.float32).view(np.uint32)
+            return ((bits + 0x1000) & 0xFFFFE000).view(np.float32)
+        return np.matmul(tf32(a), tf32(b))
+
+
+def bits_as_float64(T, T64):
+    """The fraction of T's elements that round to bf16 as float64's T does."""
+    bf16 = lambda x: np.asarray(jnp.asarray(x, BF16), np.float32)  # noqa: E731
+    return float(np.mean(bf16(T) == bf16(T64)))
+
+
+@pytest.mark.parametrize("K, similar", [(64, 0.0), (128, 1.5)])
+def test_inverse_matches_float64_and_the_triton_kernel(rand, K, similar):
+    """T − I and P within bf16 storage rounding of float64 (relative RMS <= 2e-3, also with keys
+    sharing a direction), the float32 outputs (Γ_C, the row vectors) equal to the Triton
+    ``wy_inverse``'s to float rounding, T, P as close to float64 as the Triton kernel's (exact
+    float32 dots in interpret mode), and T's merges at least as accurate as tf32 dots."""
+    ins = inputs(rand, K, similar)
+    P, gc, T, vecs = jax.jit(lambda *a: inverse_mosaic.wy_inverse(*a, interpret=True))(*ins)
+    P3, gc3, T3, vecs3 = wy_inverse(*ins, chunk=C, dots=Dots("tf32x3", interpret=True),
+                                    num_warps=4, num_stages=1, out_dtype=BF16, t_dtype=BF16)
+    T64, P64 = float64_inverse(*ins)
+    eye = np.eye(C)[None, None].repeat(NC, 0).reshape(TP, C)  # T's exact diagonal left out
+    for got, triton, want, name in ((T, T3, T64, "T"), (P, P3, P64, "P")):
+        assert got.dtype == BF16 and got.shape == want.shape, name
+        drop = eye if name == "T" else 0.0
+        got, triton, want = (np.asarray(a, np.float64) - drop for a in (got, triton, want))
+        assert rel_rms(got, want) <= 2e-3, (name, rel_rms(got, want))
+        assert rel_rms(got, want) <= 1.1 * rel_rms(triton, want), name
+    np.testing.assert_allclose(gc, gc3, rtol=1e-6)
+    np.testing.assert_allclose(vecs, vecs3, rtol=2e-6, atol=1e-7)
+    # the merges' own accuracy: T rounds to float64's bf16 bits at least as often as with the
+    # device Triton kernel's tf32 dots (emulated), whose error the bf16 storage hides less
+    L = np.linalg.inv(T64.reshape(B, H, NC, C, C)) - np.eye(C)
+    tf32 = unit_lower_inverse(np.where(np.tril(np.ones((C, C)), -1) > 0, L, 0).astype(np.float32),
+                              Tf32Dots).reshape(T64.shape)
+    assert bits_as_float64(T, T64) >= bits_as_float64(tf32, T64)
+
+
+def test_inverse_lowers_for_cuda():
+    """Through Mosaic GPU's own passes (layout inference) at K = 128."""
+    s = jax.ShapeDtypeStruct
+    tok, rows = s((B, TP, H, 128), BF16), s((B, H, TP), F32)
+    fn = lambda *a: inverse_mosaic.inverse(*a, interpret=False)  # noqa: E731
+    assert mosaic_kernels_lowered_for_cuda(fn, (tok, tok, tok, rows, rows)) == 1
