@@ -43,7 +43,8 @@ import jax.numpy as jnp
 from pallas_kernels.delta_bwd_triton import delta_bwd
 from pallas_kernels.grads_mosaic import chunk_grads_fused
 from pallas_kernels.delta_fwd_triton import delta_fwd
-from pallas_kernels import grads_mosaic, sequence_split, state_mosaic, state_wy_mosaic
+from pallas_kernels import (grads_mosaic, inverse_mosaic, sequence_split, state_mosaic,
+                            state_wy_mosaic)
 from pallas_kernels.partition import match_types, sharded_call
 from pallas_kernels.state_bwd_triton import dout_products, split_backward
 from pallas_kernels.state_fwd_triton import split_forward
@@ -136,7 +137,10 @@ class Options:
     Q' through HBM, where the WY forward spent half its time writing them, RESULTS run 78:
     DeltaNet / GDN forwards 0.261 / 0.281 -> 0.212 / 0.229 ms, fwd+bwd 0.622 / 0.651 -> 0.549 /
     0.579, run 79); None: on wherever it applies, True: ValueError where it does not, False:
-    off."""
+    off. ``inverse_backend``: with ``wy_in_serial``, T and P from the Triton kernel
+    (``wy_triton.wy_inverse``, tf32 merges) or from ``inverse_mosaic`` (bf16 wgmmas, three
+    hi / lo passes a merge product: at least as accurate); None: "triton" (the Mosaic one is
+    not yet timed on the device); "mosaic" without ``wy_in_serial``: ValueError."""
 
     precision: str | None = None
     parallel_precision: str | None = None
@@ -162,9 +166,13 @@ class Options:
     grads_warpgroups: int = 2  # fused_grads: the kernel's two chains in 1 or 2 warpgroups
     wy_precision: str | None = None  # split: the scalar / no-decay WY forward's dots
     wy_in_serial: bool | None = None  # fused_grads: the state passes apply T (no W, U, K̃', Q')
+    inverse_backend: str | None = None  # wy_in_serial: "triton" | "mosaic" wy_inverse
     wy_apply_precision: str | None = None  # split: that forward's W and U dots
 
     def __post_init__(self):
+        if self.inverse_backend not in (None, "triton", "mosaic"):
+            raise ValueError("Options.inverse_backend must be None, 'triton' or 'mosaic', got "
+                             f"{self.inverse_backend!r}")
         if self.grads_warpgroups not in (1, 2):
             raise ValueError(f"Options.grads_warpgroups must be 1 or 2, got "
                              f"{self.grads_warpgroups!r}")
@@ -465,6 +473,12 @@ def _inverse_and_vectors(cfg, ins):
     and the row vectors β, βΓ, Γ, Γ_C/Γ, all from ``wy_inverse``."""
     q, k, kw, _, beta, g = ins
     o, bf16 = cfg.options, jnp.dtype(jnp.bfloat16)
+    if o.inverse_backend == "mosaic":
+        P, gc, T, vecs = _kernel_call(
+            cfg, inverse_mosaic.wy_inverse, dict(q=q, k=k, kw=kw, beta=beta, g=g), _WY_IN,
+            (_WY_OUT["dP"], _WY_OUT["dgc"], _WY_T["T"], _ROWS["vecs"]), mosaic=True,
+            interpret=cfg.dots.interpret)
+        return T, P, gc, vecs
     P, gc, T, vecs = _kernel_call(
         cfg, wy_inverse, dict(q=q, k=k, kw=kw, beta=beta, g=g), _WY_IN,
         (_WY_OUT["dP"], _WY_OUT["dgc"], _WY_T["T"], _ROWS["vecs"]), chunk=cfg.chunk,
@@ -700,6 +714,9 @@ def delta_rule_pallas(q, k, kw, v, beta, log_decay, scale, initial_state, cu_seq
                          f"sequence_pieces={options.sequence_pieces}")
     options = dataclasses.replace(options, wy_in_serial=serial_wy if options.wy_in_serial is None
                                   else options.wy_in_serial)
+    if options.inverse_backend == "mosaic" and not options.wy_in_serial:
+        raise ValueError("Options.inverse_backend='mosaic' needs wy_in_serial (fused_grads, one "
+                         "sequence piece)")
     cfg = _Config(chunk_size, decay, float(scale),
                   None if cu_seqlens is None else layout.num_docs, options,
                   Dots(options.precision, interpret), Dots(options.parallel_precision, interpret))

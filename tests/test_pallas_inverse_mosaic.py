@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 
 from pallas_kernels import inverse_mosaic
+from pallas_kernels.delta_rule import Options, delta_rule_pallas
 from pallas_kernels.triton_common import Dots, unit_lower_inverse
 from pallas_kernels.wy_triton import wy_inverse
 from conftest import mosaic_kernels_lowered_for_cuda
-from test_pallas_precision import rel_rms
+from test_pallas_precision import assert_within_fla_bars, kernel_runs, rel_rms
 
 B, H, NC, C = 1, 2, 2, 64
 TP, BF16, F32 = NC * C, jnp.bfloat16, jnp.float32
@@ -93,3 +94,38 @@ def test_inverse_lowers_for_cuda():
     tok, rows = s((B, TP, H, 128), BF16), s((B, H, TP), F32)
     fn = lambda *a: inverse_mosaic.inverse(*a, interpret=False)  # noqa: E731
     assert mosaic_kernels_lowered_for_cuda(fn, (tok, tok, tok, rows, rows)) == 1
+
+
+MOSAIC_INVERSE = Options(serial_backend="mosaic", fused_grads=True, inverse_backend="mosaic")
+
+
+@pytest.mark.parametrize("decay", [None, "scalar"])
+def test_op_within_fla_bars(rand, decay, monkeypatch):
+    """The op with ``inverse_backend="mosaic"`` (T = 150, K = 40 and V = 48 padded to 64, an
+    initial state): outputs, final state and every gradient within FLA's bars of the float32
+    reference and no more than 1.25x as far from it as with the Triton inverse; the kernel ran
+    once (the backward reuses T)."""
+    calls = []
+    real = inverse_mosaic.inverse
+    monkeypatch.setattr(inverse_mosaic, "inverse",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    triton = Options(serial_backend="mosaic", fused_grads=True)
+    mosaic, base, ref = kernel_runs(rand, decay, 7, MOSAIC_INVERSE, triton, K=40)
+    assert calls == [1]
+    assert_within_fla_bars(mosaic, ref)
+    pairs = [(mosaic[0], base[0], ref[0]), (mosaic[1], base[1], ref[1])]
+    pairs += [(mosaic[2][n], base[2][n], ref[2][n]) for n in ref[2]]
+    for a, b, want in pairs:
+        assert rel_rms(a, want) <= 1.25 * rel_rms(b, want)
+
+
+def test_needs_wy_in_serial(rand):
+    """``inverse_backend="mosaic"`` where the passes do not apply T (no fused_grads): a
+    ValueError naming what it needs; an unknown backend: one naming the choices."""
+    x = rand.delta_inputs(1, 64, 1, 64, 64, dtype=BF16)
+    with pytest.raises(ValueError, match="inverse_backend='mosaic' needs wy_in_serial"):
+        delta_rule_pallas(x["q"], x["k"], x["write_key"], x["v"], x["beta"], None, 0.125, None,
+                          None, 64, Options(serial_backend="mosaic", fused_grads=False,
+                                            inverse_backend="mosaic"))
+    with pytest.raises(ValueError, match="inverse_backend must be"):
+        Options(inverse_backend="cuda")
