@@ -315,6 +315,21 @@ def state_fwd(W, U, kw, gc, initial_state, doc, first, last, *, num_docs, interp
     return outs
 
 
+def store_cotangents(ds_lo, dr_lo, bufs, refs, position, c, *, pending):
+    """A backward step's stores of chunk ``c``: dS_C (transposed) and dR through the shared
+    buffers ``bufs`` into ``refs`` = (chunk-end cotangents, dU), once at most ``pending`` earlier
+    stores are still being read (those of the buffers' previous chunk are not)."""
+    (ds_buf, du_buf), (dstates_ref, dU_ref), (b, h, v0) = bufs, refs, position
+    plgpu.wait_smem_to_gmem(pending, wait_read_only=True)
+    ds_buf[...] = ds_lo
+    du_buf.T[...] = dr_lo
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(ds_buf, dstates_ref.at[b, h, c, pl.ds(v0, BV)], commit_group=False)
+    plgpu.copy_smem_to_gmem(du_buf, dU_ref.at[b, h, pl.ds(c * C, C), pl.ds(v0, BV)],
+                            commit_group=False)
+    plgpu.commit_smem_to_gmem_group()
+
+
 def state_bwd(W, kw, gc, A, G, dfinal, doc, first, last, *, interpret, products=None):
     """Backward pass: dU = dR [B, H, Tp, V] and the chunk-end cotangents dS_C [B, H, NC, V, K]
     (transposed), both bf16; dS_0 [N, H, K, V] float32. A = scale Pᵀ dO [B, H, Tp, V] bf16;
@@ -368,15 +383,8 @@ def state_bwd(W, kw, gc, A, G, dfinal, doc, first, last, *, interpret, products=
             a_t = plgpu.load(a.at[slot].T, layout=WGMMA).astype(F32)
             dr_t = matmul([(ds_lo, k.at[slot].T)], (BV, C), a_t, interpret)  # dRᵀ = Aᵀ + dSᵀ K̃'ᵀ
             dr_lo = dr_t.astype(BF16)
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this slot's stores of chunk c ± 2
-            ds_out.at[slot][...] = ds_lo
-            du_out.at[slot].T[...] = dr_lo
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(ds_out.at[slot], dstates_ref.at[b, h, c, pl.ds(v0, BV)],
-                                    commit_group=False)
-            plgpu.copy_smem_to_gmem(du_out.at[slot], dU_ref.at[b, h, pl.ds(c * C, C),
-                                                              pl.ds(v0, BV)], commit_group=False)
-            plgpu.commit_smem_to_gmem_group()
+            store_cotangents(ds_lo, dr_lo, (ds_out.at[slot], du_out.at[slot]),
+                             (dstates_ref, dU_ref), (b, h, v0), c, pending=1)
             decay = lax.broadcast_in_dim(plgpu.load(g.at[slot], layout=COLS), (BV, K), [1])
             if products is None:  # dS Γ_C + Gᵀ − dRᵀ W
                 g_t = plgpu.load(gt.at[slot], layout=WGMMA).astype(F32)

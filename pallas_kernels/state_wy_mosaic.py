@@ -34,7 +34,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.state_mosaic import (BF16, BV, C, COLS, F32, FLAGS, WGMMA, _doc_state_in,
                                          _doc_state_out, _doc_states, _flags, _kernel, _loop,
-                                         _start, check_shapes, matmul, products, smem)
+                                         _start, check_shapes, matmul, products, smem,
+                                         store_cotangents)
 from pallas_kernels.triton_common import out_struct
 
 BETA, BETA_GAMMA, GAMMA, TAIL = range(4)  # rows of the vectors (``wy_triton.wy_inverse``'s)
@@ -200,15 +201,8 @@ def state_bwd(T, k, kw, q, vecs, gc, A, do, dfinal, doc, first, last, *, scale, 
             a_t = plgpu.load(a.at[slot].T, layout=WGMMA).astype(F32)
             dsk_t = matmul([(ds_lo, kw.at[slot].T)], (BV, C), None, interpret)  # dSᵀ K̃ᵀ
             dr_lo = (a_t + dsk_t * _columns(vt, slot, BV)).astype(BF16)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's stores were read
-            ds_out[...] = ds_lo
-            du_out.T[...] = dr_lo
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(ds_out, dstates_ref.at[b, h, c, pl.ds(v0, BV)],
-                                    commit_group=False)
-            plgpu.copy_smem_to_gmem(du_out, dU_ref.at[b, h, pl.ds(c * C, C), pl.ds(v0, BV)],
-                                    commit_group=False)
-            plgpu.commit_smem_to_gmem_group()
+            store_cotangents(ds_lo, dr_lo, (ds_out, du_out), (dstates_ref, dU_ref), (b, h, v0),
+                             c, pending=0)
             drt_t = matmul([(dr_lo, t.at[slot])], (BV, C), None, interpret)  # dRᵀ T
             w_lo = (drt_t * _columns(vbg, slot, BV)).astype(BF16)
             do_t = plgpu.load(dout.at[slot].T, layout=WGMMA).astype(F32)

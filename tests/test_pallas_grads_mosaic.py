@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 
 from conftest import (assert_repeats_bitwise, assert_vmap_matches_loop,
-                      mosaic_kernels_lowered_for_cuda, packed_cu_seqlens)
-from test_pallas_precision import assert_within_fla_bars, kernel_runs, outputs_and_grads, rel_rms
+                      mosaic_kernels_lowered_for_cuda)
+from test_pallas_precision import (assert_within_fla_bars, kernel_runs, packed_documents_runs, rel_rms)
 
-import precond_linattn as pla
 
 from pallas_kernels.chunk_pullback import backward_inputs, chunk_pullback
 from pallas_kernels import delta_rule, state_mosaic
@@ -133,23 +132,7 @@ def test_fused_grads_packed_documents(rand):
     decay: outputs, final states and every gradient within FLA's bars of the float32 reference
     (the kernel takes each chunk's start state and end cotangent from the passes, which restart
     at the documents' chunks)."""
-    T, H, K, V = 150, 2, 64, 64
-    x = rand.delta_inputs(1, T, H, K, V, decay="scalar", dtype=jnp.bfloat16)
-    x["s0"] = rand.normal(3, H, K, V)
-    cu = packed_cu_seqlens([64, 1, 85])
-
-    def run(impl, x):
-        if impl == "reference":
-            return pla.delta_rule(x["q"], x["k"], x["v"], x["beta"], write_key=x["write_key"],
-                                  log_decay=x["log_decay"], initial_state=x["s0"],
-                                  cu_seqlens=cu, output_final_state=True, impl="reference")
-        return delta_rule_pallas(x["q"], x["k"], x["write_key"], x["v"], x["beta"],
-                                 x["log_decay"], K ** -0.5, x["s0"], cu, 64, FUSED_GRADS)
-
-    key = jax.random.key(3)
-    got, ref = (jax.jit(lambda x, i=i: outputs_and_grads(lambda y: run(i, y), x, key))(x)
-                for i in ("pallas", "reference"))
-    assert_within_fla_bars(got, ref)
+    assert_within_fla_bars(*packed_documents_runs(rand, FUSED_GRADS))
 
 
 def test_fused_grads_refuses_what_it_cannot_run(rand):

@@ -13,10 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import (assert_repeats_bitwise, assert_vmap_matches_loop,
-                      mosaic_kernels_lowered_for_cuda, packed_cu_seqlens)
-from test_pallas_precision import assert_within_fla_bars, kernel_runs, outputs_and_grads, rel_rms
+                      mosaic_kernels_lowered_for_cuda)
+from test_pallas_precision import (assert_within_fla_bars, kernel_runs, packed_documents_runs, rel_rms)
 
-import precond_linattn as pla
 from pallas_kernels import state_bwd_triton, state_fwd_triton, state_mosaic
 from pallas_kernels.delta_rule import Options, delta_rule_pallas, resolve
 from pallas_kernels.triton_common import Dots
@@ -119,24 +118,7 @@ def test_mosaic_backend_packed_documents(rand, options):
     meets before any document's end) with per-document initial states and a scalar decay:
     within FLA's bars of the float32 reference for outputs, final states and every gradient
     (interpret mode starts every buffer as NaN: nothing unwritten or uninitialised is read)."""
-    T, H, K, V = 150, 2, 64, 64
-    x = rand.delta_inputs(1, T, H, K, V, decay="scalar", dtype=jnp.bfloat16)
-    x["s0"] = rand.normal(3, H, K, V)
-    cu = packed_cu_seqlens([64, 1, 85])
-
-    def kernel(x):
-        return delta_rule_pallas(x["q"], x["k"], x["write_key"], x["v"], x["beta"],
-                                 x["log_decay"], K ** -0.5, x["s0"], cu, 64, options)
-
-    def reference(x):
-        return pla.delta_rule(x["q"], x["k"], x["v"], x["beta"], write_key=x["write_key"],
-                              log_decay=x["log_decay"], initial_state=x["s0"], cu_seqlens=cu,
-                              output_final_state=True, impl="reference")
-
-    key = jax.random.key(3)
-    got, ref = (jax.jit(lambda x, f=f: outputs_and_grads(f, x, key))(x)
-                for f in (kernel, reference))
-    assert_within_fla_bars(got, ref)
+    assert_within_fla_bars(*packed_documents_runs(rand, options))
 
 
 def test_mosaic_backend_refuses_what_it_cannot_run(rand):

@@ -12,6 +12,7 @@ import pytest
 import precond_linattn as pla
 from pallas_kernels.delta_rule import Options, delta_rule_pallas, resolve
 from pallas_kernels.triton_common import Dots
+from conftest import packed_cu_seqlens
 
 B, T, H, K, V = 2, 150, 2, 32, 48  # T: two full chunks of 64 and a tail; V padded to 64
 
@@ -48,6 +49,29 @@ def kernel_runs(rand, decay, seed, *options, K=K):
     key = jax.random.key(seed)
     fs = [functools.partial(kernel, o) for o in options] + [reference]
     return [jax.jit(functools.partial(outputs_and_grads, f))(x, key) for f in fs]
+
+
+def packed_documents_runs(rand, options):
+    """(o, finals, gradients) of the op under ``options`` and of the float32 reference on three
+    packed documents (64, 1 and 85 tokens: a one-token document, a chunk-unaligned boundary and
+    so one chunk of layout padding after the last, which the backward meets before any
+    document's end) with per-document initial states and a scalar decay, bf16 inputs."""
+    T, H, K, V = 150, 2, 64, 64
+    x = rand.delta_inputs(1, T, H, K, V, decay="scalar", dtype=jnp.bfloat16)
+    x["s0"] = rand.normal(3, H, K, V)
+    cu = packed_cu_seqlens([64, 1, 85])
+
+    def kernel(x):
+        return delta_rule_pallas(x["q"], x["k"], x["write_key"], x["v"], x["beta"],
+                                 x["log_decay"], K ** -0.5, x["s0"], cu, 64, options)
+
+    def reference(x):
+        return pla.delta_rule(x["q"], x["k"], x["v"], x["beta"], write_key=x["write_key"],
+                              log_decay=x["log_decay"], initial_state=x["s0"], cu_seqlens=cu,
+                              output_final_state=True, impl="reference")
+
+    key = jax.random.key(3)
+    return [jax.jit(lambda x, f=f: outputs_and_grads(f, x, key))(x) for f in (kernel, reference)]
 
 
 def assert_within_fla_bars(got, ref):

@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import precond_linattn as pla
 from pallas_kernels import delta_rule, state_mosaic, state_wy_mosaic
 from pallas_kernels.delta_rule import Options, delta_rule_pallas
 from pallas_kernels.state_wy_mosaic import BETA, BETA_GAMMA, GAMMA, TAIL
@@ -15,8 +14,8 @@ from pallas_kernels.triton_common import Dots
 from pallas_kernels.wy_triton import wy_inverse
 from precond_linattn.chunked.delta import decay_sums
 from conftest import (assert_repeats_bitwise, assert_vmap_matches_loop,
-                      mosaic_kernels_lowered_for_cuda, packed_cu_seqlens)
-from test_pallas_precision import assert_within_fla_bars, kernel_runs, outputs_and_grads, rel_rms
+                      mosaic_kernels_lowered_for_cuda)
+from test_pallas_precision import (assert_within_fla_bars, kernel_runs, packed_documents_runs, rel_rms)
 
 B, H, NC, C, V = 2, 2, 3, 64, 128
 TP, BF16, F32 = NC * C, jnp.bfloat16, jnp.float32
@@ -169,23 +168,7 @@ def test_op_packed_documents(rand):
     """Three packed documents (64, 1 and 85 tokens) with per-document initial states and a
     scalar decay: within FLA's bars of the float32 reference, outputs, final states and every
     gradient."""
-    T, H, K, V = 150, 2, 64, 64
-    x = rand.delta_inputs(1, T, H, K, V, decay="scalar", dtype=BF16)
-    x["s0"] = rand.normal(3, H, K, V)
-    cu = packed_cu_seqlens([64, 1, 85])
-
-    def run(impl, x):
-        if impl == "reference":
-            return pla.delta_rule(x["q"], x["k"], x["v"], x["beta"], write_key=x["write_key"],
-                                  log_decay=x["log_decay"], initial_state=x["s0"],
-                                  cu_seqlens=cu, output_final_state=True, impl="reference")
-        return delta_rule_pallas(x["q"], x["k"], x["write_key"], x["v"], x["beta"],
-                                 x["log_decay"], K ** -0.5, x["s0"], cu, 64, SERIAL_WY)
-
-    key = jax.random.key(3)
-    got, ref = (jax.jit(lambda x, i=i: outputs_and_grads(lambda y: run(i, y), x, key))(x)
-                for i in ("pallas", "reference"))
-    assert_within_fla_bars(got, ref)
+    assert_within_fla_bars(*packed_documents_runs(rand, SERIAL_WY))
 
 
 def test_refused_where_it_does_not_apply(rand):
