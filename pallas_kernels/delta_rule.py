@@ -139,8 +139,10 @@ class Options:
     0.579, run 79); None: on wherever it applies, True: ValueError where it does not, False:
     off. ``inverse_backend``: with ``wy_in_serial``, T and P from the Triton kernel
     (``wy_triton.wy_inverse``, tf32 merges) or from ``inverse_mosaic`` (bf16 wgmmas, three
-    hi / lo passes a merge product: at least as accurate); None: "triton" (the Mosaic one is
-    not yet timed on the device); "mosaic" without ``wy_in_serial``: ValueError."""
+    hi / lo passes a merge product: at least as accurate); None: "mosaic" with
+    ``wy_in_serial`` (forwards -2 % / -5 %, fwd+bwd -3 % / -5 % for DeltaNet / GDN in run 81,
+    one call: near the run-to-run noise, but all four in one direction), else "triton";
+    "mosaic" without ``wy_in_serial``: ValueError."""
 
     precision: str | None = None
     parallel_precision: str | None = None
@@ -717,6 +719,8 @@ def delta_rule_pallas(q, k, kw, v, beta, log_decay, scale, initial_state, cu_seq
     if options.inverse_backend == "mosaic" and not options.wy_in_serial:
         raise ValueError("Options.inverse_backend='mosaic' needs wy_in_serial (fused_grads, one "
                          "sequence piece)")
+    options = dataclasses.replace(options, inverse_backend=options.inverse_backend or (
+        "mosaic" if options.wy_in_serial else "triton"))
     cfg = _Config(chunk_size, decay, float(scale),
                   None if cu_seqlens is None else layout.num_docs, options,
                   Dots(options.precision, interpret), Dots(options.parallel_precision, interpret))

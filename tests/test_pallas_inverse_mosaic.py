@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import inverse_mosaic
+from pallas_kernels import delta_rule, inverse_mosaic
 from pallas_kernels.delta_rule import Options, delta_rule_pallas
 from pallas_kernels.triton_common import Dots, unit_lower_inverse
 from pallas_kernels.wy_triton import wy_inverse
@@ -109,7 +109,7 @@ def test_op_within_fla_bars(rand, decay, monkeypatch):
     real = inverse_mosaic.inverse
     monkeypatch.setattr(inverse_mosaic, "inverse",
                         lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    triton = Options(serial_backend="mosaic", fused_grads=True)
+    triton = Options(serial_backend="mosaic", fused_grads=True, inverse_backend="triton")
     mosaic, base, ref = kernel_runs(rand, decay, 7, MOSAIC_INVERSE, triton, K=40)
     assert calls == [1]
     assert_within_fla_bars(mosaic, ref)
@@ -119,9 +119,10 @@ def test_op_within_fla_bars(rand, decay, monkeypatch):
         assert rel_rms(a, want) <= 1.25 * rel_rms(b, want)
 
 
-def test_needs_wy_in_serial(rand):
+def test_needs_wy_in_serial(rand, monkeypatch):
     """``inverse_backend="mosaic"`` where the passes do not apply T (no fused_grads): a
-    ValueError naming what it needs; an unknown backend: one naming the choices."""
+    ValueError naming what it needs; an unknown backend: one naming the choices; None: "mosaic"
+    with ``wy_in_serial``, else "triton"."""
     x = rand.delta_inputs(1, 64, 1, 64, 64, dtype=BF16)
     with pytest.raises(ValueError, match="inverse_backend='mosaic' needs wy_in_serial"):
         delta_rule_pallas(x["q"], x["k"], x["write_key"], x["v"], x["beta"], None, 0.125, None,
@@ -129,3 +130,11 @@ def test_needs_wy_in_serial(rand):
                                             inverse_backend="mosaic"))
     with pytest.raises(ValueError, match="inverse_backend must be"):
         Options(inverse_backend="cuda")
+    seen = []
+    real = delta_rule._core
+    monkeypatch.setattr(delta_rule, "_core",
+                        lambda cfg, *a: seen.append(cfg.options.inverse_backend) or real(cfg, *a))
+    for fused in (True, False):
+        delta_rule_pallas(x["q"], x["k"], x["write_key"], x["v"], x["beta"], None, 0.125, None,
+                          None, 64, Options(serial_backend="mosaic", fused_grads=fused))
+    assert seen == ["mosaic", "triton"]

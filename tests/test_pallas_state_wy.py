@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import delta_rule, state_mosaic, state_wy_mosaic
+from pallas_kernels import delta_rule, inverse_mosaic, state_mosaic, state_wy_mosaic
 from pallas_kernels.delta_rule import Options, delta_rule_pallas
 from pallas_kernels.state_wy_mosaic import BETA, BETA_GAMMA, GAMMA, TAIL
 from pallas_kernels.triton_common import Dots
@@ -132,7 +132,8 @@ def test_row_vectors(rand):
 
 
 FUSED_GRADS = Options(serial_backend="mosaic", fused_grads=True)
-SERIAL_WY = Options(serial_backend="mosaic", fused_grads=True, wy_in_serial=True)
+SERIAL_WY = Options(serial_backend="mosaic", fused_grads=True, wy_in_serial=True,
+                    inverse_backend="triton")  # this file's passes on the Triton inverse
 WY_IN_HBM = Options(serial_backend="mosaic", fused_grads=True, wy_in_serial=False)
 
 
@@ -194,15 +195,15 @@ def test_refused_where_it_does_not_apply(rand):
 
 
 def test_under_vmap_repeat_bitwise_and_effect_free(rand):
-    """Gradients of a loss of the op with ``wy_in_serial``: ``jax.vmap`` over rows as [1, T]
-    sequences equals the rows one by one, a second run (compiled afresh) is bitwise the first,
-    and traced for the GPU both passes carry no effects (so ``jax.checkpoint`` and
-    ``custom_partitioning`` take them there)."""
+    """Gradients of a loss of the op with ``wy_in_serial`` (and the default Mosaic inverse):
+    ``jax.vmap`` over rows as [1, T] sequences equals the rows one by one, a second run
+    (compiled afresh) is bitwise the first, and traced for the GPU both passes and the inverse
+    carry no effects (so ``jax.checkpoint`` and ``custom_partitioning`` take them there)."""
     x = rand.delta_inputs(2, 100, 2, 64, 64, decay="scalar", dtype=BF16)
     names = ("q", "k", "write_key", "v", "beta", "log_decay")
 
     def loss(*args):
-        o, final = delta_rule_pallas(*args, 0.125, None, None, 64, SERIAL_WY)
+        o, final = delta_rule_pallas(*args, 0.125, None, None, 64, FUSED_GRADS)
         return jnp.sum(jnp.sin(o.astype(F32))) + jnp.sum(final ** 2)
 
     grad = jax.grad(loss, argnums=tuple(range(6)))
@@ -219,7 +220,9 @@ def test_under_vmap_repeat_bitwise_and_effect_free(rand):
     bwd = jax.make_jaxpr(lambda *a: state_wy_mosaic.state_bwd(
         *a, scale=0.1, interpret=False))(rows, tok, tok, tok, vecs, gc, s((1, 1, C, 64), BF16),
                                           tok, s((1, 1, 64, 64), F32), *flags)
-    assert not fwd.effects and not bwd.effects
+    inverse = jax.make_jaxpr(lambda *a: inverse_mosaic.inverse(*a, interpret=False))(
+        tok, tok, tok, s((1, 1, C), F32), s((1, 1, C), F32))
+    assert not fwd.effects and not bwd.effects and not inverse.effects
 
 
 def test_forward_without_gradients_stores_nothing_else(rand, monkeypatch):
