@@ -146,10 +146,11 @@ def _doc_states(x):
     return jnp.swapaxes(x, -1, -2).astype(F32)
 
 
-def _kernel(body, *, name, out_type, scratch, grid, interpret):
+def _kernel(body, *, name, out_type, scratch, grid, interpret, warpgroups=1):
+    threads = dict(num_threads=warpgroups, thread_name="wg") if warpgroups > 1 else {}
     return plgpu.kernel(
         body, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=("b", "h", "v"),
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(approx_math=True), **threads,
         interpret=plgpu.InterpretGPUParams() if interpret else None, kernel_name=name)
 
 
@@ -164,15 +165,21 @@ def _issue_shared(c, slot, bar, position, W, kw, values, gc, flags):
         plgpu.copy_gmem_to_smem(src, dst.at[slot], bar)
 
 
-def _loop(nc, reverse, issue, in_bar, step, carry):
+def _loop(nc, reverse, issue, in_bar, step, carry, released=None):
     """The chunk loop: chunk tiles double-buffered (slot i % 2), the next chunk's issued right
-    after the current one's arrive; ``step(c, slot, carry)`` returns the next carry."""
+    after the current one's arrive; ``step(c, slot, carry)`` returns the next carry.
+    ``released``: a barrier another warpgroup arrives on once done with a chunk's slot, waited
+    for before every step but the first (so the other slot is free to refill)."""
     chunk_at = (lambda i: nc - 1 - i) if reverse else (lambda i: i)
     issue(chunk_at(0), 0)
 
     def body(i, carry):
         slot = lax.rem(i, 2)
         plgpu.barrier_wait(in_bar.at[slot])
+        if released is not None:
+            @pl.when(i > 0)
+            def _released():
+                plgpu.barrier_wait(released)
 
         @pl.when(i + 1 < nc)
         def _prefetch():
