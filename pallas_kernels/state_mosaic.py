@@ -165,9 +165,16 @@ def _issue_shared(c, slot, bar, position, W, kw, values, gc, flags):
         plgpu.copy_gmem_to_smem(src, dst.at[slot], bar)
 
 
-def _loop(nc, reverse, issue, in_bar, step, carry, released=None):
+def chunk_decay(g, slot, K):
+    """Γ_C [K] of the chunk in ``slot`` of the buffer ``g``, broadcast over the rows of the
+    transposed [BV, K] carry."""
+    return lax.broadcast_in_dim(plgpu.load(g.at[slot], layout=COLS), (BV, K), [1])
+
+
+def _loop(nc, reverse, issue, in_bar, step, K, released=None):
     """The chunk loop: chunk tiles double-buffered (slot i % 2), the next chunk's issued right
-    after the current one's arrive; ``step(c, slot, carry)`` returns the next carry.
+    after the current one's arrive; ``step(c, slot, carry)`` returns the next carry, the
+    transposed [BV, K] float32 state or cotangent, zeros before the first chunk.
     ``released``: a barrier another warpgroup arrives on once done with a chunk's slot, waited
     for before every step but the first (so the other slot is free to refill)."""
     chunk_at = (lambda i: nc - 1 - i) if reverse else (lambda i: i)
@@ -188,7 +195,8 @@ def _loop(nc, reverse, issue, in_bar, step, carry, released=None):
 
         return step(chunk_at(i), slot, carry)
 
-    carry = lax.fori_loop(0, nc, body, carry)
+    zero = plgpu.layout_cast(jnp.zeros((BV, K), F32), WGMMA)
+    carry = lax.fori_loop(0, nc, body, zero)
     plgpu.wait_smem_to_gmem(0)
     return carry
 
@@ -308,13 +316,12 @@ def state_fwd(W, U, kw, gc, initial_state, doc, first, last, *, num_docs, interp
                 plgpu.copy_smem_to_gmem(o_out, o_ref.at[b, rows, h, pl.ds(v0, BV)],
                                         commit_group=False)
             plgpu.commit_smem_to_gmem_group()
-            decay = lax.broadcast_in_dim(plgpu.load(g.at[slot], layout=COLS), (BV, K), [1])
+            decay = chunk_decay(g, slot, K)
             S = matmul([(r_lo, k.at[slot])], (BV, K), S * decay, interpret)  # Sᵀ Γ_C + Rᵀ K̃'
             _doc_state_out(S, final_ref, d, h, v0, doc_buf, is_last)
             return S
 
-        zero = plgpu.layout_cast(jnp.zeros((BV, K), F32), WGMMA)
-        _loop(nc, False, issue, in_bar, step, zero)
+        _loop(nc, False, issue, in_bar, step, K)
 
     outs = list(_kernel(body, name="state_fwd_mosaic", out_type=tuple(out_type), scratch=scratch,
                         grid=(B, H, V // BV), interpret=interpret)(*args))
@@ -392,7 +399,7 @@ def state_bwd(W, kw, gc, A, G, dfinal, doc, first, last, *, interpret, products=
             dr_lo = dr_t.astype(BF16)
             store_cotangents(ds_lo, dr_lo, (ds_out.at[slot], du_out.at[slot]),
                              (dstates_ref, dU_ref), (b, h, v0), c, pending=1)
-            decay = lax.broadcast_in_dim(plgpu.load(g.at[slot], layout=COLS), (BV, K), [1])
+            decay = chunk_decay(g, slot, K)
             if products is None:  # dS Γ_C + Gᵀ − dRᵀ W
                 g_t = plgpu.load(gt.at[slot], layout=WGMMA).astype(F32)
                 dS = matmul([(-dr_lo, w.at[slot])], (BV, K), dS * decay + g_t, interpret)
@@ -403,9 +410,15 @@ def state_bwd(W, kw, gc, A, G, dfinal, doc, first, last, *, interpret, products=
             _doc_state_out(dS, dinit_ref, d, h, v0, doc_buf, is_first)
             return dS * (1 - is_first).astype(F32)
 
-        zero = plgpu.layout_cast(jnp.zeros((BV, K), F32), WGMMA)
-        _loop(nc, True, issue, in_bar, step, zero)
+        _loop(nc, True, issue, in_bar, step, K)
 
-    dU, dstates, dinit = _kernel(body, name="state_bwd_mosaic", out_type=out_type,
-                                 scratch=scratch, grid=(B, H, V // BV), interpret=interpret)(*args)
+    return backward_call(body, "state_bwd_mosaic", out_type, scratch, (B, H, V // BV),
+                         interpret, args)
+
+
+def backward_call(body, name, out_type, scratch, grid, interpret, args):
+    """A backward pass's kernel call: dU, dS_C and the document states' cotangents dS_0
+    [N, H, K, V] (untransposed)."""
+    dU, dstates, dinit = _kernel(body, name=name, out_type=out_type, scratch=scratch, grid=grid,
+                                 interpret=interpret)(*args)
     return dU, dstates, _doc_states(dinit)

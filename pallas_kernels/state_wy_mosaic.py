@@ -34,8 +34,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.state_mosaic import (BF16, BV, C, COLS, F32, FLAGS, WGMMA, _doc_state_in,
                                          _doc_state_out, _doc_states, _flags, _kernel, _loop,
-                                         _start, check_shapes, matmul, products, smem,
-                                         store_cotangents)
+                                         _start, backward_call, check_shapes, chunk_decay,
+                                         matmul, products, smem, store_cotangents)
 from pallas_kernels.triton_common import out_struct
 
 BETA, BETA_GAMMA, GAMMA, TAIL = range(4)  # rows of the vectors (``wy_triton.wy_inverse``'s)
@@ -169,7 +169,7 @@ def state_fwd(T, k, kw, v, q, P, vecs, gc, initial_state, doc, first, last, *, s
                 plgpu.copy_smem_to_gmem(r_out, R_ref.at[b, h, rows, pl.ds(v0, BV)],
                                         commit_group=False)
             plgpu.commit_smem_to_gmem_group()
-            decay = lax.broadcast_in_dim(plgpu.load(g.at[slot], layout=COLS), (BV, K), [1])
+            decay = chunk_decay(g, slot, K)
             rt_lo = (r_t * _columns(vt, slot, BV)).astype(BF16)
             S = matmul([(rt_lo, kw.at[slot])], (BV, K), S * decay, interpret)  # Γ_C Sᵀ + ... K̃
             _doc_state_out(S, final_ref, d, h, v0, doc_buf, is_last)
@@ -177,8 +177,7 @@ def state_fwd(T, k, kw, v, q, P, vecs, gc, initial_state, doc, first, last, *, s
 
         def chain():
             _start(doc_buf)
-            zero = plgpu.layout_cast(jnp.zeros((BV, K), F32), WGMMA)
-            _loop(nc, False, issue, in_bar, step, zero, released)
+            _loop(nc, False, issue, in_bar, step, K, released)
             if released is not None:  # the last chunk's release: every phase observed
                 plgpu.barrier_wait(released)
 
@@ -258,15 +257,13 @@ def state_bwd(T, k, kw, q, vecs, gc, A, do, dfinal, doc, first, last, *, scale, 
             w_lo = (drt_t * _columns(vbg, slot, BV)).astype(BF16)
             do_t = plgpu.load(dout.at[slot].T, layout=WGMMA).astype(F32)
             g_lo = (scale * do_t * _columns(vg, slot, BV)).astype(BF16)
-            decay = lax.broadcast_in_dim(plgpu.load(g.at[slot], layout=COLS), (BV, K), [1])
+            decay = chunk_decay(g, slot, K)
             dS = matmul([(-w_lo, k.at[slot]), (g_lo, q.at[slot])], (BV, K), dS * decay,
                         interpret)
             _doc_state_out(dS, dinit_ref, d, h, v0, doc_buf, is_first)
             return dS * (1 - is_first).astype(F32)
 
-        zero = plgpu.layout_cast(jnp.zeros((BV, K), F32), WGMMA)
-        _loop(nc, True, issue, in_bar, step, zero)
+        _loop(nc, True, issue, in_bar, step, K)
 
-    dU, dstates, dinit = _kernel(body, name="state_bwd_wy_mosaic", out_type=out_type,
-                                 scratch=scratch, grid=(B, H, V // BV), interpret=interpret)(*args)
-    return dU, dstates, _doc_states(dinit)
+    return backward_call(body, "state_bwd_wy_mosaic", out_type, scratch, (B, H, V // BV),
+                         interpret, args)
