@@ -173,11 +173,12 @@ def test_op_within_fla_bars(rand, decay, monkeypatch):
         assert rel_rms(a, want) <= 1.25 * rel_rms(b, want), name
 
 
-def test_op_packed_documents(rand):
+@pytest.mark.parametrize("options", [SERIAL_WY, FUSED_GRADS], ids=["triton_inverse", "default"])
+def test_op_packed_documents(rand, options):
     """Three packed documents (64, 1 and 85 tokens) with per-document initial states and a
-    scalar decay: within FLA's bars of the float32 reference, outputs, final states and every
-    gradient."""
-    assert_within_fla_bars(*packed_documents_runs(rand, SERIAL_WY))
+    scalar decay, on the Triton inverse and on the defaults (the Mosaic one): within FLA's bars
+    of the float32 reference, outputs, final states and every gradient."""
+    assert_within_fla_bars(*packed_documents_runs(rand, options))
 
 
 def test_refused_where_it_does_not_apply(rand):
