@@ -329,6 +329,11 @@ def _log_decay_grads(cfg, g, dgamma, dsigma):
     return jax.vjp(functools.partial(_decay_sums, cfg), g)[1]((dgamma, dsigma))[0]
 
 
+def _dots_at(precision, dots):
+    """``dots`` at ``precision`` (None: ``dots`` as they are)."""
+    return dots if precision is None else Dots(precision, dots.interpret)
+
+
 def _wy_kernel(cfg, kernel, ins, cts=None):
     """``kernel(*ins)`` (a forward of ``_wy_kernels``), or ``kernel(*ins, *cts)`` (a pullback:
     cotangents of ``ins[:6]`` cast to their dtypes, None for a missing decay, and with a
@@ -354,9 +359,8 @@ def _wy_kernel(cfg, kernel, ins, cts=None):
     if vector:
         static["factored_blocks"] = o.vector_wy == "kernel"
     elif cts is None:
-        wy_dots = lambda p, dots: dots if p is None else Dots(p, dots.interpret)  # noqa: E731
-        dots = wy_dots(o.wy_precision, dots)
-        static["apply_dots"] = wy_dots(o.wy_apply_precision, dots)
+        dots = _dots_at(o.wy_precision, dots)
+        static["apply_dots"] = _dots_at(o.wy_apply_precision, dots)
         if o.fused_grads:  # T's one reader is grads_mosaic, in bf16
             static["t_dtype"] = jnp.dtype(jnp.bfloat16)
     outs = _kernel_call(cfg, kernel, args, axes, out_axes, chunk=cfg.chunk, block_v=o.block_v,
@@ -475,21 +479,24 @@ _ROWS = dict(T="b h t s", P="b h t s", gc="b h c k", vecs="b h r t")  # _inverse
 
 def _inverse_and_vectors(cfg, ins):
     """``Options.wy_in_serial``'s WY step on ``ins`` = (q, k, kw, v, beta, g): T (bf16), P, Γ_C
-    and the row vectors β, βΓ, Γ, Γ_C/Γ, all from ``wy_inverse``."""
+    and the row vectors β, βΓ, Γ, Γ_C/Γ, from ``Options.inverse_backend``'s ``wy_inverse``
+    (the Mosaic one given the in-chunk sums of g, the Triton one summing g itself)."""
     q, k, kw, _, beta, g = ins
     o, bf16 = cfg.options, jnp.dtype(jnp.bfloat16)
+    args, axes = dict(q=q, k=k, kw=kw, beta=beta), dict(_WY_IN)
     if o.inverse_backend == "mosaic":
-        P, gc, T, vecs = _kernel_call(
-            cfg, inverse_mosaic.wy_inverse, dict(q=q, k=k, kw=kw, beta=beta, g=g), _WY_IN,
-            (_WY_OUT["dP"], _WY_OUT["dgc"], _WY_T["T"], _ROWS["vecs"]), mosaic=True,
-            interpret=cfg.dots.interpret)
-        return T, P, gc, vecs
-    P, gc, T, vecs = _kernel_call(
-        cfg, wy_inverse, dict(q=q, k=k, kw=kw, beta=beta, g=g), _WY_IN,
-        (_WY_OUT["dP"], _WY_OUT["dgc"], _WY_T["T"], _ROWS["vecs"]), chunk=cfg.chunk,
-        dots=cfg.dots if o.wy_precision is None else Dots(o.wy_precision, cfg.dots.interpret),
-        num_warps=o.wy_warps or o.num_warps, num_stages=o.num_stages,
-        block_k=o.wy_block_k or o.block_k, out_dtype=bf16, t_dtype=bf16)
+        sums = (jnp.zeros(beta.shape, jnp.float32),) * 2 if g is None else _decay_sums(cfg, g)
+        args |= dict(zip(("gamma", "sigma"), sums))
+        axes |= dict(gamma="b t h", sigma="b t h")
+        kernel, static = inverse_mosaic.wy_inverse, dict(mosaic=True, interpret=cfg.dots.interpret)
+    else:
+        args["g"] = g
+        kernel, static = wy_inverse, dict(
+            chunk=cfg.chunk, dots=_dots_at(o.wy_precision, cfg.dots),
+            num_warps=o.wy_warps or o.num_warps, num_stages=o.num_stages,
+            block_k=o.wy_block_k or o.block_k, out_dtype=bf16, t_dtype=bf16)
+    P, gc, T, vecs = _kernel_call(cfg, kernel, args, axes,
+                                  tuple(_ROWS[n] for n in ("P", "gc", "T", "vecs")), **static)
     return T, P, gc, vecs
 
 
@@ -555,7 +562,7 @@ def _fused_bwd(cfg, res, cts):
     pullback of γ (the in-chunk cumsum) applied to its dG."""
     ins, init, doc, first, last, (states, R), wy, extra = res
     (q, k, kw, v, beta, g), do = ins, cts[0]
-    out_axes = ("b h t v", _STATE_AXES["mosaic"], "n h k v")
+    out_axes, do16 = ("b h t v", _STATE_AXES["mosaic"], "n h k v"), do.astype(jnp.bfloat16)
     if cfg.options.wy_in_serial:
         T, P = wy[:2]
         o = cfg.options
@@ -564,8 +571,8 @@ def _fused_bwd(cfg, res, cts):
                             block_v=o.block_v, dots=cfg.pdots, num_warps=o.num_warps,
                             num_stages=o.num_stages, state_dtype=jnp.dtype(jnp.bfloat16),
                             transposed=True, with_G=False)
-        args = dict(T=T, gc=wy[2], vecs=wy[3], k=k, kw=kw, q=q, A=A, do=do.astype(jnp.bfloat16),
-                    dfinal=cts[1], doc=doc, first=first, last=last)
+        args = dict(T=T, gc=wy[2], vecs=wy[3], k=k, kw=kw, q=q, A=A, do=do16, dfinal=cts[1],
+                    doc=doc, first=first, last=last)
         axes = _ROWS | dict(_WY_IN, A="b h t v", do="b t h v", dfinal="n h k v", **_FLAGS)
         dU, dstates, dinit = _kernel_call(cfg, state_wy_mosaic.state_bwd, args, axes, out_axes,
                                           mosaic=True, scale=cfg.scale,
@@ -577,7 +584,7 @@ def _fused_bwd(cfg, res, cts):
         T = extra[0]
     gamma, to_dg = ((jnp.zeros(beta.shape, jnp.float32), None) if g is None
                     else jax.vjp(functools.partial(_gamma, cfg), g))
-    args = dict(q=q, k=k, kw=kw, v=v, do=do.astype(jnp.bfloat16), T=T, beta=beta,
+    args = dict(q=q, k=k, kw=kw, v=v, do=do16, T=T, beta=beta,
                 gamma=gamma, R=R, dR=dU, states=states, dstates=dstates)
     axes = dict(_WY_IN, do="b t h v", T="b h t s", gamma="b t h", R="b h t v", dR="b h t v",
                 states=_STATE_AXES["mosaic"], dstates=_STATE_AXES["mosaic"])

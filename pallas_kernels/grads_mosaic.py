@@ -40,7 +40,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.state_mosaic import BF16, C, COLS, F32, ROWS, WGMMA, matmul, products, smem
+from pallas_kernels.state_mosaic import (BF16, C, COLS, F32, ROWS, WGMMA, bcast_cols, bcast_rows,
+                                         decay_matrix, matmul, products, smem, tile_iotas)
 from pallas_kernels.triton_common import out_struct
 
 
@@ -68,16 +69,6 @@ def check_shapes(*, chunk, K, V, dtype):
     problem = _problem(chunk, K, V, dtype)
     if problem:
         raise ValueError(f"the fused Mosaic chunk gradients need {problem}")
-
-
-def _rows(vec, shape):
-    """vec [C] (ROWS layout) broadcast along each row of a [C, N] tile."""
-    return lax.broadcast_in_dim(vec, shape, [0])
-
-
-def _cols(vec, shape):
-    """vec [C] (COLS layout) broadcast along each column of a [C, C] tile."""
-    return lax.broadcast_in_dim(vec, shape, [1])
 
 
 def chunk_grads_fused(q, k, kw, v, do, T, beta, gamma, R, dR, states, dstates, *, scale,
@@ -131,12 +122,11 @@ def chunk_grads_fused(q, k, kw, v, do, T, beta, gamma, R, dR, states, dstates, *
         def gates(b, g_r, g_c):
             """(i, j iotas, G by rows, G by columns, β by rows, Γ, G_{C−1}, Γ_C/Γ, D) from the
             buffers b, g_r, g_c."""
-            i = plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=WGMMA)
-            j = plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=WGMMA)
+            i, j = tile_iotas()
             g_row, g_col = plgpu.load(g_r, layout=ROWS), plgpu.load(g_c, layout=COLS)
             last_col = plgpu.broadcasted_iota(jnp.int32, (C,), 0, layout=COLS) == C - 1
             g_last = jnp.where(last_col, g_col, 0.0).sum()  # G_{C−1}
-            D = jnp.exp(jnp.where(i >= j, _rows(g_row, sq) - _cols(g_col, sq), -jnp.inf))
+            D = decay_matrix(i, j, g_row, g_col)
             return (i, j, g_row, g_col, plgpu.load(b, layout=ROWS), jnp.exp(g_row), g_last,
                     jnp.exp(g_last - g_row), D)
 
@@ -146,10 +136,10 @@ def chunk_grads_fused(q, k, kw, v, do, T, beta, gamma, R, dR, states, dstates, *
             i, j, _, _, beta_row, gam, g_last, _, D = z
             tdr, ks = products([(t.T, dr, sv), (k, s.T, sv)], interpret)  # Tᵀ dR, K S
             dgam = -gam * beta_row * jnp.sum(tdr * ks, axis=1)  # −Γ ⟨dX, K S⟩
-            x = plgpu.load(v, layout=WGMMA).astype(F32) - _rows(gam, sv) * ks
+            x = plgpu.load(v, layout=WGMMA).astype(F32) - bcast_rows(gam, sv) * ks
             dbeta = jnp.sum(tdr * x, axis=1)
-            v[...] = (_rows(beta_row, sv) * x).astype(BF16)  # v's buffer now holds Diag(β) X
-            dx_lo = (_rows(beta_row, sv) * tdr).astype(BF16)
+            v[...] = (bcast_rows(beta_row, sv) * x).astype(BF16)  # v's buffer now holds Diag(β) X
+            dx_lo = (bcast_rows(beta_row, sv) * tdr).astype(BF16)
             plgpu.commit_smem()
             dtm = matmul([(dr, v.T)], sq, None, interpret)  # dT = dR (Diag(β) X)ᵀ
             dr[...] = dx_lo  # dR's buffer now holds dV = dX (read again for dK)
@@ -161,12 +151,12 @@ def chunk_grads_fused(q, k, kw, v, do, T, beta, gamma, R, dR, states, dstates, *
             dl = -jnp.where(i > j, matmul([(m.astype(BF16), t.T)], sq, None, interpret), 0.0)
             plgpu.commit_smem()  # (every thread is done reading T and dT: E_I goes there below)
             dbeta = dbeta + jnp.sum(dl * a, axis=1)
-            e = jnp.where(i != j, _rows(beta_row, sq) * dl * a, 0.0)  # dL ⊙ L = β dL ⊙ A
-            gk[...] = (_rows(beta_row, sq) * dl * D).astype(BF16)
+            e = jnp.where(i != j, bcast_rows(beta_row, sq) * dl * a, 0.0)  # dL ⊙ L = β dL ⊙ A
+            gk[...] = (bcast_rows(beta_row, sq) * dl * D).astype(BF16)
             plgpu.commit_smem()
             if gk_ready is not None:
                 plgpu.barrier_arrive(gk_ready)
-            dk_s = -_rows(gam, sk) * matmul([(dr, s)], sk, None, interpret)  # −Diag(Γ) dX Sᵀ
+            dk_s = -bcast_rows(gam, sk) * matmul([(dr, s)], sk, None, interpret)  # −Diag(Γ) dX Sᵀ
             dk_o[...] = matmul([(gk, kw)], sk, dk_s, interpret).astype(BF16)  # (K = V: v's)
             # colsum(E_I) as the diagonal of ones @ E_I, split into two bf16 parts (~2^-16)
             e_hi = e.astype(BF16)
@@ -194,12 +184,12 @@ def chunk_grads_fused(q, k, kw, v, do, T, beta, gamma, R, dR, states, dstates, *
             gq[...] = (dp * D).astype(BF16)
             plgpu.commit_smem()
             rdo, kwq = products([(r, do.T, sq), (kw, q.T, sq)], interpret)  # R dOᵀ, K̃ Qᵀ
-            d_t = jnp.exp(jnp.where(j > i, _cols(g_col, sq) - _rows(g_row, sq), -jnp.inf))
+            d_t = jnp.exp(jnp.where(j > i, bcast_cols(g_col, sq) - bcast_rows(g_row, sq), -jnp.inf))
             dgam = dgam - scale * jnp.sum(rdo * kwq * d_t, axis=1)  # colsum(E_O) = rowsum(E_Oᵀ)
             dos = matmul([(do, s)], sk, None, interpret)  # dO Sᵀ
             q_f = plgpu.load(q, layout=WGMMA).astype(F32)
             dgam = dgam + scale * gam * jnp.sum(q_f * dos, axis=1)  # ⟨dO, Q S⟩ = ⟨Q, dO Sᵀ⟩
-            dq_o[...] = matmul([(gq, kw)], sk, scale * _rows(gam, sk) * dos,
+            dq_o[...] = matmul([(gq, kw)], sk, scale * bcast_rows(gam, sk) * dos,
                                interpret).astype(BF16)  # (K = V: dO's buffer, done with)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(dq_o, dq_ref.at[bi, rows, h], commit_group=False)
@@ -207,7 +197,7 @@ def chunk_grads_fused(q, k, kw, v, do, T, beta, gamma, R, dR, states, dstates, *
                 plgpu.barrier_wait(gk_ready)
             rds = matmul([(r, ds)], sk, None, interpret)  # R dS_Cᵀ
             w = tail * jnp.sum(rds * plgpu.load(kw, layout=WGMMA).astype(F32), axis=1)
-            dkw_o[...] = matmul([(gk.T, k), (gq.T, q)], sk, _rows(tail, sk) * rds,
+            dkw_o[...] = matmul([(gk.T, k), (gq.T, q)], sk, bcast_rows(tail, sk) * rds,
                                 interpret).astype(BF16)  # (K = V: R's buffer, done with)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(dkw_o, dkw_ref.at[bi, rows, h], commit_group=False)

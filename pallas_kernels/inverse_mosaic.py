@@ -24,8 +24,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.state_mosaic import BF16, C, COLS, F32, ROWS, WGMMA, matmul, smem
-from precond_linattn.chunked.delta import decay_sums
+from pallas_kernels.state_mosaic import (BF16, C, COLS, F32, ROWS, bcast_rows, decay_matrix,
+                                         matmul, smem, tile_iotas)
 from pallas_kernels.triton_common import out_struct
 
 
@@ -68,14 +68,10 @@ def inverse(q, k, kw, beta, gamma, *, interpret):
                          (g_ref.at[bi, h, rows], g_r), (g_ref.at[bi, h, rows], g_c)):
             plgpu.copy_gmem_to_smem(src, dst, bar)
         plgpu.barrier_wait(bar)
-        i = plgpu.broadcasted_iota(jnp.int32, sq, 0, layout=WGMMA)
-        j = plgpu.broadcasted_iota(jnp.int32, sq, 1, layout=WGMMA)
-        g_row, g_col = plgpu.load(g_r, layout=ROWS), plgpu.load(g_c, layout=COLS)
-        D = jnp.exp(jnp.where(i >= j, lax.broadcast_in_dim(g_row, sq, [0])
-                              - lax.broadcast_in_dim(g_col, sq, [1]), -jnp.inf))
+        i, j = tile_iotas()
+        D = decay_matrix(i, j, plgpu.load(g_r, layout=ROWS), plgpu.load(g_c, layout=COLS))
         gram = matmul([(k, kw.T)], sq, None, interpret)
-        L = jnp.where(i > j, lax.broadcast_in_dim(plgpu.load(b, layout=ROWS), sq, [0]) * gram * D,
-                      0.0)
+        L = jnp.where(i > j, bcast_rows(plgpu.load(b, layout=ROWS), sq) * gram * D, 0.0)
         X = jnp.where(i == j, 1.0, 0.0) - jnp.where(lax.div(i, 2) == lax.div(j, 2), L, 0.0)
         for n in (2, 4, 8, 16, 32):
             Ln = jnp.where((lax.div(i, 2 * n) == lax.div(j, 2 * n))
@@ -96,20 +92,14 @@ def inverse(q, k, kw, beta, gamma, *, interpret):
         kernel_name="wy_inverse_mosaic")(q, k, kw, beta, gamma)
 
 
-def wy_inverse(q, k, kw, beta, g, *, interpret):
+def wy_inverse(q, k, kw, beta, gamma, sigma, *, interpret):
     """``wy_triton.wy_inverse``'s results (P, Γ_C [B, H, NC, K], T, rows β, βΓ, Γ, Γ_C/Γ
-    [B, H, 4, Tp]) with T and P from ``inverse``; the in-chunk sums γ, σ of the log decays g
-    [B, Tp, H] (None: no decay) by ``decay_sums`` in XLA."""
+    [B, H, 4, Tp]) with T and P from ``inverse``, from the in-chunk sums γ, σ of the log decays
+    [B, Tp, H] (``delta_rule._decay_sums``; zeros without a decay)."""
     B, Tp, H, K = q.shape
-    nc = Tp // C
-    if g is None:
-        gamma = sigma = jnp.zeros((B, Tp, H), F32)
-    else:
-        gamma, sigma = (x.reshape(B, Tp, H) for x in decay_sums(
-            g.astype(F32).reshape(B, nc, C, H), 2))
     heads = lambda x: jnp.moveaxis(x, 2, 1).astype(F32)  # noqa: E731  [B, Tp, H] -> [B, H, Tp]
     beta, gamma, sigma = heads(beta), heads(gamma), heads(sigma)
     T, P = inverse(q, k, kw, beta, gamma, interpret=interpret)
     Gam = jnp.exp(gamma)
-    gc = jnp.broadcast_to(Gam.reshape(B, H, nc, C)[..., -1:], (B, H, nc, K))
+    gc = jnp.broadcast_to(Gam.reshape(B, H, Tp // C, C)[..., -1:], (B, H, Tp // C, K))
     return P, gc, T, jnp.stack([beta, beta * Gam, Gam, jnp.exp(sigma)], axis=2)

@@ -165,10 +165,34 @@ def _issue_shared(c, slot, bar, position, W, kw, values, gc, flags):
         plgpu.copy_gmem_to_smem(src, dst.at[slot], bar)
 
 
-def chunk_decay(g, slot, K):
-    """Γ_C [K] of the chunk in ``slot`` of the buffer ``g``, broadcast over the rows of the
-    transposed [BV, K] carry."""
-    return lax.broadcast_in_dim(plgpu.load(g.at[slot], layout=COLS), (BV, K), [1])
+def bcast_rows(vec, shape):
+    """vec (ROWS layout) broadcast along each row of a tile of ``shape``."""
+    return lax.broadcast_in_dim(vec, shape, [0])
+
+
+def bcast_cols(vec, shape):
+    """vec (COLS layout) broadcast along each column of a tile of ``shape``."""
+    return lax.broadcast_in_dim(vec, shape, [1])
+
+
+def tile_iotas():
+    """Row and column indices i, j of a [C, C] tile in the WGMMA layout."""
+    return tuple(plgpu.broadcasted_iota(jnp.int32, (C, C), d, layout=WGMMA) for d in (0, 1))
+
+
+def decay_matrix(i, j, g_row, g_col):
+    """D_ij = exp(G_i − G_j) for i >= j, else 0 ([C, C]; the in-chunk cumsum G by rows and by
+    columns; the exponent masked first, so no entry overflows)."""
+    sq = (C, C)
+    return jnp.exp(jnp.where(i >= j, bcast_rows(g_row, sq) - bcast_cols(g_col, sq), -jnp.inf))
+
+
+def columns(buf, slot):
+    """Slot ``slot`` of the per-chunk vector buffer ``buf`` (one value per column: Γ_C by key,
+    or a row vector by chunk row), loaded once and broadcast over the BV rows of a transposed
+    tile."""
+    vec = plgpu.load(buf.at[slot], layout=COLS)
+    return bcast_cols(vec, (BV, vec.shape[0]))
 
 
 def _loop(nc, reverse, issue, in_bar, step, K, released=None):
@@ -233,6 +257,13 @@ def _doc_state_out(value, ref, doc, h, v0, buf, cond):
         buf[...] = value
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(buf, ref.at[doc, h, pl.ds(v0, BV)])
+
+
+def restart_cotangent(dS, dinit_ref, d, h, v0, buf, is_first):
+    """A backward step's carry after chunk ``c``: dS stored as document ``d``'s dS_0 at its
+    first chunk, where the carry restarts at 0."""
+    _doc_state_out(dS, dinit_ref, d, h, v0, buf, is_first)
+    return dS * (1 - is_first).astype(F32)
 
 
 def state_fwd(W, U, kw, gc, initial_state, doc, first, last, *, num_docs, interpret, store=True,
@@ -316,7 +347,7 @@ def state_fwd(W, U, kw, gc, initial_state, doc, first, last, *, num_docs, interp
                 plgpu.copy_smem_to_gmem(o_out, o_ref.at[b, rows, h, pl.ds(v0, BV)],
                                         commit_group=False)
             plgpu.commit_smem_to_gmem_group()
-            decay = chunk_decay(g, slot, K)
+            decay = columns(g, slot)
             S = matmul([(r_lo, k.at[slot])], (BV, K), S * decay, interpret)  # Sᵀ Γ_C + Rᵀ K̃'
             _doc_state_out(S, final_ref, d, h, v0, doc_buf, is_last)
             return S
@@ -399,7 +430,7 @@ def state_bwd(W, kw, gc, A, G, dfinal, doc, first, last, *, interpret, products=
             dr_lo = dr_t.astype(BF16)
             store_cotangents(ds_lo, dr_lo, (ds_out.at[slot], du_out.at[slot]),
                              (dstates_ref, dU_ref), (b, h, v0), c, pending=1)
-            decay = chunk_decay(g, slot, K)
+            decay = columns(g, slot)
             if products is None:  # dS Γ_C + Gᵀ − dRᵀ W
                 g_t = plgpu.load(gt.at[slot], layout=WGMMA).astype(F32)
                 dS = matmul([(-dr_lo, w.at[slot])], (BV, K), dS * decay + g_t, interpret)
@@ -407,8 +438,7 @@ def state_bwd(W, kw, gc, A, G, dfinal, doc, first, last, *, interpret, products=
                 do_t = (scale * plgpu.load(do.at[slot].T, layout=WGMMA).astype(F32)).astype(BF16)
                 dS = matmul([(-dr_lo, w.at[slot]), (do_t, q.at[slot])], (BV, K), dS * decay,
                             interpret)
-            _doc_state_out(dS, dinit_ref, d, h, v0, doc_buf, is_first)
-            return dS * (1 - is_first).astype(F32)
+            return restart_cotangent(dS, dinit_ref, d, h, v0, doc_buf, is_first)
 
         _loop(nc, True, issue, in_bar, step, K)
 

@@ -32,18 +32,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.state_mosaic import (BF16, BV, C, COLS, F32, FLAGS, WGMMA, _doc_state_in,
+from pallas_kernels.state_mosaic import (BF16, BV, C, F32, FLAGS, WGMMA, _doc_state_in,
                                          _doc_state_out, _doc_states, _flags, _kernel, _loop,
-                                         _start, backward_call, check_shapes, chunk_decay,
-                                         matmul, products, smem, store_cotangents)
+                                         _start, backward_call, check_shapes, columns, matmul,
+                                         products, restart_cotangent, smem, store_cotangents)
 from pallas_kernels.triton_common import out_struct
 
 BETA, BETA_GAMMA, GAMMA, TAIL = range(4)  # rows of the vectors (``wy_triton.wy_inverse``'s)
-
-
-def _columns(buf, slot, width):
-    """Row vector ``buf[slot]`` [C] loaded once by columns, broadcast over ``width`` rows."""
-    return lax.broadcast_in_dim(plgpu.load(buf.at[slot], layout=COLS), (width, C), [1])
 
 
 def _issue(c, slot, bar, position, pairs, vec_ref, vec_bufs):
@@ -126,7 +121,7 @@ def state_fwd(T, k, kw, v, q, P, vecs, gc, initial_state, doc, first, last, *, s
             given or formed from ``s_a`` (bf16 registers or the published buffer)."""
             if qs_t is None:
                 qs_t = matmul([(s_a, q.at[slot].T)], (BV, C), None, interpret)
-            o_t = matmul([(r_a, p.at[slot].T)], (BV, C), qs_t * _columns(vg, slot, BV),
+            o_t = matmul([(r_a, p.at[slot].T)], (BV, C), qs_t * columns(vg, slot),
                          interpret)
             if released is not None:  # S, R and the slot's q, P, Γ read: the chain may go on
                 plgpu.barrier_arrive(released)
@@ -150,7 +145,7 @@ def state_fwd(T, k, kw, v, q, P, vecs, gc, initial_state, doc, first, last, *, s
             else:
                 ks_t = matmul([(s_lo, k.at[slot].T)], (BV, C), None, interpret)
             v_t = plgpu.load(v.at[slot].T, layout=WGMMA).astype(F32)
-            y_lo = (v_t * _columns(vb, slot, BV) - ks_t * _columns(vbg, slot, BV)).astype(BF16)
+            y_lo = (v_t * columns(vb, slot) - ks_t * columns(vbg, slot)).astype(BF16)
             r_t = matmul([(y_lo, t.at[slot].T)], (BV, C), None, interpret)  # Rᵀ = Yᵀ Tᵀ
             r_lo = r_t.astype(BF16)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's stores were read
@@ -162,15 +157,14 @@ def state_fwd(T, k, kw, v, q, P, vecs, gc, initial_state, doc, first, last, *, s
             else:
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(published)
-            if store:
-                plgpu.commit_smem()
+            if store:  # (s_out and r_out were fenced above, with o_out or for warpgroup 1)
                 plgpu.copy_smem_to_gmem(s_out, states_ref.at[b, h, c, pl.ds(v0, BV)],
                                         commit_group=False)
                 plgpu.copy_smem_to_gmem(r_out, R_ref.at[b, h, rows, pl.ds(v0, BV)],
                                         commit_group=False)
             plgpu.commit_smem_to_gmem_group()
-            decay = chunk_decay(g, slot, K)
-            rt_lo = (r_t * _columns(vt, slot, BV)).astype(BF16)
+            decay = columns(g, slot)
+            rt_lo = (r_t * columns(vt, slot)).astype(BF16)
             S = matmul([(rt_lo, kw.at[slot])], (BV, K), S * decay, interpret)  # Γ_C Sᵀ + ... K̃
             _doc_state_out(S, final_ref, d, h, v0, doc_buf, is_last)
             return S
@@ -250,18 +244,17 @@ def state_bwd(T, k, kw, q, vecs, gc, A, do, dfinal, doc, first, last, *, scale, 
             ds_lo = dS.astype(BF16)
             a_t = plgpu.load(a.at[slot].T, layout=WGMMA).astype(F32)
             dsk_t = matmul([(ds_lo, kw.at[slot].T)], (BV, C), None, interpret)  # dSᵀ K̃ᵀ
-            dr_lo = (a_t + dsk_t * _columns(vt, slot, BV)).astype(BF16)
+            dr_lo = (a_t + dsk_t * columns(vt, slot)).astype(BF16)
             store_cotangents(ds_lo, dr_lo, (ds_out, du_out), (dstates_ref, dU_ref), (b, h, v0),
                              c, pending=0)
             drt_t = matmul([(dr_lo, t.at[slot])], (BV, C), None, interpret)  # dRᵀ T
-            w_lo = (drt_t * _columns(vbg, slot, BV)).astype(BF16)
+            w_lo = (drt_t * columns(vbg, slot)).astype(BF16)
             do_t = plgpu.load(dout.at[slot].T, layout=WGMMA).astype(F32)
-            g_lo = (scale * do_t * _columns(vg, slot, BV)).astype(BF16)
-            decay = chunk_decay(g, slot, K)
+            g_lo = (scale * do_t * columns(vg, slot)).astype(BF16)
+            decay = columns(g, slot)
             dS = matmul([(-w_lo, k.at[slot]), (g_lo, q.at[slot])], (BV, K), dS * decay,
                         interpret)
-            _doc_state_out(dS, dinit_ref, d, h, v0, doc_buf, is_first)
-            return dS * (1 - is_first).astype(F32)
+            return restart_cotangent(dS, dinit_ref, d, h, v0, doc_buf, is_first)
 
         _loop(nc, True, issue, in_bar, step, K)
 

@@ -10,6 +10,7 @@ from pallas_kernels import delta_rule, inverse_mosaic
 from pallas_kernels.delta_rule import Options, delta_rule_pallas
 from pallas_kernels.triton_common import Dots, unit_lower_inverse
 from pallas_kernels.wy_triton import wy_inverse
+from precond_linattn.chunked.delta import decay_sums
 from conftest import mosaic_kernels_lowered_for_cuda
 from test_pallas_precision import assert_within_fla_bars, kernel_runs, rel_rms
 
@@ -67,7 +68,10 @@ def test_inverse_matches_float64_and_the_triton_kernel(rand, K, similar):
     ``wy_inverse``'s to float rounding, T, P as close to float64 as the Triton kernel's (exact
     float32 dots in interpret mode), and T's merges at least as accurate as tf32 dots."""
     ins = inputs(rand, K, similar)
-    P, gc, T, vecs = jax.jit(lambda *a: inverse_mosaic.wy_inverse(*a, interpret=True))(*ins)
+    q, k, kw, beta, g = ins
+    sums = (x.reshape(g.shape) for x in decay_sums(g.reshape(B, NC, C, H), 2))  # γ, σ
+    P, gc, T, vecs = jax.jit(lambda *a: inverse_mosaic.wy_inverse(*a, interpret=True))(
+        q, k, kw, beta, *sums)
     P3, gc3, T3, vecs3 = wy_inverse(*ins, chunk=C, dots=Dots("tf32x3", interpret=True),
                                     num_warps=4, num_stages=1, out_dtype=BF16, t_dtype=BF16)
     T64, P64 = float64_inverse(*ins)
