@@ -259,6 +259,15 @@ def _doc_state_out(value, ref, doc, h, v0, buf, cond):
         plgpu.copy_smem_to_gmem(buf, ref.at[doc, h, pl.ds(v0, BV)])
 
 
+def restart_state(S, init_ref, d, h, v0, doc, is_first):
+    """A forward step's carry at chunk ``c``: 0, or document ``d``'s initial state (``init_ref``
+    None: no initial states) loaded through ``doc`` = (buffer, barrier), at its first chunk."""
+    S = S * (1 - is_first).astype(F32)
+    if init_ref is None:
+        return S
+    return S + _doc_state_in(init_ref, d, h, v0, *doc, is_first) * is_first.astype(F32)
+
+
 def restart_cotangent(dS, dinit_ref, d, h, v0, buf, is_first):
     """A backward step's carry after chunk ``c``: dS stored as document ``d``'s dS_0 at its
     first chunk, where the carry restarts at 0."""
@@ -321,10 +330,7 @@ def state_fwd(W, U, kw, gc, initial_state, doc, first, last, *, num_docs, interp
         def step(c, slot, S):
             d, is_first, is_last = fl[slot, 0], fl[slot, 1], fl[slot, 2]
             rows = pl.ds(c * C, C)
-            S = S * (1 - is_first).astype(F32)
-            if has_init:
-                S = S + _doc_state_in(init_ref, d, h, v0, doc_buf, doc_bar, is_first) * \
-                    is_first.astype(F32)
+            S = restart_state(S, init_ref, d, h, v0, (doc_buf, doc_bar), is_first)
             s_lo = S.astype(BF16)
             u_t = plgpu.load(u.at[slot].T, layout=WGMMA).astype(F32)
             r_t = matmul([(-s_lo, w.at[slot].T)], (BV, C), u_t, interpret)  # Rᵀ = Uᵀ − Sᵀ Wᵀ

@@ -35,7 +35,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.state_mosaic import (BF16, BV, C, F32, FLAGS, WGMMA, _doc_state_in,
                                          _doc_state_out, _doc_states, _flags, _kernel, _loop,
                                          _start, backward_call, check_shapes, columns, matmul,
-                                         products, restart_cotangent, smem, store_cotangents)
+                                         products, restart_cotangent, restart_state, smem,
+                                         store_cotangents)
 from pallas_kernels.triton_common import out_struct
 
 BETA, BETA_GAMMA, GAMMA, TAIL = range(4)  # rows of the vectors (``wy_triton.wy_inverse``'s)
@@ -134,10 +135,7 @@ def state_fwd(T, k, kw, v, q, P, vecs, gc, initial_state, doc, first, last, *, s
         def step(c, slot, S):
             d, is_first, is_last = fl[slot, 0], fl[slot, 1], fl[slot, 2]
             rows = pl.ds(c * C, C)
-            S = S * (1 - is_first).astype(F32)
-            if has_init:
-                S = S + _doc_state_in(init_ref, d, h, v0, doc_buf, doc_bar, is_first) * \
-                    is_first.astype(F32)
+            S = restart_state(S, init_ref, d, h, v0, (doc_buf, doc_bar), is_first)
             s_lo = S.astype(BF16)
             if published is None:
                 ks_t, qs_t = products([(s_lo, k.at[slot].T, (BV, C)),
