@@ -108,14 +108,13 @@ FUSED_GRADS = Options(serial_backend="mosaic", fused_grads=True, wy_in_serial=Fa
 
 @pytest.mark.parametrize("decay", [None, "scalar"])
 def test_op_with_fused_grads_within_fla_bars(rand, decay, monkeypatch):
-    """The op with ``fused_grads`` (its kernel in two warpgroups; one gives the same bits, above)
-    (T = 150: two chunks and a tail;
-    K = 40 and V = 48 padded to 64; an initial state): outputs, final state and every gradient
-    within FLA's bars of the float32 reference, and within 6e-3 of the Mosaic pipeline without
-    it (``chunk_grads`` then ``wy_bwd``: the same algebra, rounded at other places); the initial
-    state's gradient, from the state pass both share, identical; the fused kernel ran once, for
-    the backward, on T as ``wy_fwd`` stored it for it, in bf16 (test_sequence_split has it with
-    the passes in sequence pieces)."""
+    """The op with ``fused_grads``, its kernel in two warpgroups (one gives the same bits,
+    above; T = 150: two chunks and a tail; K = 40 and V = 48 padded to 64; an initial state):
+    outputs, final state and every gradient within FLA's bars of the float32 reference, and
+    within 6e-3 of the Mosaic pipeline without it (``chunk_grads`` then ``wy_bwd``: the same
+    algebra, rounded at other places); the initial state's gradient, from the state pass both
+    share, identical; the fused kernel ran once, for the backward, on T as ``wy_fwd`` stored it
+    for it, in bf16 (test_sequence_split has it with the passes in sequence pieces)."""
     calls = []
     monkeypatch.setattr(delta_rule, "chunk_grads_fused",
                         lambda **kw: calls.append(kw["T"].dtype) or chunk_grads_fused(**kw))
