@@ -1,32 +1,48 @@
 """The WY step's inverse on the tensor cores (Mosaic GPU, wgmma; Hopper): ``wy_triton.wy_inverse``'s
 results for chunks of 64, K in {64, 128}, bf16 inputs, no or a scalar decay.
 
-One CTA a (batch row, head, chunk) loads q, k, k̃ [C, K] and the rows β, γ (the in-chunk cumsum of
-the log decays, from XLA) and forms, with D_ij = exp(γ_i − γ_j) (i >= j, else 0):
+For each (batch row, head, chunk), from q, k, k̃ [C, K] and the rows β, γ (the in-chunk cumsum
+of the log decays, from XLA), with D_ij = exp(γ_i − γ_j) (i >= j, else 0):
 
     A = K K̃ᵀ ⊙ D     L = strict_tril(Diag(β) A)     P = (Q K̃ᵀ) ⊙ D
-    T = (I + L)^-1 by block merges  X_2 = I − L_1,  X_2n = X_n − X_n (L_n X_n)  (n = 2 .. 32)
+    T = (I + L)^-1:  X_16 = the inverses of the 16x16 diagonal blocks of I + L, by forward
+                     substitution in float32 (``diagonal_inverse``), then the block merges
+                     X_2n = X_n − X_n (L_n X_n) for n = 16, 32
 
-(``triton_common.unit_lower_inverse``'s merges: L_n holds L's entries below the diagonal
-n-blocks of each 2n-block). The grams take the bf16 inputs as they are (exact products, float32
-sums). Each merge product is three bf16 wgmmas over hi / lo splits of its float32 operands,
-a_hi b_hi + a_hi b_lo + a_lo b_hi (``_product``: ~2^-16 relative, against tf32's 2^-11 in the
-Triton kernel; one bf16 pass would put T's error at ~5e-3 for keys sharing a direction,
-benchmarks/NOTES.md session 14). T and P are stored in bf16. Γ_C and the row vectors β, βΓ,
-Γ, Γ_C/Γ come from XLA (``wy_inverse``).
+(L_n holds L's entries below the diagonal n-blocks of each 2n-block; jax-linear-attention's and
+FlashQLA's ``kkt_solve`` split the inverse the same way). The grams take the bf16 inputs as
+they are (exact products, float32 sums). Each merge product is three bf16 wgmmas over hi / lo
+splits of its float32 operands, a_hi b_hi + a_hi b_lo + a_lo b_hi (``_product``: ~2^-16
+relative, against tf32's 2^-11 in the Triton kernel; one bf16 pass would put T's error at ~5e-3
+for keys sharing a direction, benchmarks/NOTES.md sessions 14-15). T and P are stored in bf16.
+
+A CTA walks ``chunks_per_cta`` consecutive chunks: once a chunk's two grams are formed, its
+input tiles are free and the next chunk's loads fly while this one's inverse is solved; the
+stores of T and P are left in flight until the next chunk's results are staged. ~109 KB of
+shared memory at K = 128: two CTAs an SM.
 
 As in ``state_mosaic``, wgmma has no CPU lowering in jax 0.11.2: in interpret mode the products
-run as ``jnp.dot`` of the same bf16 operands.
+run as ``jnp.dot`` of the same bf16 operands, and the substitution (an ``inline_mgpu`` block,
+which the interpreter cannot run) as the same recurrence in jnp (``_diagonal_inverse_jnp``).
 """
 
+import jax.experimental.mosaic.gpu as mgpu
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, memref, vector
+from jaxlib.mlir.dialects import math as mlir_math
 
 from pallas_kernels.state_mosaic import (BF16, C, COLS, F32, ROWS, bcast_rows, decay_matrix,
-                                         matmul, smem, tile_iotas)
+                                         matmul, products, smem, tile_iotas)
 from pallas_kernels.triton_common import out_struct
+
+BLOCK = 16  # rows of the diagonal blocks solved by substitution
+PAD = 8  # float32 padding of the substitution buffers' rows (unpadded, the WGMMA layout's
+#          stores of 8 rows at a 256-byte stride hit one bank 8 times; jla measured 30 %)
 
 
 def _split(x):
@@ -46,47 +62,141 @@ def _product(a, b, b_hi, b_lo, interpret):
     return matmul([(a_hi, b_hi), (a_hi, b_lo), (a_lo, b_hi)], (C, C), None, interpret)
 
 
-def inverse(q, k, kw, beta, gamma, *, interpret):
+@plgpu.inline_mgpu(
+    arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType()),
+    return_type=plgpu.ShapeDtypeStruct((C, C), F32, layout=plgpu.Layout.WGMMA))
+def _diagonal_inverse_mgpu(ctx, neg_l, l_ref, x_ref):
+    """``diagonal_inverse`` on the CUDA cores: −L is staged in ``l_ref`` and thread r < C solves
+    row r of its block's inverse right-looking, t = e_r, for m = 15 .. 0 (block-local):
+    X_rm = t_m, then t_j += (−L_mj) X_rm for j < m. The threads of a block read the same row m
+    of −L at each step (broadcast 16-byte loads); the chain is one FMA a step. Both buffers are
+    touched only here, so Pallas's layout inference never sees them."""
+    del ctx
+    f32, i32, index = ir.F32Type.get(), ir.IntegerType.get_signless(32), ir.IndexType.get()
+    vec4, cst = ir.VectorType.get([4], f32), mgpu_utils.c
+    zero, one = cst(0.0, f32), cst(1.0, f32)
+    neg_l.store_untiled(l_ref, optimized=False)
+    mgpu.FragmentedArray.splat(zero, (C, C), layout=mgpu.WGMMA_LAYOUT).store_untiled(
+        x_ref, optimized=False)  # X outside the diagonal blocks
+    mgpu_utils.warpgroup_barrier()  # −L and the zeros visible to every thread
+    tid = arith.remui(mgpu_utils.thread_idx(), cst(128, i32))
+    with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ult, tid, cst(C, i32))):
+        row = arith.index_cast(index, tid)
+        local = arith.remui(tid, cst(BLOCK, i32))
+        start = arith.index_cast(index, arith.subi(tid, local))
+        at = lambda m: arith.addi(start, cst(m, index))  # noqa: E731
+        t = {j: arith.select(arith.cmpi(arith.CmpIPredicate.eq, local, cst(j, i32)), one, zero)
+             for j in range(BLOCK)}
+        for m in reversed(range(BLOCK)):
+            x_m = t.pop(m)
+            memref.store(x_m, x_ref, [row, at(m)])
+            for j0 in range(0, m, 4):
+                seg = vector.load(vec4, l_ref, [at(m), at(j0)])
+                for jj in range(min(4, m - j0)):
+                    a = vector.extract(seg, dynamic_position=[],
+                                       static_position=ir.DenseI64ArrayAttr.get([jj]))
+                    t[j0 + jj] = mlir_math.fma(a, x_m, t[j0 + jj])
+    mgpu_utils.warpgroup_barrier()  # every row written before X is read
+    return mgpu.FragmentedArray.load_untiled(x_ref, layout=mgpu.WGMMA_LAYOUT, optimized=False)
+
+
+def _diagonal_inverse_jnp(neg_l):
+    """``_diagonal_inverse_mgpu``'s recurrence as jnp ops on a [C, C] array (interpret mode)."""
+    i, j = jnp.arange(C)[:, None], jnp.arange(C)[None, :]
+    start = i - i % BLOCK
+    t, X = (i == j).astype(F32), jnp.zeros((C, C), F32)
+    for m in reversed(range(BLOCK)):
+        x_m = jnp.take_along_axis(t, start + m, axis=1)
+        X = X + jnp.where(j == start + m, x_m, 0.0)
+        t = t + jnp.where((j >= start) & (j < start + m), neg_l[start[:, 0] + m] * x_m, 0.0)
+    return X
+
+
+def diagonal_inverse(L, l_buf, x_buf, interpret):
+    """The inverses of the 16x16 diagonal blocks of I + L (L strictly lower, float32 [C, C]
+    registers), zero elsewhere, by forward substitution in float32 (``l_buf``, ``x_buf``:
+    [C, C + PAD] float32 scratch)."""
+    i, j = tile_iotas()
+    neg_l = jnp.where(lax.div(i, BLOCK) == lax.div(j, BLOCK), -L, 0.0)
+    if interpret:
+        return _diagonal_inverse_jnp(neg_l)
+    return _diagonal_inverse_mgpu(neg_l, l_buf.at[:, :C], x_buf.at[:, :C])
+
+
+def chunks_per_cta(B, H, nc, sms=132):
+    """The most chunks a CTA (up to 8, dividing ``nc``) that keep >= 1.5 CTAs an SM busy
+    (jax-linear-attention's rule for its kkt kernel): several chunks a CTA hide the loads, too
+    few CTAs leave SMs idle."""
+    for n in (8, 4, 2):
+        if nc % n == 0 and B * H * (nc // n) * 2 >= 3 * sms:
+            return n
+    return 1
+
+
+def inverse(q, k, kw, beta, gamma, *, interpret, chunks=None):
     """T = (I + L)^-1 and P [B, H, Tp, C] bf16 (module docstring) of q, k, kw [B, Tp, H, K]
     (bf16), beta and gamma (the in-chunk cumsum of the log decays, zeros without a decay)
-    [B, H, Tp] float32."""
+    [B, H, Tp] float32. ``chunks``: chunks a CTA (None: ``chunks_per_cta``)."""
     B, Tp, H, K = q.shape
+    nc = Tp // C
+    cpc = chunks_per_cta(B, H, nc) if chunks is None else chunks
+    if nc % cpc:
+        raise ValueError(f"chunks ({cpc}) must divide the {nc} chunks of a row")
     ins = (q, k, kw, beta, gamma)
     out_type = tuple(out_struct((B, H, Tp, C), BF16, *ins) for _ in range(2))
-    vec = plgpu.SMEM((C,), F32)
+    vec, pad = plgpu.SMEM((C,), F32), plgpu.SMEM((C, C + PAD), F32)
     scratch = dict(q=smem((C, K), BF16), k=smem((C, K), BF16), kw=smem((C, K), BF16),
                    b=vec, g_r=vec, g_c=vec, hi=smem((C, C), BF16), lo=smem((C, C), BF16),
+                   p_out=smem((C, C), BF16), l_buf=pad, x_buf=pad,
                    bar=plgpu.Barrier(num_arrivals=6))
     sq = (C, C)
 
     def body(q_ref, k_ref, kw_ref, b_ref, g_ref, T_ref, P_ref, *, q, k, kw, b, g_r, g_c, hi, lo,
-             bar):
-        bi, h, c = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("c")
-        rows = pl.ds(c * C, C)
-        for src, dst in ((q_ref.at[bi, rows, h], q), (k_ref.at[bi, rows, h], k),
-                         (kw_ref.at[bi, rows, h], kw), (b_ref.at[bi, h, rows], b),
-                         (g_ref.at[bi, h, rows], g_r), (g_ref.at[bi, h, rows], g_c)):
-            plgpu.copy_gmem_to_smem(src, dst, bar)
-        plgpu.barrier_wait(bar)
+             p_out, l_buf, x_buf, bar):
+        bi, h, first = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("c") * cpc
+
+        def issue(c):
+            rows = pl.ds(c * C, C)
+            for src, dst in ((q_ref.at[bi, rows, h], q), (k_ref.at[bi, rows, h], k),
+                             (kw_ref.at[bi, rows, h], kw), (b_ref.at[bi, h, rows], b),
+                             (g_ref.at[bi, h, rows], g_r), (g_ref.at[bi, h, rows], g_c)):
+                plgpu.copy_gmem_to_smem(src, dst, bar)
+
+        issue(first)
         i, j = tile_iotas()
-        D = decay_matrix(i, j, plgpu.load(g_r, layout=ROWS), plgpu.load(g_c, layout=COLS))
-        gram = matmul([(k, kw.T)], sq, None, interpret)
-        L = jnp.where(i > j, bcast_rows(plgpu.load(b, layout=ROWS), sq) * gram * D, 0.0)
-        X = jnp.where(i == j, 1.0, 0.0) - jnp.where(lax.div(i, 2) == lax.div(j, 2), L, 0.0)
-        for n in (2, 4, 8, 16, 32):
-            Ln = jnp.where((lax.div(i, 2 * n) == lax.div(j, 2 * n))
-                           & (lax.div(i, n) != lax.div(j, n)), L, 0.0)
-            X = X - _product(X, _product(Ln, X, hi, lo, interpret), hi, lo, interpret)
-        P = matmul([(q, kw.T)], sq, None, interpret) * D
-        hi[...] = X.astype(BF16)
-        lo[...] = P.astype(BF16)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(hi, T_ref.at[bi, h, rows])
-        plgpu.copy_smem_to_gmem(lo, P_ref.at[bi, h, rows])
+
+        @pl.loop(0, cpc)
+        def _chunk(n):
+            c = first + n
+            rows = pl.ds(c * C, C)
+            plgpu.barrier_wait(bar)
+            beta_r = plgpu.load(b, layout=ROWS)
+            D = decay_matrix(i, j, plgpu.load(g_r, layout=ROWS), plgpu.load(g_c, layout=COLS))
+            gram, qk = products([(k, kw.T, sq), (q, kw.T, sq)], interpret)
+
+            @pl.when(n + 1 < cpc)
+            def _next():  # the tiles were read (the vectors before the wgmmas' wait)
+                plgpu.commit_smem()
+                issue(c + 1)
+
+            L = jnp.where(i > j, bcast_rows(beta_r, sq) * gram * D, 0.0)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's T, P were sent
+            p_out[...] = (qk * D).astype(BF16)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(p_out, P_ref.at[bi, h, rows])
+            X = diagonal_inverse(L, l_buf, x_buf, interpret)
+            for size in (BLOCK, 2 * BLOCK):
+                Ln = jnp.where((lax.div(i, 2 * size) == lax.div(j, 2 * size))
+                               & (lax.div(i, size) != lax.div(j, size)), L, 0.0)
+                X = X - _product(X, _product(Ln, X, hi, lo, interpret), hi, lo, interpret)
+            hi[...] = X.astype(BF16)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(hi, T_ref.at[bi, h, rows])
+
         plgpu.wait_smem_to_gmem(0)
 
     return plgpu.kernel(
-        body, out_type=out_type, scratch_types=scratch, grid=(B, H, Tp // C),
+        body, out_type=out_type, scratch_types=scratch, grid=(B, H, nc // cpc),
         grid_names=("b", "h", "c"), compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name="wy_inverse_mosaic")(q, k, kw, beta, gamma)

@@ -92,11 +92,29 @@ def test_inverse_matches_float64_and_the_triton_kernel(rand, K, similar):
     assert bits_as_float64(T, T64) >= bits_as_float64(tf32, T64)
 
 
-def test_inverse_lowers_for_cuda():
-    """Through Mosaic GPU's own passes (layout inference) at K = 128."""
+def test_chunks_per_cta_change_nothing(rand):
+    """A CTA walking both chunks of a row (the next chunk's loads in flight) gives the bits of
+    one CTA a chunk; a count that does not divide the chunks is refused."""
+    q, k, kw, beta, g = inputs(rand, 64, 0.5)
+    heads = lambda x: jnp.moveaxis(x, 2, 1)  # noqa: E731
+    gamma = heads(decay_sums(g.reshape(B, NC, C, H), 2)[0].reshape(g.shape))
+    run = lambda n: inverse_mosaic.inverse(q, k, kw, heads(beta), gamma, interpret=True,  # noqa: E731
+                                           chunks=n)
+    for one, two in zip(run(1), run(2)):
+        np.testing.assert_array_equal(np.asarray(one, F32), np.asarray(two, F32))
+    with pytest.raises(ValueError, match="chunks"):
+        run(4)
+    assert inverse_mosaic.chunks_per_cta(8, 8, 32) == 8
+    assert inverse_mosaic.chunks_per_cta(1, 8, 32) == 1
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_inverse_lowers_for_cuda(chunks):
+    """Through Mosaic GPU's own passes (layout inference; the substitution's ``inline_mgpu``
+    block) at K = 128, one chunk a CTA and two."""
     s = jax.ShapeDtypeStruct
     tok, rows = s((B, TP, H, 128), BF16), s((B, H, TP), F32)
-    fn = lambda *a: inverse_mosaic.inverse(*a, interpret=False)  # noqa: E731
+    fn = lambda *a: inverse_mosaic.inverse(*a, interpret=False, chunks=chunks)  # noqa: E731
     assert mosaic_kernels_lowered_for_cuda(fn, (tok, tok, tok, rows, rows)) == 1
 
 
