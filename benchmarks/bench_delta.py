@@ -283,7 +283,7 @@ def breakdown(core, x, reps, options):
 def variant(v):
     """Options from precision/block_v/num_warps[/num_stages][/fused][/recompute][/vxla|/vhalving][/pP]
     [/kN][/wkN][/bwN][/wwN][/sN][/hbf16|/h32][/wbf16][/qP][/oserial|/okernel][/dserial|/dkernel]
-    [/mosaic|/triton][/cpN][/fg|/nofg][/gw1][/wyP][/waP][/wis][/invm][/fw2] (vxla / vhalving:
+    [/mosaic|/triton][/cpN][/fg|/nofg][/gw1][/wyP][/waP][/wis][/invm] (vxla / vhalving:
     ``Options.vector_wy`` = "xla" / "halving"; pP: ``Options.parallel_precision`` = P, e.g. ptf32, pbf16;
     kN: ``Options.block_k`` = N; wkN: ``Options.wy_block_k`` = N; bwN:
     ``Options.pullback_warps`` = N; wwN: ``Options.wy_warps`` = N; sN:
@@ -297,8 +297,7 @@ def variant(v):
     ``Options.fused_grads`` True / False; gw1:
     ``Options.grads_warpgroups`` = 1; wyP / waP: ``Options.wy_precision`` /
     ``wy_apply_precision`` = P; wis: ``Options.wy_in_serial``; invm:
-    ``Options.inverse_backend`` = "mosaic"; fw2: ``Options.forward_warpgroups`` = 2). Unnamed
-    options keep their defaults."""
+    ``Options.inverse_backend`` = "mosaic"). Unnamed options keep their defaults."""
     f = v.split("/")
     flags = [t for t in f[3:] if not t.isdigit()]
     block_k = [int(t[1:]) for t in flags if t[0] == "k" and t[1:].isdigit()]
@@ -337,8 +336,7 @@ def variant(v):
                    wy_precision=wy_dots[0] if wy_dots else None,
                    wy_apply_precision=apply_dots[0] if apply_dots else None,
                    wy_in_serial=True if "wis" in flags else None,
-                   inverse_backend="mosaic" if "invm" in flags else None,
-                   forward_warpgroups=2 if "fw2" in flags else 1)
+                   inverse_backend="mosaic" if "invm" in flags else None)
 
 
 def variant_tag(opt):
@@ -364,8 +362,7 @@ def variant_tag(opt):
             + (f"/wy{opt.wy_precision}" if opt.wy_precision else "")
             + (f"/wa{opt.wy_apply_precision}" if opt.wy_apply_precision else "")
             + ("/wis" if opt.wy_in_serial else "")
-            + ("/invm" if opt.inverse_backend == "mosaic" else "")
-            + ("/fw2" if opt.forward_warpgroups == 2 else ""))
+            + ("/invm" if opt.inverse_backend == "mosaic" else ""))
 
 
 def jla_ops():

@@ -142,9 +142,7 @@ class Options:
     hi / lo passes a merge product: at least as accurate); None: "mosaic" with
     ``wy_in_serial`` (forwards -2 % / -5 %, fwd+bwd -3 % / -5 % for DeltaNet / GDN in run 81,
     one call: near the run-to-run noise, but all four in one direction), else "triton";
-    "mosaic" without ``wy_in_serial``: ValueError. ``forward_warpgroups``: ``wy_in_serial``'s
-    forward pass in one warpgroup or two (the outputs in the second, from the S and R the
-    first publishes: ``state_wy_mosaic.state_fwd``; the same bits; not yet timed, so 1)."""
+    "mosaic" without ``wy_in_serial``: ValueError."""
 
     precision: str | None = None
     parallel_precision: str | None = None
@@ -171,16 +169,15 @@ class Options:
     wy_precision: str | None = None  # split: the scalar / no-decay WY forward's dots
     wy_in_serial: bool | None = None  # fused_grads: the state passes apply T (no W, U, K̃', Q')
     inverse_backend: str | None = None  # wy_in_serial: "triton" | "mosaic" wy_inverse
-    forward_warpgroups: int = 1  # wy_in_serial: the forward pass's outputs in a 2nd warpgroup
     wy_apply_precision: str | None = None  # split: that forward's W and U dots
 
     def __post_init__(self):
         if self.inverse_backend not in (None, "triton", "mosaic"):
             raise ValueError("Options.inverse_backend must be None, 'triton' or 'mosaic', got "
                              f"{self.inverse_backend!r}")
-        for name in ("grads_warpgroups", "forward_warpgroups"):
-            if getattr(self, name) not in (1, 2):
-                raise ValueError(f"Options.{name} must be 1 or 2, got {getattr(self, name)!r}")
+        if self.grads_warpgroups not in (1, 2):
+            raise ValueError(f"Options.grads_warpgroups must be 1 or 2, got "
+                             f"{self.grads_warpgroups!r}")
         tiles = dict(block_v=self.block_v, block_k=self.block_k)
         tiles |= {n: getattr(self, n) for n in ("wy_block_k", "serial_block_v")
                   if getattr(self, n) is not None}  # None: the tile above
@@ -511,7 +508,7 @@ def _serial_wy_forward(cfg, ins, wy, init, doc, first, last, store):
         cfg, state_wy_mosaic.state_fwd, args, axes,
         (_STATE_AXES["mosaic"], "b h t v")[:2 * store] + ("n h k v", "b t h v"), mosaic=True,
         scale=cfg.scale, out_dtype=v.dtype, num_docs=cfg.num_docs,
-        interpret=cfg.dots.interpret, store=store, warpgroups=cfg.options.forward_warpgroups)
+        interpret=cfg.dots.interpret, store=store)
     return (o, final, *saved)
 
 

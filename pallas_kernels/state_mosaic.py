@@ -146,11 +146,10 @@ def _doc_states(x):
     return jnp.swapaxes(x, -1, -2).astype(F32)
 
 
-def _kernel(body, *, name, out_type, scratch, grid, interpret, warpgroups=1):
-    threads = dict(num_threads=warpgroups, thread_name="wg") if warpgroups > 1 else {}
+def _kernel(body, *, name, out_type, scratch, grid, interpret):
     return plgpu.kernel(
         body, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=("b", "h", "v"),
-        compiler_params=plgpu.CompilerParams(approx_math=True), **threads,
+        compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None, kernel_name=name)
 
 
@@ -195,22 +194,16 @@ def columns(buf, slot):
     return bcast_cols(vec, (BV, vec.shape[0]))
 
 
-def _loop(nc, reverse, issue, in_bar, step, K, released=None):
+def _loop(nc, reverse, issue, in_bar, step, K):
     """The chunk loop: chunk tiles double-buffered (slot i % 2), the next chunk's issued right
     after the current one's arrive; ``step(c, slot, carry)`` returns the next carry, the
-    transposed [BV, K] float32 state or cotangent, zeros before the first chunk.
-    ``released``: a barrier another warpgroup arrives on once done with a chunk's slot, waited
-    for before every step but the first (so the other slot is free to refill)."""
+    transposed [BV, K] float32 state or cotangent, zeros before the first chunk."""
     chunk_at = (lambda i: nc - 1 - i) if reverse else (lambda i: i)
     issue(chunk_at(0), 0)
 
     def body(i, carry):
         slot = lax.rem(i, 2)
         plgpu.barrier_wait(in_bar.at[slot])
-        if released is not None:
-            @pl.when(i > 0)
-            def _released():
-                plgpu.barrier_wait(released)
 
         @pl.when(i + 1 < nc)
         def _prefetch():

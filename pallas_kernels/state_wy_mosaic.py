@@ -28,7 +28,6 @@ session 14). Dense rows or chunk-aligned documents (the flags of ``state_mosaic`
 """
 
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -61,7 +60,7 @@ def _issue(c, slot, bar, position, pairs, vec_ref, vec_bufs):
 
 
 def state_fwd(T, k, kw, v, q, P, vecs, gc, initial_state, doc, first, last, *, scale, out_dtype,
-              num_docs, interpret, store=True, warpgroups=1):
+              num_docs, interpret, store=True):
     """Forward pass from T, P [B, H, Tp, C] (bf16, ``wy_inverse``), the inputs k, k̃, q
     [B, Tp, H, K] and v [B, Tp, H, V] (bf16), ``vecs`` (rows β, βΓ, Γ, Γ_C/Γ [B, H, 4, Tp]
     float32) and Γ_C [B, H, NC, K]:
@@ -69,12 +68,7 @@ def state_fwd(T, k, kw, v, q, P, vecs, gc, initial_state, doc, first, last, *, s
     V], both bf16 (the backward's; a forward alone needs neither), then the final states [N,
     H, K, V] float32 and o = scale (Q' S + P R) [B, Tp, H, V] in ``out_dtype`` (module
     docstring). ``initial_state``: None or [N, H, K, V]; ``num_docs``: N, or None for one
-    document per batch row. ``warpgroups``: 1, or 2 with the outputs in a second warpgroup
-    (jla's fused forward): the first publishes each chunk's bf16 S and R in shared memory
-    (single buffers, also the stores' staging), the second forms Oᵀ from them and releases
-    them with the chunk's slot, which the first waits for before its next step."""
-    if warpgroups not in (1, 2):
-        raise ValueError(f"warpgroups must be 1 or 2, got {warpgroups!r}")
+    document per batch row."""
     B, H, Tp, _ = T.shape
     K, V, nc = k.shape[-1], v.shape[-1], Tp // C
     check_shapes(chunk=Tp // gc.shape[2], K=K, V=V)
@@ -91,22 +85,19 @@ def state_fwd(T, k, kw, v, q, P, vecs, gc, initial_state, doc, first, last, *, s
     if store:
         out_type[:0] = [out_struct((B, H, nc, V, K), BF16, *ins),
                         out_struct((B, H, Tp, V), BF16, *ins)]
-    if store or warpgroups == 2:
         scratch.update(s_out=smem((BV, K), BF16), r_out=smem((C, BV), BF16))
-    if warpgroups == 2:  # S, R published; the chunk's slot and S, R released
-        scratch.update(published=plgpu.Barrier(), released=plgpu.Barrier())
     args = [T, P, k, kw, q, v, vecs, gc, _flags(doc, first, last)]
     args += [_doc_states(initial_state)] if has_init else []
 
     def body(*refs, t, p, k, kw, q, v, vb, vbg, vg, vt, g, fl, doc_buf, doc_bar, in_bar, o_out,
-             s_out=None, r_out=None, published=None, released=None):
+             s_out=None, r_out=None):
         refs = list(refs)
         T_ref, P_ref, k_ref, kw_ref, q_ref, v_ref, vec_ref, gc_ref, f_ref = (
             refs.pop(0) for _ in range(9))
         init_ref = refs.pop(0) if has_init else None
         states_ref, R_ref = (refs.pop(0), refs.pop(0)) if store else (None, None)
         final_ref, o_ref = refs
-        b, h, v0 = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v") * BV
+        b, h, v0 = _start(doc_buf)
 
         def issue(c, slot):
             bar = in_bar.at[slot]
@@ -117,45 +108,27 @@ def state_fwd(T, k, kw, v, q, P, vecs, gc, initial_state, doc, first, last, *, s
             plgpu.copy_gmem_to_smem(gc_ref.at[b, h, c], g.at[slot], bar)
             plgpu.copy_gmem_to_smem(f_ref.at[b, c], fl.at[slot], bar)
 
-        def output(c, slot, s_a, r_a, qs_t=None):
-            """Oᵀ = scale ((Sᵀ Qᵀ) Diag(Γ) + Rᵀ Pᵀ) of chunk c into o_out, then stored; Sᵀ Qᵀ
-            given or formed from ``s_a`` (bf16 registers or the published buffer)."""
-            if qs_t is None:
-                qs_t = matmul([(s_a, q.at[slot].T)], (BV, C), None, interpret)
-            o_t = matmul([(r_a, p.at[slot].T)], (BV, C), qs_t * columns(vg, slot),
-                         interpret)
-            if released is not None:  # S, R and the slot's q, P, Γ read: the chain may go on
-                plgpu.barrier_arrive(released)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's o was read
-            o_out.T[...] = (scale * o_t).astype(o_out.dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_out, o_ref.at[b, pl.ds(c * C, C), h, pl.ds(v0, BV)],
-                                    commit_group=released is not None)
-
         def step(c, slot, S):
             d, is_first, is_last = fl[slot, 0], fl[slot, 1], fl[slot, 2]
             rows = pl.ds(c * C, C)
             S = restart_state(S, init_ref, d, h, v0, (doc_buf, doc_bar), is_first)
             s_lo = S.astype(BF16)
-            if published is None:
-                ks_t, qs_t = products([(s_lo, k.at[slot].T, (BV, C)),
-                                       (s_lo, q.at[slot].T, (BV, C))], interpret)  # Sᵀ Kᵀ, Sᵀ Qᵀ
-            else:
-                ks_t = matmul([(s_lo, k.at[slot].T)], (BV, C), None, interpret)
+            ks_t, qs_t = products([(s_lo, k.at[slot].T, (BV, C)), (s_lo, q.at[slot].T, (BV, C))],
+                                  interpret)  # Sᵀ Kᵀ, Sᵀ Qᵀ
             v_t = plgpu.load(v.at[slot].T, layout=WGMMA).astype(F32)
             y_lo = (v_t * columns(vb, slot) - ks_t * columns(vbg, slot)).astype(BF16)
             r_t = matmul([(y_lo, t.at[slot].T)], (BV, C), None, interpret)  # Rᵀ = Yᵀ Tᵀ
             r_lo = r_t.astype(BF16)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's stores were read
-            if s_out is not None:
+            if store:
                 s_out[...] = s_lo
                 r_out.T[...] = r_lo
-            if published is None:
-                output(c, slot, s_lo, r_lo, qs_t)
-            else:
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(published)
-            if store:  # (s_out and r_out were fenced above, with o_out or for warpgroup 1)
+            o_t = matmul([(r_lo, p.at[slot].T)], (BV, C), qs_t * columns(vg, slot),
+                         interpret)  # Oᵀ / scale = (Sᵀ Qᵀ) Diag(Γ) + Rᵀ Pᵀ
+            o_out.T[...] = (scale * o_t).astype(o_out.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_out, o_ref.at[b, rows, h, pl.ds(v0, BV)], commit_group=False)
+            if store:  # (s_out and r_out fenced with o_out above)
                 plgpu.copy_smem_to_gmem(s_out, states_ref.at[b, h, c, pl.ds(v0, BV)],
                                         commit_group=False)
                 plgpu.copy_smem_to_gmem(r_out, R_ref.at[b, h, rows, pl.ds(v0, BV)],
@@ -167,34 +140,10 @@ def state_fwd(T, k, kw, v, q, P, vecs, gc, initial_state, doc, first, last, *, s
             _doc_state_out(S, final_ref, d, h, v0, doc_buf, is_last)
             return S
 
-        def chain():
-            _start(doc_buf)
-            _loop(nc, False, issue, in_bar, step, K, released)
-            if released is not None:  # the last chunk's release: every phase observed
-                plgpu.barrier_wait(released)
-
-        def outputs():
-            """The second warpgroup: every chunk's output from the published S and R."""
-            def one(c, carry):
-                slot = lax.rem(c, 2)
-                plgpu.barrier_wait(in_bar.at[slot])
-                plgpu.barrier_wait(published)
-                output(c, slot, s_out, r_out.T)
-                return carry
-
-            lax.fori_loop(0, nc, one, 0)
-            plgpu.wait_smem_to_gmem(0)
-
-        if warpgroups == 1:
-            chain()
-            return
-        wg = lax.axis_index("wg")
-        pl.when(wg == 0)(chain)
-        pl.when(wg == 1)(outputs)
+        _loop(nc, False, issue, in_bar, step, K)
 
     outs = list(_kernel(body, name="state_fwd_wy_mosaic", out_type=tuple(out_type),
-                        scratch=scratch, grid=(B, H, V // BV), interpret=interpret,
-                        warpgroups=warpgroups)(*args))
+                        scratch=scratch, grid=(B, H, V // BV), interpret=interpret)(*args))
     outs[2 * store] = _doc_states(outs[2 * store])
     return outs
 

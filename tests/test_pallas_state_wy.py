@@ -2,8 +2,6 @@
 ``state_mosaic``'s passes fed with the WY tensors of the same T (interpret mode), and their
 lowering for CUDA."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -72,8 +70,7 @@ def assert_close(got, want, names):
 @pytest.mark.parametrize("K", [128])  # K = 64: the op tests (K = 40 padded)
 def test_forward_pass_matches_the_wy_pass(rand, K):
     """Chunk states, R, final document states (from initial ones) and outputs as
-    ``state_mosaic.state_fwd`` gives from W, U, K̃', Q' of the same T; with the outputs in a
-    second warpgroup, the same bits."""
+    ``state_mosaic.state_fwd`` gives from W, U, K̃', Q' of the same T."""
     x = inputs(rand, K)
     init = rand.normal(3, H, K, V)
     got = state_wy_mosaic.state_fwd(*list(x.values())[:8], init, *FLAGS, scale=SCALE, out_dtype=BF16,
@@ -82,10 +79,6 @@ def test_forward_pass_matches_the_wy_pass(rand, K):
     want = state_mosaic.state_fwd(W, U, kwt, x["gc"], init, *FLAGS, num_docs=3, interpret=True,
                                   output=(qd, x["P"], SCALE, BF16))
     assert_close(got, want, ("states", "R", "final", "o"))
-    two = state_wy_mosaic.state_fwd(*list(x.values())[:8], init, *FLAGS, scale=SCALE,
-                                    out_dtype=BF16, num_docs=3, interpret=True, warpgroups=2)
-    for a, b in zip(got, two):  # the outputs in a second warpgroup: the same bits
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 @pytest.mark.parametrize("K", [128])  # K = 64: the op tests (K = 40 padded)
@@ -105,8 +98,8 @@ def test_backward_pass_matches_the_wy_pass(rand, K):
 
 
 def test_passes_lower_for_cuda():
-    """Both passes (the forward with and without its stores, in one warpgroup or two) through
-    Mosaic GPU's own passes (layout inference) at K = V = 128."""
+    """Both passes (the forward with and without its stores) through Mosaic GPU's own passes
+    (layout inference) at K = V = 128."""
     K = 128
     s = jax.ShapeDtypeStruct
     tok = lambda d: s((B, TP, H, d), BF16)  # noqa: E731
@@ -114,11 +107,10 @@ def test_passes_lower_for_cuda():
     common = dict(T=rows(C), k=tok(K), kw=tok(K))
     flags = tuple(s(f.shape, jnp.int32) for f in FLAGS)
     vecs, gc = s((B, H, 4, TP), F32), s((B, H, NC, K), F32)
-    for store, wgs in ((True, 1), (False, 1), (True, 2), (False, 2)):
-        fwd = lambda T, k, kw, v, q, P, vecs, gc, *fl, store=store, wgs=wgs: (  # noqa: E731
-            state_wy_mosaic.state_fwd(T, k, kw, v, q, P, vecs, gc, None, *fl, scale=SCALE,
-                                      out_dtype=BF16, num_docs=None, interpret=False,
-                                      store=store, warpgroups=wgs))
+    for store in (True, False):
+        fwd = lambda T, k, kw, v, q, P, vecs, gc, *fl, store=store: state_wy_mosaic.state_fwd(  # noqa: E731
+            T, k, kw, v, q, P, vecs, gc, None, *fl, scale=SCALE, out_dtype=BF16, num_docs=None,
+            interpret=False, store=store)
         assert mosaic_kernels_lowered_for_cuda(
             fwd, (*common.values(), tok(V), tok(K), rows(C), vecs, gc, *flags)) == 1
     bwd = lambda T, k, kw, q, vecs, gc, A, do, df, *fl: state_wy_mosaic.state_bwd(  # noqa: E731
@@ -253,13 +245,3 @@ def test_forward_without_gradients_stores_nothing_else(rand, monkeypatch):
     for a, b in zip(alone, stored):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
-
-def test_forward_warpgroups_give_the_same_bits(rand):
-    """``Options.forward_warpgroups=2`` (the forward pass's outputs in a second warpgroup):
-    the op's outputs, final state and gradients bitwise those of one warpgroup; 3 is refused."""
-    two = dataclasses.replace(FUSED_GRADS, forward_warpgroups=2)
-    one, other = kernel_runs(rand, "scalar", 5, FUSED_GRADS, two, K=40)[:2]
-    for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(other)):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-    with pytest.raises(ValueError, match="forward_warpgroups must be 1 or 2"):
-        Options(forward_warpgroups=3)
