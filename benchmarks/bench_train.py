@@ -8,6 +8,7 @@ tokens per data-parallel device by default; 2 warm-up steps, then the median ste
         [--mesh DATA FSDP TENSOR [--mesh ...]]  # --batch rows per data-parallel device
         [--losses N] [--compare-mesh DATA FSDP TENSOR [--no-parity]]
         [--osgm-variant 2/1/16/8/scalar/p4/cpauto]  # OSGM kernel options (bench_osgm's strings)
+        [--layers N] [--impl pallas|chunked]  # a memory probe: the peak of an N-block step
 
 Rows are plain [b, T] sequences as in the anchors' runs; ``--packed`` passes each row's document
 boundaries (one document a row) so the step takes the packed-documents path of a text corpus
@@ -62,14 +63,20 @@ WARMUP = 2  # untimed steps after compilation
 SCHEDULE_STEPS = 20480  # the recipe's run length: the learning-rate schedule is the real run's
 
 
-def model_config(name, preconditioner, dtype, tied, tiny):
+def model_config(name, preconditioner, dtype, tied, tiny, layers=None, impl=None):
     """The preset's config computing in ``dtype`` (``--tiny``: 2 layers of width 128, 2 heads,
-    vocabulary 512)."""
+    vocabulary 512), with ``layers`` blocks and the ops' ``impl`` if given (``--layers``,
+    ``--impl``: a memory probe compares the compiled peaks of few-layer steps)."""
     config = dataclasses.replace(preset(name, preconditioner, dtype=jnp.dtype(dtype)), tie_embeddings=tied)
-    if not tiny:
-        return config
-    layer = dataclasses.replace(config.layer, hidden_size=128, num_heads=2, head_dim=64)
-    return dataclasses.replace(config, layer=layer, num_layers=2, intermediate_size=256, vocab_size=512)
+    if tiny:
+        layer = dataclasses.replace(config.layer, hidden_size=128, num_heads=2, head_dim=64)
+        config = dataclasses.replace(config, layer=layer, num_layers=2, intermediate_size=256,
+                                     vocab_size=512)
+    if layers is not None:
+        config = dataclasses.replace(config, num_layers=layers)
+    if impl is not None:
+        config = dataclasses.replace(config, layer=dataclasses.replace(config.layer, impl=impl))
+    return config
 
 
 def random_rows(seed, step, first_row, rows, vocab_size, seq_len):
@@ -239,13 +246,16 @@ def parse_args(argv=None):
     ap.add_argument("--packed", action="store_true",
                     help="rows as packed documents (cu_seqlens, the ops vmapped over rows)")
     ap.add_argument("--tiny", action="store_true", help="a small model, a quick check on a CPU")
+    ap.add_argument("--layers", type=int, help="blocks of the model (default: the preset's)")
+    ap.add_argument("--impl", choices=["auto", "pallas", "chunked"],
+                    help="the ops' impl (default: the preset's)")
     ap.add_argument("--osgm-variant", type=osgm_variant,
                     help="the OSGM kernels' options, as bench_osgm's variant strings")
     a = ap.parse_args(argv)
     a.mesh = [tuple(m) for m in a.mesh or [(1, 1, 1)]]
     a.compare_mesh = tuple(a.compare_mesh) if a.compare_mesh else None
-    if min(a.batch, a.seq_len, a.steps, a.compare_steps) < 1:
-        ap.error("--batch, --seq-len, --steps and --compare-steps must be >= 1")
+    if min(a.batch, a.seq_len, a.steps, a.compare_steps, 1 if a.layers is None else a.layers) < 1:
+        ap.error("--batch, --seq-len, --steps, --compare-steps and --layers must be >= 1")
     if not 0 <= a.losses <= a.steps + WARMUP:
         ap.error(f"--losses {a.losses}: must be in [0, {a.steps + WARMUP}] (--steps + {WARMUP} warm-ups)")
     if not 0 <= a.lr_warmup < SCHEDULE_STEPS:
@@ -269,7 +279,8 @@ def parse_args(argv=None):
 
 def main():
     a = parse_args()
-    configs = {p: model_config(a.preset, p, a.compute_dtype, a.tied, a.tiny) for p in a.preconditioners}
+    configs = {p: model_config(a.preset, p, a.compute_dtype, a.tied, a.tiny, a.layers, a.impl)
+               for p in a.preconditioners}
     runs = plan(a)
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {a.compute_dtype} compute, "
           f"remat={a.remat}, scan_layers={a.scan_layers}, packed={a.packed}, osgm options "

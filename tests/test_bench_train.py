@@ -30,12 +30,24 @@ def test_random_rows_depend_on_seed_step_and_row_only():
     assert not np.array_equal(random_rows(4, 5, 0, 6, 512, 17), whole)
 
 
+def test_layers_and_impl_override_the_preset():
+    """``--layers`` / ``--impl`` (the memory probe's few-block steps) after ``--tiny``'s shape."""
+    model_config = load_bench().model_config
+    config = model_config("deltanet-340m", "osgm", "bfloat16", False, True, layers=1, impl="chunked")
+    assert config.num_layers == 1 and config.layer.impl == "chunked"
+    assert config.layer.hidden_size == 128
+    default = model_config("deltanet-340m", "none", "bfloat16", False, False)
+    assert default.num_layers == 24 and default.layer.impl == "auto"
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--losses", "6", "--steps", "3"], "--losses 6"),
     (["--compare-mesh", "1", "1", "1"], "--compare-mesh needs --losses"),
     (["--mesh", "1000", "1", "1"], "--mesh 1000 1 1"),
     (["--mesh", "0", "1", "1"], "--mesh 0 1 1"),
     (["--batch", "0"], "--batch"),
+    (["--layers", "0"], "--layers"),
+    (["--impl", "cuda"], "--impl"),
 ])
 def test_bad_options_name_the_option(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
