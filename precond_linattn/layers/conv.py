@@ -34,24 +34,31 @@ class ShortConvolution(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((features,), param_dtype)) if use_bias else None
         self.kernel_size, self.dtype = kernel_size, dtype
 
-    def _out(self, acc):
-        if self.bias is not None:
-            acc = acc + self.bias[...].astype(jnp.float32)
+    def _out(self, acc, bias):
+        if bias is not None:
+            acc = acc + bias.astype(jnp.float32)
         return jax.nn.silu(acc).astype(self.dtype)
 
     def __call__(self, x: Float[Array, "b t d"], *, cu_seqlens=None) -> Float[Array, "b t d"]:
-        """Full sequence; ``cu_seqlens`` (B = 1) restarts the window at every document."""
+        """Full sequence; ``cu_seqlens`` (B = 1) restarts the window at every document. Under
+        ``jax.checkpoint``: the backward keeps x alone and recomputes the float32 window sums
+        (kept, they were W shifted float32 copies of x and the pre-activation: ~0.34 GiB a
+        convolution at 8 x 2048 x 1024, benchmarks/NOTES.md session 16)."""
         B, T, _ = x.shape
         seg = segments(B, T, cu_seqlens)
         t = jnp.arange(T)
         pos = t - jax.lax.cummax(jnp.where(seg.first, t, 0), axis=1)  # index within document
-        w = self.kernel[...].astype(jnp.float32)
-        xf = x.astype(jnp.float32)
-        acc = jnp.zeros_like(xf)
-        for j in range(self.kernel_size):
-            shifted = jnp.pad(xf, ((0, 0), (j, 0), (0, 0)))[:, :T]
-            acc = acc + jnp.where((pos >= j)[..., None], shifted, 0.0) * w[self.kernel_size - 1 - j]
-        return self._out(acc)
+
+        @jax.checkpoint
+        def conv(x, w, bias):
+            w, xf = w.astype(jnp.float32), x.astype(jnp.float32)
+            acc = jnp.zeros_like(xf)
+            for j in range(self.kernel_size):
+                shifted = jnp.pad(xf, ((0, 0), (j, 0), (0, 0)))[:, :T]
+                acc = acc + jnp.where((pos >= j)[..., None], shifted, 0.0) * w[self.kernel_size - 1 - j]
+            return self._out(acc, bias)
+
+        return conv(x, self.kernel[...], None if self.bias is None else self.bias[...])
 
     def tail(self, x: Float[Array, "b t d"], *, cu_seqlens=None) -> Float[Array, "n w d"]:
         """The decode cache after ``x``: the last W − 1 inputs of every document [N, W − 1, D]."""
@@ -67,4 +74,4 @@ class ShortConvolution(nnx.Module):
         window = jnp.concatenate([tail, x[:, None].astype(self.dtype)], axis=1)
         acc = jnp.einsum("bwd,wd->bd", window.astype(jnp.float32),
                          self.kernel[...].astype(jnp.float32))
-        return self._out(acc), window[:, 1:]
+        return self._out(acc, None if self.bias is None else self.bias[...]), window[:, 1:]

@@ -34,7 +34,9 @@ def _norm(c):
 
 
 class SwiGLU(nnx.Module):
-    """y = W_down (SiLU(W_gate x) ⊙ W_up x)."""
+    """y = W_down (SiLU(W_gate x) ⊙ W_up x); the backward keeps the two projections and
+    recomputes the product (``jax.checkpoint``: ~0.17 GiB less a block of the 340M models,
+    benchmarks/NOTES.md session 16)."""
 
     def __init__(self, c: ModelConfig, *, rngs: nnx.Rngs):
         D, F = c.hidden_size, c.mlp_width
@@ -42,7 +44,8 @@ class SwiGLU(nnx.Module):
         self.down_proj = _linear(F, D, c, rngs)
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        product = jax.checkpoint(lambda gate, up: jax.nn.silu(gate) * up)
+        return self.down_proj(product(self.gate_proj(x), self.up_proj(x)))
 
 
 class Block(nnx.Module):
