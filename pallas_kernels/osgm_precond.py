@@ -27,6 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import osgm_mosaic
 from pallas_kernels.osgm_sweep_triton import (
     G, INV_N, U_BWD, W, osgm_sweep, osgm_sweep_bwd, osgm_sweep_compose, osgm_sweep_compose_bwd)
 from pallas_kernels.osgm_triton import AUX, BETA, DOC, FIRST, LAST, RET, osgm_bwd, osgm_fwd
@@ -65,7 +66,10 @@ class Options:
     (``_iterate``). ``picard_pieces``: each sweep over dense rows cut into that many sequence
     pieces (``token_pieces``: each piece's composed map, then the sweep, whose programs chain
     the maps of the pieces before theirs; it must divide T); None (the default):
-    ``auto_pieces`` halved until it divides T; 1: no split; packed documents never split."""
+    ``auto_pieces`` halved until it divides T; 1: no split; packed documents never split.
+    ``mosaic_forward``: the forward token loop as the Mosaic GPU kernel ``osgm_mosaic.osgm_fwd``
+    (tiles by TMA, one coordinate a thread) where it runs (dense rows, K padded to 128, no
+    Picard sweeps), else the Triton one; the backward is the Triton reverse loop either way."""
 
     prefetch: int = 2
     num_warps: int = 1
@@ -76,6 +80,7 @@ class Options:
     picard_block_k: int = 32
     picard_early_exit: bool = False
     picard_pieces: int | None = None
+    mosaic_forward: bool = False
 
     def __post_init__(self):
         n = self.picard_iters
@@ -89,7 +94,7 @@ class Options:
         p = self.picard_pieces
         if p is not None and (not isinstance(p, int) or isinstance(p, bool) or p < 1):
             raise ValueError(f"Options.picard_pieces must be None or an int >= 1, got {p!r}")
-        for name in ("scalar_aux", "picard_early_exit"):
+        for name in ("scalar_aux", "picard_early_exit", "mosaic_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Options.{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -161,10 +166,33 @@ def _forward(cfg, k, aux, init, emit_d):
     coupling settled, the token loop running only for the others (``osgm_fwd``'s skip flags:
     an exact fallback without a host round trip)."""
     settled = ()
+    if (cfg.options.mosaic_forward and not cfg.options.picard_iters
+            and osgm_mosaic.runs(K=k.shape[-1], packed=cfg.packed)):
+        return _mosaic_forward(cfg, k, aux, init, emit_d)
     if cfg.options.picard_iters:
         out, ok = _picard_forward(cfg, k, aux, init, emit_d=emit_d)
         settled = (ok, *out)
     return _token_forward(cfg, k, aux, init, emit_d=emit_d, settled=settled)
+
+
+def _mosaic_forward(cfg, k, aux, init, emit_d):
+    """``osgm_mosaic.osgm_fwd``'s results (T padded to whole tiles, then cut), its per-token
+    coefficients from XLA. In interpret mode the kernel runs unpartitioned (Mosaic GPU's
+    interpreter runs I/O callbacks, which ``custom_partitioning`` cannot lower)."""
+    T = k.shape[1]
+    Tp = -(-T // osgm_mosaic.TILE) * osgm_mosaic.TILE
+    eta, d_min, d_max, eps = cfg.hyper
+    coefs = osgm_mosaic.coefficient_rows(k, aux[..., BETA], aux[..., RET], eta, cfg.beta_aware,
+                                         eps, Tp)
+    kernel = functools.partial(osgm_mosaic.osgm_fwd, bounds=(d_min, d_max), emit_d=emit_d,
+                               interpret=cfg.interpret)
+    args = [jnp.pad(k, [(0, 0), (0, Tp - T), (0, 0), (0, 0)]), coefs, init]
+    if cfg.interpret:
+        out, final = kernel(*args)
+    else:
+        out, final = sharded_call(lambda *xs: tuple(kernel(*xs)), args,
+                                  ["b t h k", "b h r t", "n h k"], ["b t h k", "n h k"])
+    return out[:, :T], final
 
 
 def _iterate(cfg, sweep, x0):

@@ -22,6 +22,8 @@ from pallas_kernels.osgm_precond import Options
     ("2/1/16/scalar/p4/fixed/cpauto", Options(prefetch=2, num_warps=1, unroll=16, scalar_aux=True,
                                               picard_iters=4, picard_early_exit=False,
                                               picard_pieces=None)),
+    ("2/1/16/8/scalar/mosaic", Options(prefetch=2, num_warps=1, unroll=16, bwd_unroll=8,
+                                       scalar_aux=True, picard_iters=0, mosaic_forward=True)),
 ])
 def test_variant_strings(text, options):
     assert variant(text) == options
