@@ -70,8 +70,8 @@ def variant(text):
     iteration, the backward 8; "2/1/8/p8/bk32": phase 1 by at most 8 Picard sweeps each way over
     blocks of 32 coordinates; "fixed": exactly N sweeps, no early exit; "cp8" / "cpauto": each
     sweep over 8 / ``auto_pieces`` sequence pieces, ``Options.picard_pieces``, auto when not
-    named, "cp1": unsplit; "mosaic": the forward token loop as the Mosaic GPU kernel,
-    ``Options.mosaic_forward``). Without "pN" the token loops (not ``picard_iters=None``'s choice by
+    named, "cp1": unsplit; "mosaic": the token loops as Mosaic GPU kernels,
+    ``Options.mosaic_loops``). Without "pN" the token loops (not ``picard_iters=None``'s choice by
     shape: a variant names its kernels)."""
     parts = text.split("/")
     flags = [t for t in parts if not t.isdigit()]
@@ -91,7 +91,7 @@ def variant(text):
                    bwd_unroll=numbers[3] if len(numbers) == 4 else None,
                    picard_iters=picard[0] if picard else 0,
                    picard_early_exit=bool(picard) and "fixed" not in flags,
-                   mosaic_forward="mosaic" in flags,
+                   mosaic_loops="mosaic" in flags,
                    **({"picard_block_k": block[0]} if block else {}),
                    **({"picard_pieces": pieces[0]} if pieces else {}))
 

@@ -1,7 +1,8 @@
 """``osgm_precondition`` (SPEC 3.1) on Pallas kernels: layout, ``custom_vjp`` wrapper, ``supports``.
 
 Forward: the token loop of ``osgm_triton`` (one program per batch row and head, d in registers,
-exact clip, no host synchronisation). Backward (exact): under differentiation the forward kernel
+exact clip, no host synchronisation), or with ``Options.mosaic_loops`` the Mosaic GPU loops of
+``osgm_mosaic`` (both directions) where they run. Backward (exact): under differentiation the forward kernel
 writes every d_t (float32, kept as the residual; k̃ = d ⊙ k is formed from it), then the reverse
 kernel propagates λ = ∂L/∂d through the clipped recurrence and emits the cotangents of k, β, r
 and the initial state. The clip's derivative is that of ``reference.osgm.clip_box`` (0 on and
@@ -67,9 +68,9 @@ class Options:
     pieces (``token_pieces``: each piece's composed map, then the sweep, whose programs chain
     the maps of the pieces before theirs; it must divide T); None (the default):
     ``auto_pieces`` halved until it divides T; 1: no split; packed documents never split.
-    ``mosaic_forward``: the forward token loop as the Mosaic GPU kernel ``osgm_mosaic.osgm_fwd``
-    (tiles by TMA, one coordinate a thread) where it runs (dense rows, K padded to 128, no
-    Picard sweeps), else the Triton one; the backward is the Triton reverse loop either way."""
+    ``mosaic_loops``: the token loops, forward and reverse, as the Mosaic GPU kernels of
+    ``osgm_mosaic`` (tiles by TMA, one coordinate a thread) where they run (dense rows, K
+    padded to 128, no Picard sweeps), else the Triton ones."""
 
     prefetch: int = 2
     num_warps: int = 1
@@ -80,7 +81,7 @@ class Options:
     picard_block_k: int = 32
     picard_early_exit: bool = False
     picard_pieces: int | None = None
-    mosaic_forward: bool = False
+    mosaic_loops: bool = False
 
     def __post_init__(self):
         n = self.picard_iters
@@ -94,7 +95,7 @@ class Options:
         p = self.picard_pieces
         if p is not None and (not isinstance(p, int) or isinstance(p, bool) or p < 1):
             raise ValueError(f"Options.picard_pieces must be None or an int >= 1, got {p!r}")
-        for name in ("scalar_aux", "picard_early_exit", "mosaic_forward"):
+        for name in ("scalar_aux", "picard_early_exit", "mosaic_loops"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Options.{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -166,8 +167,7 @@ def _forward(cfg, k, aux, init, emit_d):
     coupling settled, the token loop running only for the others (``osgm_fwd``'s skip flags:
     an exact fallback without a host round trip)."""
     settled = ()
-    if (cfg.options.mosaic_forward and not cfg.options.picard_iters
-            and osgm_mosaic.runs(K=k.shape[-1], packed=cfg.packed)):
+    if _mosaic_runs(cfg, k):
         return _mosaic_forward(cfg, k, aux, init, emit_d)
     if cfg.options.picard_iters:
         out, ok = _picard_forward(cfg, k, aux, init, emit_d=emit_d)
@@ -175,24 +175,57 @@ def _forward(cfg, k, aux, init, emit_d):
     return _token_forward(cfg, k, aux, init, emit_d=emit_d, settled=settled)
 
 
+def _mosaic_runs(cfg, k):
+    """Whether ``Options.mosaic_loops`` takes this call."""
+    return (cfg.options.mosaic_loops and not cfg.options.picard_iters
+            and osgm_mosaic.runs(K=k.shape[-1], packed=cfg.packed))
+
+
+def _mosaic_call(cfg, kernel, args, in_axes, out_axes):
+    """A kernel of ``osgm_mosaic`` through ``sharded_call``; in interpret mode called directly
+    (Mosaic GPU's interpreter runs I/O callbacks, which ``custom_partitioning`` cannot lower)."""
+    kernel = functools.partial(kernel, bounds=cfg.hyper[1:3], interpret=cfg.interpret)
+    if cfg.interpret:
+        return kernel(*args)
+    return sharded_call(lambda *xs: tuple(kernel(*xs)), args, in_axes, out_axes)
+
+
+def _tile_padded(x, Tp, value=0.0):
+    """x [B, T, H, K] padded along T to Tp tokens with ``value``."""
+    return jnp.pad(x, [(0, 0), (0, Tp - x.shape[1]), (0, 0), (0, 0)], constant_values=value)
+
+
 def _mosaic_forward(cfg, k, aux, init, emit_d):
     """``osgm_mosaic.osgm_fwd``'s results (T padded to whole tiles, then cut), its per-token
-    coefficients from XLA. In interpret mode the kernel runs unpartitioned (Mosaic GPU's
-    interpreter runs I/O callbacks, which ``custom_partitioning`` cannot lower)."""
+    coefficients from XLA."""
+    T = k.shape[1]
+    Tp = -(-T // osgm_mosaic.TILE) * osgm_mosaic.TILE
+    eta, _, _, eps = cfg.hyper
+    coefs = osgm_mosaic.coefficient_rows(k, aux[..., BETA], aux[..., RET], eta, cfg.beta_aware,
+                                         eps, Tp)
+    out, final = _mosaic_call(
+        cfg, functools.partial(osgm_mosaic.osgm_fwd, emit_d=emit_d),
+        [_tile_padded(k, Tp), coefs, init], ["b t h k", "b h r t", "n h k"],
+        ["b t h k", "n h k"])
+    return out[:, :T], final
+
+
+def _mosaic_backward(cfg, k, aux, d, dkw, dfinal):
+    """``osgm_mosaic.osgm_bwd``'s cotangents (d padded strictly inside the box, so that padded
+    tokens pass λ on), ∂β from its γ_t elementwise (``osgm_picard.beta_cotangent``)."""
     T = k.shape[1]
     Tp = -(-T // osgm_mosaic.TILE) * osgm_mosaic.TILE
     eta, d_min, d_max, eps = cfg.hyper
-    coefs = osgm_mosaic.coefficient_rows(k, aux[..., BETA], aux[..., RET], eta, cfg.beta_aware,
-                                         eps, Tp)
-    kernel = functools.partial(osgm_mosaic.osgm_fwd, bounds=(d_min, d_max), emit_d=emit_d,
-                               interpret=cfg.interpret)
-    args = [jnp.pad(k, [(0, 0), (0, Tp - T), (0, 0), (0, 0)]), coefs, init]
-    if cfg.interpret:
-        out, final = kernel(*args)
-    else:
-        out, final = sharded_call(lambda *xs: tuple(kernel(*xs)), args,
-                                  ["b t h k", "b h r t", "n h k"], ["b t h k", "n h k"])
-    return out[:, :T], final
+    coefs, a = osgm_mosaic.backward_rows(k, d, aux[..., BETA], aux[..., RET], eta,
+                                         cfg.beta_aware, eps, Tp)
+    dk, rows, dinit = _mosaic_call(
+        cfg, osgm_mosaic.osgm_bwd,
+        [_tile_padded(k, Tp), _tile_padded(d, Tp, (d_min + d_max) / 2), _tile_padded(dkw, Tp),
+         coefs, dfinal], ["b t h k"] * 3 + ["b h r t", "n h k"], ["b t h k", "b h r t", "n h k"])
+    gamma, dr = (jnp.moveaxis(rows[:, :, i, :T], 1, 2) for i in range(2))  # [B, T, H]
+    dbeta = beta_cotangent(gamma, a, _coefficients(cfg, k, aux), eta, cfg.beta_aware)
+    daux = jnp.zeros_like(aux).at[..., BETA].set(dbeta).at[..., RET].set(dr)
+    return dk[:, :T], daux, dinit
 
 
 def _iterate(cfg, sweep, x0):
@@ -315,6 +348,9 @@ def _scan_fwd(cfg, k, aux, init):
 
 def _scan_bwd(cfg, res, cts):
     k, aux, d, init = res
+    if _mosaic_runs(cfg, k):
+        dk, daux, dinit = _mosaic_backward(cfg, k, aux, d, *cts)
+        return match_types((dk.astype(k.dtype), daux, dinit), (k, aux, init))
     settled = ()
     if cfg.options.picard_iters:  # the token loop only where the sweeps did not settle
         grads, ok = _picard_backward(cfg, k, aux, d, *cts)

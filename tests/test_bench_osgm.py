@@ -23,7 +23,7 @@ from pallas_kernels.osgm_precond import Options
                                               picard_iters=4, picard_early_exit=False,
                                               picard_pieces=None)),
     ("2/1/16/8/scalar/mosaic", Options(prefetch=2, num_warps=1, unroll=16, bwd_unroll=8,
-                                       scalar_aux=True, picard_iters=0, mosaic_forward=True)),
+                                       scalar_aux=True, picard_iters=0, mosaic_loops=True)),
 ])
 def test_variant_strings(text, options):
     assert variant(text) == options

@@ -1,6 +1,6 @@
-"""The Mosaic GPU forward token loop of OSGM (pallas_kernels/osgm_mosaic.py, ``Options.
-mosaic_forward``) against the token-by-token reference in interpret mode, where it applies and
-where it falls back, and its lowering for CUDA."""
+"""The Mosaic GPU token loops of OSGM, forward and reverse (pallas_kernels/osgm_mosaic.py,
+``Options.mosaic_loops``), against the token-by-token reference in interpret mode, where they
+apply and where they fall back, and their lowering for CUDA."""
 
 import jax
 import jax.numpy as jnp
@@ -11,30 +11,33 @@ from pallas_kernels.osgm_precond import Options
 from conftest import assert_runs_match, mosaic_kernels_lowered_for_cuda
 from test_pallas_osgm import clipped_fraction, make_inputs, run
 
-MOSAIC = Options(mosaic_forward=True, picard_iters=0)
+MOSAIC = Options(mosaic_loops=True, picard_iters=0)
 
 
-def triton_forward_poisoned(monkeypatch):
-    """The Triton forward token loop writes NaN wherever it runs (so finite results show the
-    Mosaic kernel ran); the Triton backward stays."""
-    def nan_body(*refs, **static):
-        for ref in refs[3:]:
-            ref[...] = jnp.full(ref.shape, jnp.nan, ref.dtype)
-    monkeypatch.setattr(osgm_triton, "_fwd", nan_body)
+def triton_loops_poisoned(monkeypatch):
+    """The Triton token loops write NaN wherever they run (so finite results show that the
+    Mosaic kernels ran)."""
+    def nan_body(n_in):
+        def body(*refs, **static):
+            for ref in refs[n_in:]:
+                ref[...] = jnp.full(ref.shape, jnp.nan, ref.dtype)
+        return body
+    monkeypatch.setattr(osgm_triton, "_fwd", nan_body(3))
+    monkeypatch.setattr(osgm_triton, "_bwd", nan_body(5))
 
 
 @pytest.mark.parametrize("beta_aware", [True, False])
 @pytest.mark.parametrize("clip", ["active", "inactive"])
 def test_matches_reference(beta_aware, clip, monkeypatch):
-    """K = 100 (padded to 128), T = 70 (a second, partial tile), two rows, APF retention:
-    forward, final state and the gradients of k, β, r, d_1 (the Triton backward from the d_t the
-    kernel emits) within 2e-5 of the reference, the clip pinning many coordinates or never
-    reached; the Triton forward never ran."""
+    """K = 100 (padded to 128), T = 70 (a partial last tile: padded tokens leave d and λ as
+    they are), two rows, APF retention: forward, final state and the gradients of k, β, r, d_1
+    within 2e-5 of the reference, the clip pinning many coordinates or never reached; the
+    Triton loops never ran."""
     x = make_inputs(3, t=70, k_dim=100, skewed=clip == "active")
     eta = 2.0 if clip == "active" else 0.003
     if clip == "active":
         assert clipped_fraction(x, eta) > 0.2
-    triton_forward_poisoned(monkeypatch)
+    triton_loops_poisoned(monkeypatch)
     assert_runs_match(run(MOSAIC, x, eta=eta, beta_aware=beta_aware),
                       run("reference", x, eta=eta, beta_aware=beta_aware), 2e-5)
 
@@ -44,7 +47,7 @@ def test_bf16_keys(monkeypatch):
     x = make_inputs(4, t=64, k_dim=128, skewed=True, dtype=jnp.bfloat16)
     x["initial_state"] = x["initial_state"].astype(jnp.float32)
     want = run(Options(picard_iters=0), x, eta=2.0)
-    triton_forward_poisoned(monkeypatch)
+    triton_loops_poisoned(monkeypatch)
     got = run(MOSAIC, x, eta=2.0)
     for a, b in zip(jax.tree.leaves(got[:2]), jax.tree.leaves(want[:2])):
         assert a.dtype == b.dtype
@@ -53,13 +56,13 @@ def test_bf16_keys(monkeypatch):
 
 @pytest.mark.parametrize("k_dim, packed", [(24, False), (100, True)])
 def test_falls_back_where_it_does_not_run(k_dim, packed, monkeypatch):
-    """K padded below 128, or packed documents: the Triton loop runs (the Mosaic one is never
+    """K padded below 128, or packed documents: the Triton loops run (the Mosaic ones are never
     called) and the results are the reference's."""
     def refuse(*a, **kw):
-        raise AssertionError("osgm_mosaic.osgm_fwd called")
+        raise AssertionError("an osgm_mosaic kernel was called")
     monkeypatch.setattr(osgm_mosaic, "osgm_fwd", refuse)
-    n = 2 if packed else 2
-    x = make_inputs(5, b=1 if packed else 2, t=30, k_dim=k_dim, n_init=n)
+    monkeypatch.setattr(osgm_mosaic, "osgm_bwd", refuse)
+    x = make_inputs(5, b=1 if packed else 2, t=30, k_dim=k_dim)
     kw = dict(eta=1.0, cu_seqlens=jnp.asarray([0, 11, 30], jnp.int32)) if packed else dict(eta=1.0)
     assert_runs_match(run(MOSAIC, x, **kw), run("reference", x, **kw), 2e-5)
 
@@ -69,17 +72,20 @@ def test_bad_shapes_raise():
     with pytest.raises(ValueError, match="K = 128"):
         osgm_mosaic.osgm_fwd(k, jnp.zeros((1, 1, 3, 64)), jnp.ones((1, 1, 64)),
                              bounds=(0.5, 2.0), emit_d=False, interpret=True)
-    with pytest.raises(ValueError, match="mosaic_forward must be a bool"):
-        Options(mosaic_forward=1)
+    with pytest.raises(ValueError, match="mosaic_loops must be a bool"):
+        Options(mosaic_loops=1)
 
 
 @pytest.mark.parametrize("dtype, emit_d", [(jnp.bfloat16, False), (jnp.float32, True)])
 def test_lowers_for_cuda(dtype, emit_d):
     """Through Mosaic GPU's own passes (layout inference of the per-thread rows and the
-    warpgroup reduction), three tiles."""
+    warpgroup reductions), three forward tiles, six backward ones."""
     s = jax.ShapeDtypeStruct
-    fn = lambda k, c, i: osgm_mosaic.osgm_fwd(k, c, i, bounds=(0.5, 2.0), emit_d=emit_d,  # noqa: E731
-                                              interpret=False)
+    seq, state = s((2, 192, 2, 128), dtype), s((2, 2, 128), jnp.float32)
+    fwd = lambda k, c, i: osgm_mosaic.osgm_fwd(k, c, i, bounds=(0.5, 2.0), emit_d=emit_d,  # noqa: E731
+                                               interpret=False)
+    assert mosaic_kernels_lowered_for_cuda(fwd, (seq, s((2, 2, 3, 192), jnp.float32), state)) == 1
+    bwd = lambda *a: osgm_mosaic.osgm_bwd(*a, bounds=(0.5, 2.0), interpret=False)  # noqa: E731
+    d = s(seq.shape, jnp.float32)
     assert mosaic_kernels_lowered_for_cuda(
-        fn, (s((2, 192, 2, 128), dtype), s((2, 2, 3, 192), jnp.float32),
-             s((2, 2, 128), jnp.float32))) == 1
+        bwd, (seq, d, seq, s((2, 2, 4, 192), jnp.float32), state)) == 1
