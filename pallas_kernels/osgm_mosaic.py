@@ -13,9 +13,11 @@ keys and coefficients arrive by TMA in tiles of ``TILE`` tokens, double-buffered
 tile's loads fly during this one's loop), and the outputs leave by TMA from double-buffered
 tiles: no global load or store waits on the per-token chain, whose length is one reduction,
 two scalar operations and the update (``osgm_triton``'s one-warp programs load each token's
-rows from global memory inside the loop). Dense rows only (T padded to a whole tile: k = 0, w = 0,
-r = 1 leave d as it is); K = 128 (one coordinate a thread). In interpret mode
-(``plgpu.InterpretGPUParams``) the same program runs on the CPU.
+rows from global memory inside the loop). T is padded to a whole tile (k = 0, w = 0, r = 1 leave
+d as it is); K = 128 (one coordinate a thread). Packed documents (``packed``: the rows carry
+each token's document and first / last flags) restart d from the document's initial state at
+its first token and store its final state after its last, as ``osgm_triton`` does. In
+interpret mode (``plgpu.InterpretGPUParams``) the same program runs on the CPU.
 """
 
 import jax.numpy as jnp
@@ -29,14 +31,14 @@ F32 = jnp.float32
 K_THREADS = 128  # the head dim the kernels take: one coordinate a thread of a warpgroup
 TILE = 64  # tokens a TMA tile of the forward; T is padded to a multiple of it
 BWD_TILE = 32  # the backward's (six tiles of 32 fit 227 KB of shared memory with f32 keys)
-W, G, R = range(3)  # rows of the forward's coefficients [B, H, 3, Tp]
-U, RB, GW, GN = range(4)  # rows of the backward's [B, H, 4, Tp]
+R, RB = 2, 1  # the retention row of the forward's coefficients (w, g, r) and the backward's
+#               (u, r, w g, c_n); with packed documents three more follow: document, first, last
 VEC = plgpu.Layout.WG_STRIDED((K_THREADS,), vec_size=1)
 
 
-def runs(*, K: int, packed: bool) -> bool:
-    """Whether the kernels take a call: dense rows and a head dim padded to 128."""
-    return not packed and K == K_THREADS
+def runs(*, K: int) -> bool:
+    """Whether the kernels take a call: a head dim padded to 128."""
+    return K == K_THREADS
 
 
 def _per_token(k, beta, retention, eta, beta_aware, eps):
@@ -52,29 +54,34 @@ def _per_token(k, beta, retention, eta, beta_aware, eps):
     return s, ss, n, g, r, eta * g / n
 
 
-def _rows(rows, Tp, ones):
-    """Per-token rows [B, T, H] each as [B, H, len(rows), Tp] float32, padded with zeros but
-    row ``ones`` with ones."""
-    T = rows[0].shape[1]
+def _rows(rows, docs, Tp, ones):
+    """Per-token rows [B, T, H] each (then, if ``docs``, its three rows: each token's document
+    id and first / last flags [B, T]) as [B, H, n, Tp] float32, padded with zeros (no document
+    flags) but row ``ones`` with ones."""
+    B, T, H = rows[0].shape
+    rows = list(rows) + ([] if docs is None else [jnp.broadcast_to(
+        x.astype(F32)[..., None], (B, T, H)) for x in docs])
     x = jnp.pad(jnp.stack(rows, axis=1), [(0, 0), (0, 0), (0, Tp - T), (0, 0)])
     return jnp.transpose(x.at[:, ones, T:].set(1.0), (0, 3, 1, 2))
 
 
-def coefficient_rows(k, beta, retention, eta, beta_aware, eps, Tp):
-    """The forward's [B, H, 3, Tp]: w = η g / max(Σ k², ε), g = β (beta-aware) or 1, r (1
-    without retention) per token, padded to Tp tokens with w = 0, g = 0, r = 1."""
+def coefficient_rows(k, beta, retention, eta, beta_aware, eps, Tp, docs=None):
+    """The forward's [B, H, 3 (+ 3), Tp]: w = η g / max(Σ k², ε), g = β (beta-aware) or 1, r (1
+    without retention) per token, padded to Tp tokens with w = 0, g = 0, r = 1; ``docs``
+    (document ids, first and last flags [B, T]) for packed documents."""
     _, _, _, g, r, w = _per_token(k, beta, retention, eta, beta_aware, eps)
-    return _rows([w, g, r], Tp, R)
+    return _rows([w, g, r], docs, Tp, R)
 
 
-def backward_rows(k, d, beta, retention, eta, beta_aware, eps, Tp):
-    """The backward's [B, H, 4, Tp] from the forward's d_t: u = w (1 − g a), r, w g and
+def backward_rows(k, d, beta, retention, eta, beta_aware, eps, Tp, docs=None):
+    """The backward's [B, H, 4 (+ 3), Tp] from the forward's d_t: u = w (1 − g a), r, w g and
     [Σ s > ε] (1 − g a) w / n̄ (a = ⟨d_t, s_t⟩; padded with zeros but r = 1: with d padded
-    strictly inside the box, a padded token passes λ on unchanged), and a [B, T, H]."""
+    strictly inside the box, a padded token passes λ on unchanged), and a [B, T, H]; ``docs``
+    as ``coefficient_rows``'s."""
     s, ss, n, g, r, w = _per_token(k, beta, retention, eta, beta_aware, eps)
     a = jnp.sum(d * s, -1)
     v = 1.0 - g * a
-    return _rows([w * v, r, w * g, jnp.where(ss > eps, v * w / n, 0.0)], Tp, RB), a
+    return _rows([w * v, r, w * g, jnp.where(ss > eps, v * w / n, 0.0)], docs, Tp, RB), a
 
 
 def _check(name, K, Tp):
@@ -114,17 +121,42 @@ def _walk(n_tiles, reverse, issue, in_bar, start_bar, state, start, end, run_til
 
     carry = lax.fori_loop(0, n_tiles, body, plgpu.load(state, layout=VEC))
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    state[...] = carry
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(state, end)
+    if end is not None:
+        state[...] = carry
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(state, end)
     plgpu.wait_smem_to_gmem(0)
 
 
+def _document_in(value, ref, h, doc, flag, buf, bar):
+    """``value``, or document ``doc``'s row of ``ref`` [N, H, 128] (loaded into ``buf``) where
+    ``flag`` is set (a document boundary)."""
+    @pl.when(flag != 0)
+    def _():
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # buf's last store was read
+        plgpu.copy_gmem_to_smem(ref.at[doc, h], buf, bar)
+        plgpu.barrier_wait(bar)
+
+    on = plgpu.layout_cast(jnp.broadcast_to(flag != 0, (K_THREADS,)), VEC)
+    return jnp.where(on, plgpu.load(buf, layout=VEC), value)
+
+
+def _document_out(value, ref, h, doc, flag, buf):
+    """Document ``doc``'s row of ``ref`` [N, H, 128] = ``value`` where ``flag`` is set."""
+    @pl.when(flag != 0)
+    def _():
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        buf[...] = value
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(buf, ref.at[doc, h])
+
+
 def _kernel(body, name, out_type, scratch, B, H, interpret, args, arrivals):
-    """One CTA a (row, head) with ``scratch`` plus the state buffer and the barriers (two tile
-    slots of ``arrivals`` copies, one for the carry's start)."""
+    """One CTA a (row, head) with ``scratch`` plus the state buffer, the barriers (two tile
+    slots of ``arrivals`` copies, one for single rows) and a document-state buffer."""
     scratch = dict(scratch, state=plgpu.SMEM((K_THREADS,), F32), start_bar=plgpu.Barrier(),
-                   in_bar=plgpu.Barrier(num_arrivals=arrivals, num_barriers=2))
+                   in_bar=plgpu.Barrier(num_arrivals=arrivals, num_barriers=2),
+                   doc_buf=plgpu.SMEM((K_THREADS,), F32))
     return plgpu.kernel(
         body, out_type=out_type, scratch_types=scratch, grid=(B, H), grid_names=("b", "h"),
         compiler_params=plgpu.CompilerParams(approx_math=False),
@@ -136,85 +168,114 @@ def _clip(p, d_min, d_max):
     return jnp.where(p >= d_max, d_max, jnp.where(p <= d_min, d_min, p))
 
 
-def osgm_fwd(k, coefs, initial_state, *, bounds, emit_d, interpret):
-    """k [B, Tp, H, 128] (Tp a multiple of TILE), coefs [B, H, 3, Tp] (``coefficient_rows``),
-    initial_state [B, H, 128] float32; bounds (d_min, d_max). Returns (k̃ [B, Tp, H, 128] in k's
-    dtype, or every d_t float32 if ``emit_d``; final d [B, H, 128] float32)."""
+def _issue(position, i, n, slot, bar, tiles, rows, c_ref, bufs):
+    """TMA copies of tile i (``n`` tokens) into ``slot``: each (GMEM ref [B, Tp, H, 128], SMEM
+    buffer) of ``tiles``, and row ``rows[j]`` of the coefficients ``c_ref`` into ``bufs[j]``."""
+    b, h = position
+    tokens = pl.ds(i * n, n)
+    for src, dst in tiles:
+        plgpu.copy_gmem_to_smem(src.at[b, tokens, h], dst.at[slot], bar.at[slot])
+    for row, buf in zip(rows, bufs):
+        plgpu.copy_gmem_to_smem(c_ref.at[b, h, row, tokens], buf.at[slot], bar.at[slot])
+
+
+def _doc_scratch(packed, vec):
+    """The document rows' buffers (ids, first and last flags) when ``packed``."""
+    return dict(doc=vec, first=vec, last=vec) if packed else {}
+
+
+def osgm_fwd(k, coefs, initial_state, *, bounds, emit_d, interpret, packed=False):
+    """k [B, Tp, H, 128] (Tp a multiple of TILE), coefs [B, H, 3 (+ 3 if ``packed``), Tp]
+    (``coefficient_rows``), initial_state [N, H, 128] float32 (N = B, or the documents);
+    bounds (d_min, d_max). Returns (k̃ [B, Tp, H, 128] in k's dtype, or every d_t float32 if
+    ``emit_d``; final d [N, H, 128] float32)."""
     B, Tp, H, K = k.shape
     _check("osgm_fwd", K, Tp)
     d_min, d_max = bounds
     out_dtype = F32 if emit_d else k.dtype
     ins = (k, coefs, initial_state)
-    out_type = (out_struct((B, Tp, H, K), out_dtype, *ins), out_struct((B, H, K), F32, *ins))
+    out_type = (out_struct((B, Tp, H, K), out_dtype, *ins),
+                out_struct(initial_state.shape, F32, *ins))
     vec = plgpu.SMEM((2, TILE), F32)
     scratch = dict(k=plgpu.SMEM((2, TILE, K), k.dtype), w=vec, g=vec, r=vec,
-                   out=plgpu.SMEM((2, TILE, K), out_dtype))
+                   out=plgpu.SMEM((2, TILE, K), out_dtype), **_doc_scratch(packed, vec))
+    rows = range(6 if packed else 3)
 
     def body(k_ref, c_ref, init_ref, out_ref, final_ref, *, k, w, g, r, out, state, start_bar,
-             in_bar):
+             in_bar, doc_buf, doc=None, first=None, last=None):
         b, h = lax.axis_index("b"), lax.axis_index("h")
+        bufs = (w, g, r) + ((doc, first, last) if packed else ())
 
         def issue(i, slot):
-            rows = pl.ds(i * TILE, TILE)
-            plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h], k.at[slot], in_bar.at[slot])
-            for row, buf in ((W, w), (G, g), (R, r)):
-                plgpu.copy_gmem_to_smem(c_ref.at[b, h, row, rows], buf.at[slot], in_bar.at[slot])
+            _issue((b, h), i, TILE, slot, in_bar, [(k_ref, k)], rows, c_ref, bufs)
 
         def run_tile(i, slot, d):
             def token(t, d):
+                if packed:
+                    doc_t = doc[slot, t].astype(jnp.int32)
+                    d = _document_in(d, init_ref, h, doc_t, first[slot, t], doc_buf, start_bar)
                 k_t = plgpu.load(k.at[slot, t], layout=VEC).astype(F32)
                 s = k_t * k_t
                 a = jnp.sum(d * s)
                 out.at[slot, t][...] = d if emit_d else (d * k_t).astype(out_dtype)
                 u = w[slot, t] * (1.0 - g[slot, t] * a)
-                return _clip(r[slot, t] * d + u * s, d_min, d_max)
+                d = _clip(r[slot, t] * d + u * s, d_min, d_max)
+                if packed:
+                    _document_out(d, final_ref, h, doc_t, last[slot, t], doc_buf)
+                return d
 
             return lax.fori_loop(0, TILE, token, d, unroll=8)
 
         def store_tile(i, slot):
             plgpu.copy_smem_to_gmem(out.at[slot], out_ref.at[b, pl.ds(i * TILE, TILE), h])
 
-        _walk(Tp // TILE, False, issue, in_bar, start_bar, state, init_ref.at[b, h],
-              final_ref.at[b, h], run_tile, store_tile)
+        _walk(Tp // TILE, False, issue, in_bar, start_bar, state,
+              init_ref.at[0 if packed else b, h], None if packed else final_ref.at[b, h],
+              run_tile, store_tile)
 
-    return _kernel(body, "osgm_fwd_mosaic", out_type, scratch, B, H, interpret, ins, 4)
+    return _kernel(body, "osgm_fwd_mosaic", out_type, scratch, B, H, interpret, ins, len(rows) + 1)
 
 
-def osgm_bwd(k, d, dkw, coefs, dfinal, *, bounds, interpret):
+def osgm_bwd(k, d, dkw, coefs, dfinal, *, bounds, interpret, packed=False):
     """The reverse token loop (``osgm_triton``'s backward, one coordinate a thread, tiles in
     reverse): with λ = ∂L/∂d_{t+1}, μ = λ ⊙ [d_min < r d + u s < d_max] and γ = ⟨μ, s⟩,
 
         ∂k_t = 2 k (u μ − γ (w g) d − γ c_n) + ∂k̃ ⊙ d      ∂r_t = ⟨μ, d⟩
         λ ← r μ − γ (w g) s + ∂k̃ ⊙ k
 
-    from k, d (every d_t, float32) and ∂k̃ [B, Tp, H, 128], coefs [B, H, 4, Tp]
-    (``backward_rows``) and dfinal [B, H, 128]. Returns (∂k [B, Tp, H, 128] float32, rows
-    (γ, ∂r) [B, H, 2, Tp] float32, ∂d_1 [B, H, 128])."""
+    (with ``packed`` documents λ = dfinal[doc] at a document's last token, and ∂d_1[doc] the λ
+    after its first) from k, d (every d_t, float32) and ∂k̃ [B, Tp, H, 128], coefs [B, H,
+    4 (+ 3), Tp] (``backward_rows``) and dfinal [N, H, 128]. Returns (∂k [B, Tp, H, 128]
+    float32, rows (γ, ∂r) [B, H, 2, Tp] float32, ∂d_1 [N, H, 128])."""
     B, Tp, H, K = k.shape
     _check("osgm_bwd", K, Tp)
     d_min, d_max = bounds
     ins = (k, d, dkw, coefs, dfinal)
     out_type = (out_struct((B, Tp, H, K), F32, *ins), out_struct((B, H, 2, Tp), F32, *ins),
-                out_struct((B, H, K), F32, *ins))
+                out_struct(dfinal.shape, F32, *ins))
     vec, n = plgpu.SMEM((2, BWD_TILE), F32), BWD_TILE
     scratch = dict(k=plgpu.SMEM((2, n, K), k.dtype), d=plgpu.SMEM((2, n, K), F32),
                    dkw=plgpu.SMEM((2, n, K), dkw.dtype), u=vec, r=vec, gw=vec, gn=vec,
-                   dk=plgpu.SMEM((2, n, K), F32), gam=vec, dr=vec)
+                   dk=plgpu.SMEM((2, n, K), F32), gam=vec, dr=vec, **_doc_scratch(packed, vec))
+    rows = range(7 if packed else 4)
 
     def body(k_ref, d_ref, dkw_ref, c_ref, dfinal_ref, dk_ref, rows_ref, dinit_ref, *, k, d,
-             dkw, u, r, gw, gn, dk, gam, dr, state, start_bar, in_bar):
+             dkw, u, r, gw, gn, dk, gam, dr, state, start_bar, in_bar, doc_buf, doc=None,
+             first=None, last=None):
         b, h = lax.axis_index("b"), lax.axis_index("h")
+        bufs = (u, r, gw, gn) + ((doc, first, last) if packed else ())
 
         def issue(i, slot):
-            rows = pl.ds(i * n, n)
-            for src, dst in ((k_ref, k), (d_ref, d), (dkw_ref, dkw)):
-                plgpu.copy_gmem_to_smem(src.at[b, rows, h], dst.at[slot], in_bar.at[slot])
-            for row, buf in ((U, u), (RB, r), (GW, gw), (GN, gn)):
-                plgpu.copy_gmem_to_smem(c_ref.at[b, h, row, rows], buf.at[slot], in_bar.at[slot])
+            _issue((b, h), i, n, slot, in_bar, [(k_ref, k), (d_ref, d), (dkw_ref, dkw)], rows,
+                   c_ref, bufs)
 
         def run_tile(i, slot, lam):
             def token(tt, lam):
                 t = n - 1 - tt
+                if packed:
+                    doc_t = doc[slot, t].astype(jnp.int32)
+                    lam = _document_in(lam, dfinal_ref, h, doc_t, last[slot, t], doc_buf,
+                                       start_bar)
                 k_t = plgpu.load(k.at[slot, t], layout=VEC).astype(F32)
                 d_t = plgpu.load(d.at[slot, t], layout=VEC)
                 dkw_t = plgpu.load(dkw.at[slot, t], layout=VEC).astype(F32)
@@ -227,18 +288,24 @@ def osgm_bwd(k, d, dkw, coefs, dfinal, *, bounds, interpret):
                 dk.at[slot, t][...] = 2.0 * k_t * (u_t * mu + ga * d_t + g_n) + dkw_t * d_t
                 gam[slot, t] = gu
                 dr[slot, t] = jnp.sum(mu * d_t)
-                return r_t * mu + ga * s + dkw_t * k_t
+                lam = r_t * mu + ga * s + dkw_t * k_t
+                if packed:
+                    _document_out(lam, dinit_ref, h, doc_t, first[slot, t], doc_buf)
+                return lam
 
             return lax.fori_loop(0, n, token, lam, unroll=8)
 
         def store_tile(i, slot):
-            rows = pl.ds(i * n, n)
-            plgpu.copy_smem_to_gmem(dk.at[slot], dk_ref.at[b, rows, h], commit_group=False)
-            plgpu.copy_smem_to_gmem(gam.at[slot], rows_ref.at[b, h, 0, rows], commit_group=False)
-            plgpu.copy_smem_to_gmem(dr.at[slot], rows_ref.at[b, h, 1, rows], commit_group=False)
+            tokens = pl.ds(i * n, n)
+            plgpu.copy_smem_to_gmem(dk.at[slot], dk_ref.at[b, tokens, h], commit_group=False)
+            plgpu.copy_smem_to_gmem(gam.at[slot], rows_ref.at[b, h, 0, tokens],
+                                    commit_group=False)
+            plgpu.copy_smem_to_gmem(dr.at[slot], rows_ref.at[b, h, 1, tokens],
+                                    commit_group=False)
             plgpu.commit_smem_to_gmem_group()
 
-        _walk(Tp // n, True, issue, in_bar, start_bar, state, dfinal_ref.at[b, h],
-              dinit_ref.at[b, h], run_tile, store_tile)
+        _walk(Tp // n, True, issue, in_bar, start_bar, state,
+              dfinal_ref.at[0 if packed else b, h], None if packed else dinit_ref.at[b, h],
+              run_tile, store_tile)
 
-    return _kernel(body, "osgm_bwd_mosaic", out_type, scratch, B, H, interpret, ins, 7)
+    return _kernel(body, "osgm_bwd_mosaic", out_type, scratch, B, H, interpret, ins, len(rows) + 3)

@@ -69,8 +69,8 @@ class Options:
     the maps of the pieces before theirs; it must divide T); None (the default):
     ``auto_pieces`` halved until it divides T; 1: no split; packed documents never split.
     ``mosaic_loops``: the token loops, forward and reverse, as the Mosaic GPU kernels of
-    ``osgm_mosaic`` (tiles by TMA, one coordinate a thread) where they run (dense rows, K
-    padded to 128, no Picard sweeps), else the Triton ones."""
+    ``osgm_mosaic`` (tiles by TMA, one coordinate a thread) where they run (K padded to 128,
+    no Picard sweeps), else the Triton ones."""
 
     prefetch: int = 2
     num_warps: int = 1
@@ -177,17 +177,24 @@ def _forward(cfg, k, aux, init, emit_d):
 
 def _mosaic_runs(cfg, k):
     """Whether ``Options.mosaic_loops`` takes this call."""
-    return (cfg.options.mosaic_loops and not cfg.options.picard_iters
-            and osgm_mosaic.runs(K=k.shape[-1], packed=cfg.packed))
+    return cfg.options.mosaic_loops and not cfg.options.picard_iters and osgm_mosaic.runs(
+        K=k.shape[-1])
 
 
 def _mosaic_call(cfg, kernel, args, in_axes, out_axes):
     """A kernel of ``osgm_mosaic`` through ``sharded_call``; in interpret mode called directly
     (Mosaic GPU's interpreter runs I/O callbacks, which ``custom_partitioning`` cannot lower)."""
-    kernel = functools.partial(kernel, bounds=cfg.hyper[1:3], interpret=cfg.interpret)
+    kernel = functools.partial(kernel, bounds=cfg.hyper[1:3], interpret=cfg.interpret,
+                               packed=cfg.packed)
     if cfg.interpret:
         return kernel(*args)
-    return sharded_call(lambda *xs: tuple(kernel(*xs)), args, in_axes, out_axes)
+    return sharded_call(lambda *xs: tuple(kernel(*xs)), args, in_axes, out_axes,
+                        shard_batch=not cfg.packed)
+
+
+def _documents(cfg, aux):
+    """Each token's document id and first / last flags [B, T] with packed documents, else None."""
+    return tuple(aux[:, :, 0, c] for c in (DOC, FIRST, LAST)) if cfg.packed else None
 
 
 def _tile_padded(x, Tp, value=0.0):
@@ -202,7 +209,7 @@ def _mosaic_forward(cfg, k, aux, init, emit_d):
     Tp = -(-T // osgm_mosaic.TILE) * osgm_mosaic.TILE
     eta, _, _, eps = cfg.hyper
     coefs = osgm_mosaic.coefficient_rows(k, aux[..., BETA], aux[..., RET], eta, cfg.beta_aware,
-                                         eps, Tp)
+                                         eps, Tp, _documents(cfg, aux))
     out, final = _mosaic_call(
         cfg, functools.partial(osgm_mosaic.osgm_fwd, emit_d=emit_d),
         [_tile_padded(k, Tp), coefs, init], ["b t h k", "b h r t", "n h k"],
@@ -217,7 +224,7 @@ def _mosaic_backward(cfg, k, aux, d, dkw, dfinal):
     Tp = -(-T // osgm_mosaic.TILE) * osgm_mosaic.TILE
     eta, d_min, d_max, eps = cfg.hyper
     coefs, a = osgm_mosaic.backward_rows(k, d, aux[..., BETA], aux[..., RET], eta,
-                                         cfg.beta_aware, eps, Tp)
+                                         cfg.beta_aware, eps, Tp, _documents(cfg, aux))
     dk, rows, dinit = _mosaic_call(
         cfg, osgm_mosaic.osgm_bwd,
         [_tile_padded(k, Tp), _tile_padded(d, Tp, (d_min + d_max) / 2), _tile_padded(dkw, Tp),

@@ -54,17 +54,28 @@ def test_bf16_keys(monkeypatch):
         assert float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))) <= 2e-6
 
 
-@pytest.mark.parametrize("k_dim, packed", [(24, False), (100, True)])
-def test_falls_back_where_it_does_not_run(k_dim, packed, monkeypatch):
-    """K padded below 128, or packed documents: the Triton loops run (the Mosaic ones are never
-    called) and the results are the reference's."""
+@pytest.mark.parametrize("initial", [True, False])
+def test_packed_documents(initial, monkeypatch):
+    """Documents of 5, 1 (first and last token at once), 58 and 6 tokens in one row of 70 (a
+    boundary inside each tile, a partial last tile), the clip active: forward, each
+    document's final state and every gradient within 2e-5 of the reference, with and without
+    initial states; the Triton loops never ran."""
+    x = make_inputs(6, b=1, t=70, k_dim=128, n_init=4, skewed=True)
+    kw = dict(eta=2.0, cu_seqlens=jnp.asarray([0, 5, 6, 64, 70], jnp.int32), initial=initial)
+    triton_loops_poisoned(monkeypatch)
+    grads = ("k", "beta", "retention") + (("initial_state",) if initial else ())
+    assert_runs_match(run(MOSAIC, x, **kw), run("reference", x, **kw), 2e-5, grads)
+
+
+def test_falls_back_below_128(monkeypatch):
+    """K padded below 128: the Triton loops run (the Mosaic ones are never called) and the
+    results are the reference's."""
     def refuse(*a, **kw):
         raise AssertionError("an osgm_mosaic kernel was called")
     monkeypatch.setattr(osgm_mosaic, "osgm_fwd", refuse)
     monkeypatch.setattr(osgm_mosaic, "osgm_bwd", refuse)
-    x = make_inputs(5, b=1 if packed else 2, t=30, k_dim=k_dim)
-    kw = dict(eta=1.0, cu_seqlens=jnp.asarray([0, 11, 30], jnp.int32)) if packed else dict(eta=1.0)
-    assert_runs_match(run(MOSAIC, x, **kw), run("reference", x, **kw), 2e-5)
+    x = make_inputs(5, t=30, k_dim=24)
+    assert_runs_match(run(MOSAIC, x, eta=1.0), run("reference", x, eta=1.0), 2e-5)
 
 
 def test_bad_shapes_raise():
@@ -76,16 +87,20 @@ def test_bad_shapes_raise():
         Options(mosaic_loops=1)
 
 
-@pytest.mark.parametrize("dtype, emit_d", [(jnp.bfloat16, False), (jnp.float32, True)])
-def test_lowers_for_cuda(dtype, emit_d):
+@pytest.mark.parametrize("dtype, emit_d, packed", [(jnp.bfloat16, False, False),
+                                                   (jnp.float32, True, True)])
+def test_lowers_for_cuda(dtype, emit_d, packed):
     """Through Mosaic GPU's own passes (layout inference of the per-thread rows and the
-    warpgroup reductions), three forward tiles, six backward ones."""
-    s = jax.ShapeDtypeStruct
-    seq, state = s((2, 192, 2, 128), dtype), s((2, 2, 128), jnp.float32)
+    warpgroup reductions; with packed documents the state loads and stores at boundaries),
+    three forward tiles, six backward ones."""
+    s, docs = jax.ShapeDtypeStruct, 3 * packed
+    seq, state = s((2, 192, 2, 128), dtype), s((5 if packed else 2, 2, 128), jnp.float32)
     fwd = lambda k, c, i: osgm_mosaic.osgm_fwd(k, c, i, bounds=(0.5, 2.0), emit_d=emit_d,  # noqa: E731
-                                               interpret=False)
-    assert mosaic_kernels_lowered_for_cuda(fwd, (seq, s((2, 2, 3, 192), jnp.float32), state)) == 1
-    bwd = lambda *a: osgm_mosaic.osgm_bwd(*a, bounds=(0.5, 2.0), interpret=False)  # noqa: E731
+                                               interpret=False, packed=packed)
+    assert mosaic_kernels_lowered_for_cuda(
+        fwd, (seq, s((2, 2, 3 + docs, 192), jnp.float32), state)) == 1
+    bwd = lambda *a: osgm_mosaic.osgm_bwd(*a, bounds=(0.5, 2.0), interpret=False,  # noqa: E731
+                                          packed=packed)
     d = s(seq.shape, jnp.float32)
     assert mosaic_kernels_lowered_for_cuda(
-        bwd, (seq, d, seq, s((2, 2, 4, 192), jnp.float32), state)) == 1
+        bwd, (seq, d, seq, s((2, 2, 4 + docs, 192), jnp.float32), state)) == 1
