@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels import osgm_mosaic, osgm_triton
-from pallas_kernels.osgm_precond import Options
-from conftest import assert_runs_match, mosaic_kernels_lowered_for_cuda
+from pallas_kernels.osgm_precond import Options, osgm_pallas
+from conftest import assert_runs_match, assert_vmap_matches_loop, mosaic_kernels_lowered_for_cuda
 from test_pallas_osgm import clipped_fraction, make_inputs, run
 
 MOSAIC = Options(mosaic_loops=True, picard_iters=0)
@@ -65,6 +65,23 @@ def test_packed_documents(initial, monkeypatch):
     triton_loops_poisoned(monkeypatch)
     grads = ("k", "beta", "retention") + (("initial_state",) if initial else ())
     assert_runs_match(run(MOSAIC, x, **kw), run("reference", x, **kw), 2e-5, grads)
+
+
+def test_vmapped_packed_rows(monkeypatch):
+    """Rows of packed documents under ``jax.vmap`` (as the train step runs them): each row's
+    gradients equal its own call's."""
+    x = make_inputs(7, t=40, k_dim=128, skewed=True)
+    cu = jnp.asarray([0, 17, 40], jnp.int32)
+    triton_loops_poisoned(monkeypatch)
+
+    def grads(k, beta, r):
+        def loss(k, beta, r):
+            kw, final = osgm_pallas(k, beta, r, 2.0, 0.5, 2.0, True, 1e-6, None, cu, 64, MOSAIC)
+            return jnp.sum(jnp.sin(kw)) + jnp.sum(final ** 2)
+        return jax.grad(loss, argnums=(0, 1, 2))(k, beta, r)
+
+    args = [x[n][:, None] for n in ("k", "beta", "retention")]  # [B, 1, T, ...]
+    assert_vmap_matches_loop(grads, args)
 
 
 def test_falls_back_below_128(monkeypatch):
