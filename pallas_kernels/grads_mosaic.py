@@ -41,7 +41,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.state_mosaic import (BF16, C, COLS, F32, ROWS, WGMMA, bcast_cols, bcast_rows,
-                                         decay_matrix, matmul, products, smem, tile_iotas)
+                                         decay_matrix, kernel, matmul, products, smem,
+                                         tile_iotas)
 from pallas_kernels.triton_common import out_struct
 
 
@@ -265,12 +266,8 @@ def chunk_grads_fused(q, k, kw, v, do, T, beta, gamma, R, dR, states, dstates, *
         plgpu.barrier_arrive(done)
         plgpu.barrier_wait(done)
 
-    threads = dict(num_threads=2, thread_name="wg") if warpgroups == 2 else {}
-    dq, dk, dkw, dv, db, dg = plgpu.kernel(
-        body, out_type=out_type, scratch_types=scratch, grid=(B, H, nc),
-        grid_names=("b", "h", "c"), compiler_params=plgpu.CompilerParams(approx_math=True),
-        **threads,
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
-        kernel_name="chunk_grads_mosaic")(*args)
+    dq, dk, dkw, dv, db, dg = kernel(
+        body, name="chunk_grads_mosaic", out_type=out_type, scratch=scratch, grid=(B, H, nc),
+        interpret=interpret, grid_names=("b", "h", "c"), warpgroups=warpgroups)(*args)
     back = functools.partial(jnp.moveaxis, source=1, destination=2)  # [B, H, Tp] -> [B, Tp, H]
     return dq, dk, dkw, dv, back(db), back(dg)

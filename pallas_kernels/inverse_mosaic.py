@@ -36,8 +36,9 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, memref, vector
 from jaxlib.mlir.dialects import math as mlir_math
 
+from pallas_kernels.sequence_split import SMS
 from pallas_kernels.state_mosaic import (BF16, C, COLS, F32, ROWS, bcast_rows, decay_matrix,
-                                         matmul, products, smem, tile_iotas)
+                                         kernel, matmul, products, smem, tile_iotas)
 from pallas_kernels.triton_common import out_struct
 
 BLOCK = 16  # rows of the diagonal blocks solved by substitution
@@ -123,7 +124,7 @@ def diagonal_inverse(L, l_buf, x_buf, interpret):
     return _diagonal_inverse_mgpu(neg_l, l_buf.at[:, :C], x_buf.at[:, :C])
 
 
-def chunks_per_cta(B, H, nc, sms=132):
+def chunks_per_cta(B, H, nc, sms=SMS):
     """The most chunks a CTA (up to 8, dividing ``nc``) that keep >= 1.5 CTAs an SM busy
     (jax-linear-attention's rule for its kkt kernel): several chunks a CTA hide the loads, too
     few CTAs leave SMs idle."""
@@ -195,11 +196,9 @@ def inverse(q, k, kw, beta, gamma, *, interpret, chunks=None):
 
         plgpu.wait_smem_to_gmem(0)
 
-    return plgpu.kernel(
-        body, out_type=out_type, scratch_types=scratch, grid=(B, H, nc // cpc),
-        grid_names=("b", "h", "c"), compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
-        kernel_name="wy_inverse_mosaic")(q, k, kw, beta, gamma)
+    return kernel(body, name="wy_inverse_mosaic", out_type=out_type, scratch=scratch,
+                  grid=(B, H, nc // cpc), interpret=interpret,
+                  grid_names=("b", "h", "c"))(q, k, kw, beta, gamma)
 
 
 def wy_inverse(q, k, kw, beta, gamma, sigma, *, interpret):

@@ -25,6 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.state_mosaic import kernel
 from pallas_kernels.triton_common import out_struct
 
 F32 = jnp.float32
@@ -157,10 +158,8 @@ def _kernel(body, name, out_type, scratch, B, H, interpret, args, arrivals):
     scratch = dict(scratch, state=plgpu.SMEM((K_THREADS,), F32), start_bar=plgpu.Barrier(),
                    in_bar=plgpu.Barrier(num_arrivals=arrivals, num_barriers=2),
                    doc_buf=plgpu.SMEM((K_THREADS,), F32))
-    return plgpu.kernel(
-        body, out_type=out_type, scratch_types=scratch, grid=(B, H), grid_names=("b", "h"),
-        compiler_params=plgpu.CompilerParams(approx_math=False),
-        interpret=plgpu.InterpretGPUParams() if interpret else None, kernel_name=name)(*args)
+    return kernel(body, name=name, out_type=out_type, scratch=scratch, grid=(B, H),
+                  interpret=interpret, grid_names=("b", "h"))(*args)
 
 
 def _clip(p, d_min, d_max):

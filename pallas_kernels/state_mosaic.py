@@ -146,10 +146,14 @@ def _doc_states(x):
     return jnp.swapaxes(x, -1, -2).astype(F32)
 
 
-def _kernel(body, *, name, out_type, scratch, grid, interpret):
+def kernel(body, *, name, out_type, scratch, grid, interpret, grid_names=("b", "h", "v"),
+           warpgroups=1):
+    """``plgpu.kernel`` as every Mosaic kernel of this package calls it: approximate exp and
+    division, the interpreter on a CPU (``interpret``), ``warpgroups`` named "wg" when two."""
+    threads = dict(num_threads=warpgroups, thread_name="wg") if warpgroups > 1 else {}
     return plgpu.kernel(
-        body, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=("b", "h", "v"),
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        body, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=grid_names,
+        compiler_params=plgpu.CompilerParams(approx_math=True), **threads,
         interpret=plgpu.InterpretGPUParams() if interpret else None, kernel_name=name)
 
 
@@ -353,7 +357,7 @@ def state_fwd(W, U, kw, gc, initial_state, doc, first, last, *, num_docs, interp
 
         _loop(nc, False, issue, in_bar, step, K)
 
-    outs = list(_kernel(body, name="state_fwd_mosaic", out_type=tuple(out_type), scratch=scratch,
+    outs = list(kernel(body, name="state_fwd_mosaic", out_type=tuple(out_type), scratch=scratch,
                         grid=(B, H, V // BV), interpret=interpret)(*args))
     outs[2 * store] = _doc_states(outs[2 * store])
     return outs
@@ -448,6 +452,6 @@ def state_bwd(W, kw, gc, A, G, dfinal, doc, first, last, *, interpret, products=
 def backward_call(body, name, out_type, scratch, grid, interpret, args):
     """A backward pass's kernel call: dU, dS_C and the document states' cotangents dS_0
     [N, H, K, V] (untransposed)."""
-    dU, dstates, dinit = _kernel(body, name=name, out_type=out_type, scratch=scratch, grid=grid,
+    dU, dstates, dinit = kernel(body, name=name, out_type=out_type, scratch=scratch, grid=grid,
                                  interpret=interpret)(*args)
     return dU, dstates, _doc_states(dinit)

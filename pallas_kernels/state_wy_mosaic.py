@@ -32,8 +32,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.state_mosaic import (BF16, BV, C, F32, FLAGS, WGMMA, _doc_state_in,
-                                         _doc_state_out, _doc_states, _flags, _kernel, _loop,
-                                         _start, backward_call, check_shapes, columns, matmul,
+                                         _doc_state_out, _doc_states, _flags, _loop,
+                                         _start, backward_call, check_shapes, columns, kernel, matmul,
                                          products, restart_cotangent, restart_state, smem,
                                          store_cotangents)
 from pallas_kernels.triton_common import out_struct
@@ -142,7 +142,7 @@ def state_fwd(T, k, kw, v, q, P, vecs, gc, initial_state, doc, first, last, *, s
 
         _loop(nc, False, issue, in_bar, step, K)
 
-    outs = list(_kernel(body, name="state_fwd_wy_mosaic", out_type=tuple(out_type),
+    outs = list(kernel(body, name="state_fwd_wy_mosaic", out_type=tuple(out_type),
                         scratch=scratch, grid=(B, H, V // BV), interpret=interpret)(*args))
     outs[2 * store] = _doc_states(outs[2 * store])
     return outs
