@@ -42,19 +42,6 @@ def runs(*, K: int) -> bool:
     return K == K_THREADS
 
 
-def _per_token(k, beta, retention, eta, beta_aware, eps):
-    """(s = k ⊙ k, Σ s, n̄ = max(Σ s, ε), g = β or 1, r, w = η g / n̄), float32 [B, T, H(, K)]."""
-    B, T, H, _ = k.shape
-    kf = k.astype(F32)
-    s = kf * kf
-    ss = jnp.sum(s, -1)
-    n = jnp.maximum(ss, eps)
-    g = beta.astype(F32) if beta_aware else jnp.ones((B, T, H), F32)
-    r = jnp.ones((B, T, H), F32) if retention is None else jnp.broadcast_to(
-        retention.astype(F32), (B, T, H))
-    return s, ss, n, g, r, eta * g / n
-
-
 def _rows(rows, docs, Tp, ones):
     """Per-token rows [B, T, H] each (then, if ``docs``, its three rows: each token's document
     id and first / last flags [B, T]) as [B, H, n, Tp] float32, padded with zeros (no document
@@ -66,23 +53,28 @@ def _rows(rows, docs, Tp, ones):
     return jnp.transpose(x.at[:, ones, T:].set(1.0), (0, 3, 1, 2))
 
 
-def coefficient_rows(k, beta, retention, eta, beta_aware, eps, Tp, docs=None):
-    """The forward's [B, H, 3 (+ 3), Tp]: w = η g / max(Σ k², ε), g = β (beta-aware) or 1, r (1
-    without retention) per token, padded to Tp tokens with w = 0, g = 0, r = 1; ``docs``
-    (document ids, first and last flags [B, T]) for packed documents."""
-    _, _, _, g, r, w = _per_token(k, beta, retention, eta, beta_aware, eps)
+def coefficient_rows(coefs, Tp, docs=None):
+    """The forward's [B, H, 3 (+ 3), Tp] from ``coefs`` = (s, n̄, g, w, r) [B, T, H(, K)]
+    (``osgm_picard.coefficients``): w, g, r per token, padded to Tp tokens with w = 0, g = 0,
+    r = 1; ``docs`` (document ids, first and last flags [B, T]) for packed documents."""
+    _, _, g, w, r = coefs
     return _rows([w, g, r], docs, Tp, R)
 
 
-def backward_rows(k, d, beta, retention, eta, beta_aware, eps, Tp, docs=None):
-    """The backward's [B, H, 4 (+ 3), Tp] from the forward's d_t: u = w (1 − g a), r, w g and
-    [Σ s > ε] (1 − g a) w / n̄ (a = ⟨d_t, s_t⟩; padded with zeros but r = 1: with d padded
-    strictly inside the box, a padded token passes λ on unchanged), and a [B, T, H]; ``docs``
-    as ``coefficient_rows``'s."""
-    s, ss, n, g, r, w = _per_token(k, beta, retention, eta, beta_aware, eps)
+def backward_rows(coefs, d, eps, Tp, docs=None):
+    """The backward's [B, H, 4 (+ 3), Tp] from ``coefs`` (as ``coefficient_rows``'s) and the
+    forward's d_t: u = w (1 − g a), r, w g and [n̄ > ε] (1 − g a) w / n̄ (a = ⟨d_t, s_t⟩;
+    padded with zeros but r = 1: with d padded strictly inside the box, a padded token passes
+    λ on unchanged), and a [B, T, H]; ``docs`` as ``coefficient_rows``'s."""
+    s, n, g, w, r = coefs
     a = jnp.sum(d * s, -1)
     v = 1.0 - g * a
-    return _rows([w * v, r, w * g, jnp.where(ss > eps, v * w / n, 0.0)], docs, Tp, RB), a
+    return _rows([w * v, r, w * g, jnp.where(n > eps, v * w / n, 0.0)], docs, Tp, RB), a
+
+
+def padded_length(T):
+    """T rounded up to whole tiles."""
+    return -(-T // TILE) * TILE
 
 
 def _check(name, K, Tp):

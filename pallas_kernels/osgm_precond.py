@@ -206,10 +206,8 @@ def _mosaic_forward(cfg, k, aux, init, emit_d):
     """``osgm_mosaic.osgm_fwd``'s results (T padded to whole tiles, then cut), its per-token
     coefficients from XLA."""
     T = k.shape[1]
-    Tp = -(-T // osgm_mosaic.TILE) * osgm_mosaic.TILE
-    eta, _, _, eps = cfg.hyper
-    coefs = osgm_mosaic.coefficient_rows(k, aux[..., BETA], aux[..., RET], eta, cfg.beta_aware,
-                                         eps, Tp, _documents(cfg, aux))
+    Tp = osgm_mosaic.padded_length(T)
+    coefs = osgm_mosaic.coefficient_rows(_coefficients(cfg, k, aux), Tp, _documents(cfg, aux))
     out, final = _mosaic_call(
         cfg, functools.partial(osgm_mosaic.osgm_fwd, emit_d=emit_d),
         [_tile_padded(k, Tp), coefs, init], ["b t h k", "b h r t", "n h k"],
@@ -221,16 +219,16 @@ def _mosaic_backward(cfg, k, aux, d, dkw, dfinal):
     """``osgm_mosaic.osgm_bwd``'s cotangents (d padded strictly inside the box, so that padded
     tokens pass λ on), ∂β from its γ_t elementwise (``osgm_picard.beta_cotangent``)."""
     T = k.shape[1]
-    Tp = -(-T // osgm_mosaic.TILE) * osgm_mosaic.TILE
+    Tp = osgm_mosaic.padded_length(T)
     eta, d_min, d_max, eps = cfg.hyper
-    coefs, a = osgm_mosaic.backward_rows(k, d, aux[..., BETA], aux[..., RET], eta,
-                                         cfg.beta_aware, eps, Tp, _documents(cfg, aux))
+    per_token = _coefficients(cfg, k, aux)
+    coefs, a = osgm_mosaic.backward_rows(per_token, d, eps, Tp, _documents(cfg, aux))
     dk, rows, dinit = _mosaic_call(
         cfg, osgm_mosaic.osgm_bwd,
         [_tile_padded(k, Tp), _tile_padded(d, Tp, (d_min + d_max) / 2), _tile_padded(dkw, Tp),
          coefs, dfinal], ["b t h k"] * 3 + ["b h r t", "n h k"], ["b t h k", "b h r t", "n h k"])
     gamma, dr = (jnp.moveaxis(rows[:, :, i, :T], 1, 2) for i in range(2))  # [B, T, H]
-    dbeta = beta_cotangent(gamma, a, _coefficients(cfg, k, aux), eta, cfg.beta_aware)
+    dbeta = beta_cotangent(gamma, a, per_token, eta, cfg.beta_aware)
     daux = jnp.zeros_like(aux).at[..., BETA].set(dbeta).at[..., RET].set(dr)
     return dk[:, :T], daux, dinit
 
