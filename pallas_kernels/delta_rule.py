@@ -283,9 +283,7 @@ def prepare_sums(cfg, q, k, kw, v, beta, gamma, sigma):
 def _kernel_call(cfg, kernel, args: dict, axes: dict, out_axes, *, mosaic=False, **static):
     """``kernel(**args, **static)`` through ``sharded_call`` (None arguments stay None); ``axes``
     names each argument's dimensions. ``mosaic``: the call runs Mosaic GPU kernels, which in
-    interpret mode are called directly: Mosaic GPU's interpreter runs I/O callbacks, which
-    ``custom_partitioning`` cannot lower (KeyError: OrderedIOEffect), so on CPU they run
-    unpartitioned."""
+    interpret mode run unpartitioned (``sharded_call``'s ``direct``)."""
     names, packed = list(args), cfg.num_docs is not None
 
     def call(*xs):
@@ -294,10 +292,8 @@ def _kernel_call(cfg, kernel, args: dict, axes: dict, out_axes, *, mosaic=False,
             given["doc"] = given["doc"] - given["doc"][:1, :1]
         return tuple(kernel(**given, **static))
 
-    if mosaic and cfg.dots.interpret:
-        return call(*args.values())
     return sharded_call(call, list(args.values()), [axes[n] for n in names], out_axes,
-                        shard_batch=not packed)
+                        shard_batch=not packed, direct=mosaic and cfg.dots.interpret)
 
 
 _FLAGS = {"doc": "b c", "first": "b c", "last": "b c"}

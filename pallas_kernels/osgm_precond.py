@@ -182,14 +182,11 @@ def _mosaic_runs(cfg, k):
 
 
 def _mosaic_call(cfg, kernel, args, in_axes, out_axes):
-    """A kernel of ``osgm_mosaic`` through ``sharded_call``; in interpret mode called directly
-    (Mosaic GPU's interpreter runs I/O callbacks, which ``custom_partitioning`` cannot lower)."""
+    """A kernel of ``osgm_mosaic`` through ``sharded_call`` (unpartitioned in interpret mode)."""
     kernel = functools.partial(kernel, bounds=cfg.hyper[1:3], interpret=cfg.interpret,
                                packed=cfg.packed)
-    if cfg.interpret:
-        return kernel(*args)
     return sharded_call(lambda *xs: tuple(kernel(*xs)), args, in_axes, out_axes,
-                        shard_batch=not cfg.packed)
+                        shard_batch=not cfg.packed, direct=cfg.interpret)
 
 
 def _documents(cfg, aux):

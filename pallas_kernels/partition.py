@@ -81,14 +81,19 @@ def match_types(cts, primals):
                  for c, p in zip(cts, primals))
 
 
-def sharded_call(fn, args, in_axes, out_axes, *, shard_batch=True):
+def sharded_call(fn, args, in_axes, out_axes, *, shard_batch=True, direct=False):
     """``fn(*args)`` (a tuple of arrays) with the batch and head axes of its operands kept sharded.
 
     ``in_axes``/``out_axes``: one string of factor names per operand/result, e.g. "b t h k";
     ``b`` and ``h`` may be sharded (``b`` only if ``shard_batch``), all other factors are whole.
     A factor name means the same dimension size everywhere it appears. ``n`` names document
     states: with ``shard_batch`` (one document per batch row) it is the batch factor ``b``.
-    None operands are passed to ``fn`` as None and take no part in the partitioning."""
+    None operands are passed to ``fn`` as None and take no part in the partitioning.
+    ``direct``: ``fn(*args)`` unpartitioned, for Mosaic GPU kernels in interpret mode (their
+    interpreter runs I/O callbacks, which ``custom_partitioning`` cannot lower: KeyError
+    OrderedIOEffect)."""
+    if direct:
+        return fn(*args)
     given = [a is not None for a in args]
     rows = (lambda a: a.replace("n", "b")) if shard_batch else (lambda a: a)
     in_axes = [rows(x) for a, x in zip(args, in_axes) if a is not None]
