@@ -22,9 +22,10 @@ The forward chain is three dependent products a chunk (the WY form's two, after
 accumulators float32, as in ``state_mosaic``. The stored results are those of
 ``state_mosaic``'s passes (chunk states and R, then dR and dS_C, transposed, bf16), so
 ``grads_mosaic`` reads them unchanged. The per-row vectors come as one float32 array
-[B, H, 4, Tp] (``wy_triton.wy_inverse`` writes them), each loaded once a chunk into its own
-buffer (Mosaic's layout inference fails on one buffer loaded twice, benchmarks/NOTES.md
-session 14). Dense rows or chunk-aligned documents (the flags of ``state_mosaic``); no sequence pieces.
+[B, H, 4, Tp] (from either ``wy_inverse``: ``inverse_mosaic``'s or ``wy_triton``'s), each
+loaded once a chunk into its own buffer (Mosaic's layout inference fails on one buffer loaded
+twice, benchmarks/NOTES.md session 14). Dense rows or chunk-aligned documents (the flags of
+``state_mosaic``); no sequence pieces.
 """
 
 import jax.numpy as jnp
@@ -38,7 +39,7 @@ from pallas_kernels.state_mosaic import (BF16, BV, C, F32, FLAGS, WGMMA, _doc_st
                                          store_cotangents)
 from pallas_kernels.triton_common import out_struct
 
-BETA, BETA_GAMMA, GAMMA, TAIL = range(4)  # rows of the vectors (``wy_triton.wy_inverse``'s)
+BETA, BETA_GAMMA, GAMMA, TAIL = range(4)  # rows of the vectors (``wy_inverse``'s)
 
 
 def _issue(c, slot, bar, position, pairs, vec_ref, vec_bufs):
