@@ -1,39 +1,51 @@
-"""The OSGM / OSDN d scan's token loops (SPEC 3.1) as Mosaic GPU kernels (Hopper): the forward
-(below) and the reverse one (``osgm_bwd``).
+"""The OSGM / OSDN d scan (SPEC 3.1) as Mosaic GPU kernels (Hopper), forward (``osgm_fwd``)
+and reverse (``osgm_bwd``), by Picard iteration inside tiles of 64 tokens.
 
-One CTA a (batch row, head), one warpgroup, each of its 128 threads one coordinate of d
-(float32, a register): per token, with s = k ⊙ k and the per-token coefficients w = η g / n̄,
-g (β or 1) and r from XLA,
+The coordinates of d interact only through the scalar a_t = ⟨d_t, s_t⟩ (s = k ⊙ k): given
+a_t, each coordinate is its own clipped affine recurrence. One CTA a (batch row, head), one
+warpgroup, each of its 128 threads one coordinate; per tile of ``TILE`` tokens, from the exact
+state d_0 entering it and the per-token w = η g / n̄, g (β or 1), r from XLA:
 
-    a = ⟨d, s⟩ (a warpgroup reduction)     u = w (1 − g a)
-    out_t = d ⊙ k (or d itself)           d ← clip(r d + u s, d_min, d_max)
+    a_t ← ⟨d_0, s_t⟩                                           (the first guess)
+    repeat:  u_t = w_t (1 − g_t a_t)
+             a sweep, thread j alone:  D_tj = d_j;  d_j ← clip(r_t d_j + u_t s_tj, d_min, d_max)
+             a'_t = Σ_j D_tj s_tj   (row sums of the tile in the WGMMA layout)
+    until a' = a bit for bit;  then k̃_t = D_t ⊙ k_t (or d_t itself), and the tile's last d
+    enters the next.
 
-the arithmetic of ``osgm_triton``'s forward (its Σ s and the division too, in XLA here). The
-keys and coefficients arrive by TMA in tiles of ``TILE`` tokens, double-buffered (the next
-tile's loads fly during this one's loop), and the outputs leave by TMA from double-buffered
-tiles: no global load or store waits on the per-token chain, whose length is one reduction,
-two scalar operations and the update (``osgm_triton``'s one-warp programs load each token's
-rows from global memory inside the loop). T is padded to a whole tile (k = 0, w = 0, r = 1 leave
-d as it is); K = 128 (one coordinate a thread). Packed documents (``packed``: the rows carry
-each token's document and first / last flags) restart d from the document's initial state at
-its first token and store its final state after its last, as ``osgm_triton`` does. In
-interpret mode (``plgpu.InterpretGPUParams``) the same program runs on the CPU.
+No reduction sits on the per-token chain (one FMA and the clip). Causality bounds the sweeps:
+after the n-th, a_1 .. a_n equal the fixed point's, so it is reached within TILE sweeps and
+confirmed by one more; as the coupling w g ⟨s_τ, s_t⟩ is small (η = 0.003), it takes a few
+(``chunked/osgm_picard.py``). The result is the token loop's with the row sums' order of
+summation, whatever the number of sweeps. The reverse kernel does the same for the adjoint,
+whose coordinates interact only through γ_t = ⟨μ_t, s_t⟩; it recomputes each tile's d_t by one
+sweep from the tile's entering state and the u_t the forward ended with (its residuals, instead
+of every d_t).
+
+Keys and coefficient rows arrive by TMA in double-buffered tiles; outputs leave by TMA. T is
+padded to whole tiles (k = 0, w = 0, r = 1 leave d as it is); K = 128. Packed documents
+(``packed``: the rows carry each token's document and first / last flags) restart d (λ) from
+the document's state at its first (last) token: the restart rows are copied by TMA into the
+tile's row buffer before the sweeps, which read them there. In interpret mode
+(``plgpu.InterpretGPUParams``) the same program runs on the CPU.
 """
 
+import functools
+
+import jax.experimental.mosaic.gpu as mgpu
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.state_mosaic import kernel
+from pallas_kernels.state_mosaic import COLS, ROWS, WGMMA, bcast_cols, bcast_rows, kernel
 from pallas_kernels.triton_common import out_struct
 
 F32 = jnp.float32
 K_THREADS = 128  # the head dim the kernels take: one coordinate a thread of a warpgroup
-TILE = 64  # tokens a TMA tile of the forward; T is padded to a multiple of it
-BWD_TILE = 32  # the backward's (six tiles of 32 fit 227 KB of shared memory with f32 keys)
-R, RB = 2, 1  # the retention row of the forward's coefficients (w, g, r) and the backward's
-#               (u, r, w g, c_n); with packed documents three more follow: document, first, last
+TILE = 64  # tokens a tile (the rows of the WGMMA layout); T is padded to a multiple of it
+W, G, R = 0, 1, 2  # the forward's coefficient rows; with packed documents three more follow:
+U, RB, WG, GN = 0, 1, 2, 3  # document, first, last; and the backward's
 VEC = plgpu.Layout.WG_STRIDED((K_THREADS,), vec_size=1)
 
 
@@ -61,15 +73,12 @@ def coefficient_rows(coefs, Tp, docs=None):
     return _rows([w, g, r], docs, Tp, R)
 
 
-def backward_rows(coefs, d, eps, Tp, docs=None):
+def backward_rows(coefs, u, a, eps, Tp, docs=None):
     """The backward's [B, H, 4 (+ 3), Tp] from ``coefs`` (as ``coefficient_rows``'s) and the
-    forward's d_t: u = w (1 − g a), r, w g and [n̄ > ε] (1 − g a) w / n̄ (a = ⟨d_t, s_t⟩;
-    padded with zeros but r = 1: with d padded strictly inside the box, a padded token passes
-    λ on unchanged), and a [B, T, H]; ``docs`` as ``coefficient_rows``'s."""
-    s, n, g, w, r = coefs
-    a = jnp.sum(d * s, -1)
-    v = 1.0 - g * a
-    return _rows([w * v, r, w * g, jnp.where(n > eps, v * w / n, 0.0)], docs, Tp, RB), a
+    forward's u_t, a_t [B, T, H]: u, r, w g and [n̄ > ε] (1 − g a) w / n̄, padded with zeros but
+    r = 1 (a padded token passes λ on unchanged); ``docs`` as ``coefficient_rows``'s."""
+    _, n, g, w, r = coefs
+    return _rows([u, r, w * g, jnp.where(n > eps, (1.0 - g * a) * w / n, 0.0)], docs, Tp, RB)
 
 
 def padded_length(T):
@@ -89,10 +98,9 @@ def _walk(n_tiles, reverse, issue, in_bar, start_bar, state, start, end, run_til
     double-buffered (slot j % 2 for the j-th walked; ``issue(i, slot)`` sends tile i's copies
     to ``in_bar[slot]``, the next tile's right after this one's arrived), the carry (one
     coordinate a thread) from the GMEM ref ``start`` (by ``start_bar``) through ``state`` to
-    ``end``;
-    ``run_tile(i, slot, carry)`` returns the next carry after writing the tile's outputs into
-    slot ``slot``, which ``store_tile(i, slot)`` sends (one commit group a tile: the slot is
-    reused once the group of two tiles before has been read)."""
+    ``end``; ``run_tile(i, slot, carry)`` returns the next carry after writing the tile's
+    outputs into slot ``slot``, which ``store_tile(i, slot)`` sends (one commit group a tile:
+    the slot is reused once the group of two tiles before has been read)."""
     at = (lambda j: n_tiles - 1 - j) if reverse else (lambda j: j)
     issue(at(0), 0)
     plgpu.copy_gmem_to_smem(start, state, start_bar)
@@ -107,6 +115,7 @@ def _walk(n_tiles, reverse, issue, in_bar, start_bar, state, start, end, run_til
             issue(at(j + 1), 1 - slot)
 
         plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the slot's last outputs were sent
+        plgpu.commit_smem()  # (one thread waited: the others wait for it here)
         carry = run_tile(i, slot, carry)
         plgpu.commit_smem()
         store_tile(i, slot)
@@ -121,17 +130,18 @@ def _walk(n_tiles, reverse, issue, in_bar, start_bar, state, start, end, run_til
     plgpu.wait_smem_to_gmem(0)
 
 
-def _document_in(value, ref, h, doc, flag, buf, bar):
-    """``value``, or document ``doc``'s row of ``ref`` [N, H, 128] (loaded into ``buf``) where
-    ``flag`` is set (a document boundary)."""
-    @pl.when(flag != 0)
-    def _():
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # buf's last store was read
-        plgpu.copy_gmem_to_smem(ref.at[doc, h], buf, bar)
-        plgpu.barrier_wait(bar)
+def _restart_rows(ref, h, doc, flag, rows, bar):
+    """Row t of ``rows`` [TILE, 128] = document ``doc[t]``'s row of ``ref`` [N, H, 128] for
+    every token t whose ``flag`` is set (by TMA, one copy at a time: documents are rare)."""
+    plgpu.commit_smem()  # the rows' last readers are done before TMA writes them
 
-    on = plgpu.layout_cast(jnp.broadcast_to(flag != 0, (K_THREADS,)), VEC)
-    return jnp.where(on, plgpu.load(buf, layout=VEC), value)
+    def token(t, _):
+        @pl.when(flag[t] != 0)
+        def _():
+            plgpu.copy_gmem_to_smem(ref.at[doc[t].astype(jnp.int32), h], rows.at[t], bar)
+            plgpu.barrier_wait(bar)
+
+    lax.fori_loop(0, TILE, token, None)
 
 
 def _document_out(value, ref, h, doc, flag, buf):
@@ -139,9 +149,15 @@ def _document_out(value, ref, h, doc, flag, buf):
     @pl.when(flag != 0)
     def _():
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        plgpu.commit_smem()  # every thread waits for the one that waited
         buf[...] = value
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(buf, ref.at[doc, h])
+
+
+def _flag(x):
+    """A per-token flag (a float row entry) as a VEC-layout mask."""
+    return plgpu.layout_cast(jnp.broadcast_to(x != 0, (K_THREADS,)), VEC)
 
 
 def _kernel(body, name, out_type, scratch, B, H, interpret, args, arrivals):
@@ -151,7 +167,7 @@ def _kernel(body, name, out_type, scratch, B, H, interpret, args, arrivals):
                    in_bar=plgpu.Barrier(num_arrivals=arrivals, num_barriers=2),
                    doc_buf=plgpu.SMEM((K_THREADS,), F32))
     return kernel(body, name=name, out_type=out_type, scratch=scratch, grid=(B, H),
-                  interpret=interpret, grid_names=("b", "h"))(*args)
+                  interpret=interpret, grid_names=("b", "h"), auto_barriers=False)(*args)
 
 
 def _clip(p, d_min, d_max):
@@ -159,15 +175,18 @@ def _clip(p, d_min, d_max):
     return jnp.where(p >= d_max, d_max, jnp.where(p <= d_min, d_min, p))
 
 
-def _issue(position, i, n, slot, bar, tiles, rows, c_ref, bufs):
-    """TMA copies of tile i (``n`` tokens) into ``slot``: each (GMEM ref [B, Tp, H, 128], SMEM
-    buffer) of ``tiles``, and row ``rows[j]`` of the coefficients ``c_ref`` into ``bufs[j]``."""
+def _issue(position, i, slot, bar, tiles, rows, c_ref, bufs, singles=()):
+    """TMA copies of tile i into ``slot``: each (GMEM ref [B, Tp, H, 128], SMEM buffer) of
+    ``tiles``, row ``rows[j]`` of the coefficients ``c_ref`` into ``bufs[j]``, and each (GMEM
+    ref [B, n_tiles, H, 128], SMEM buffer) of ``singles`` (one row a tile)."""
     b, h = position
-    tokens = pl.ds(i * n, n)
+    tokens = pl.ds(i * TILE, TILE)
     for src, dst in tiles:
         plgpu.copy_gmem_to_smem(src.at[b, tokens, h], dst.at[slot], bar.at[slot])
     for row, buf in zip(rows, bufs):
         plgpu.copy_gmem_to_smem(c_ref.at[b, h, row, tokens], buf.at[slot], bar.at[slot])
+    for src, dst in singles:
+        plgpu.copy_gmem_to_smem(src.at[b, i, h], dst.at[slot], bar.at[slot])
 
 
 def _doc_scratch(packed, vec):
@@ -175,50 +194,158 @@ def _doc_scratch(packed, vec):
     return dict(doc=vec, first=vec, last=vec) if packed else {}
 
 
-def osgm_fwd(k, coefs, initial_state, *, bounds, emit_d, interpret, packed=False):
+@functools.cache
+def _wgmma_load(dtype):
+    """An ``inline_mgpu`` load of a [TILE, 128] shared-memory tile of ``dtype`` in the WGMMA
+    layout."""
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),), return_type=plgpu.ShapeDtypeStruct(
+        (TILE, K_THREADS), dtype, layout=WGMMA))
+    def load(ctx, ref):
+        del ctx
+        return mgpu.FragmentedArray.load_untiled(ref, layout=mgpu.WGMMA_LAYOUT, optimized=False)
+    return load
+
+
+@plgpu.inline_mgpu(arg_types=(WGMMA, plgpu.RefType()))
+def _wgmma_store(ctx, x, ref):
+    """``ref`` [TILE, 128] float32 = x (WGMMA layout), in ``inline_mgpu``."""
+    del ctx
+    x.store_untiled(ref, optimized=False)
+
+
+def _tile(ref, interpret):
+    """A [TILE, 128] shared-memory tile as float32 in the WGMMA layout. The buffers the sweeps
+    also read or write by rows (one coordinate a thread) are loaded whole in ``inline_mgpu``:
+    through ``plgpu.load``, both uses of one buffer send Pallas's layout inference into a
+    search that runs out of fuel after ten minutes."""
+    x = ref[...] if interpret else _wgmma_load(ref.dtype)(ref)
+    return x.astype(F32)
+
+
+def _set_tile(ref, x, interpret):
+    """``ref`` [TILE, 128] float32 = x (WGMMA layout), as ``_tile`` loads."""
+    if interpret:
+        ref[...] = x
+    else:
+        _wgmma_store(x, ref)
+
+
+def _squares(k_tile, interpret):
+    """s = k ⊙ k of a tile [TILE, 128] in the WGMMA layout, float32."""
+    k = _tile(k_tile, interpret)
+    return k * k
+
+
+def _row_sums(x_tile, s, interpret):
+    """Σ_j X_tj s_tj [TILE] (ROWS layout) of a float32 tile in shared memory."""
+    return jnp.sum(_tile(x_tile, interpret) * s, axis=1)
+
+
+def _changed(new, old):
+    """Whether two ROWS vectors differ anywhere (a scalar)."""
+    return jnp.sum(jnp.where(new != old, 1.0, 0.0)) > 0.0
+
+
+def _settle(step, x0, carry0):
+    """Picard sweeps ``x, carry = step(x)`` from the guess x0 until x comes back bit for bit (at
+    most TILE + 1: causality settles one more token a sweep). Returns (x, carry)."""
+    def cond(c):
+        return c[2] & (c[3] <= TILE)
+
+    def body(c):
+        x, _, _, n = c
+        x_new, carry = step(x)
+        return x_new, carry, _changed(x_new, x), n + 1
+
+    x, carry, _, _ = lax.while_loop(cond, body, (x0, carry0, jnp.bool_(True), jnp.int32(0)))
+    return x, carry
+
+
+def _forward_sweep(d0, k_tile, u, r, D, bounds, first=None):
+    """d_t of the tile's tokens into the rows of ``D`` (a document's first token: the restart
+    row already there) for the per-token u_t, r_t (shared-memory rows); returns the state after
+    the tile."""
+    def token(t, d):
+        if first is not None:
+            d = jnp.where(_flag(first[t]), plgpu.load(D.at[t], layout=VEC), d)
+        D.at[t][...] = d
+        k_t = plgpu.load(k_tile.at[t], layout=VEC).astype(F32)
+        return _clip(r[t] * d + u[t] * (k_t * k_t), *bounds)
+
+    return lax.fori_loop(0, TILE, token, d0, unroll=8)
+
+
+def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residuals=False):
     """k [B, Tp, H, 128] (Tp a multiple of TILE), coefs [B, H, 3 (+ 3 if ``packed``), Tp]
     (``coefficient_rows``), initial_state [N, H, 128] float32 (N = B, or the documents);
-    bounds (d_min, d_max). Returns (k̃ [B, Tp, H, 128] in k's dtype, or every d_t float32 if
-    ``emit_d``; final d [N, H, 128] float32)."""
+    bounds (d_min, d_max). Returns k̃ [B, Tp, H, 128] in k's dtype and the final d [N, H, 128]
+    float32; with ``residuals`` also the rows (u_t, a_t) [B, H, 2, Tp] and the state entering
+    each tile [B, Tp / TILE, H, 128] float32 (``osgm_bwd``'s inputs)."""
     B, Tp, H, K = k.shape
     _check("osgm_fwd", K, Tp)
-    d_min, d_max = bounds
-    out_dtype = F32 if emit_d else k.dtype
     ins = (k, coefs, initial_state)
-    out_type = (out_struct((B, Tp, H, K), out_dtype, *ins),
+    out_type = (out_struct((B, Tp, H, K), k.dtype, *ins),
                 out_struct(initial_state.shape, F32, *ins))
+    if residuals:
+        out_type += (out_struct((B, H, 2, Tp), F32, *ins),
+                     out_struct((B, Tp // TILE, H, K), F32, *ins))
     vec = plgpu.SMEM((2, TILE), F32)
-    scratch = dict(k=plgpu.SMEM((2, TILE, K), k.dtype), w=vec, g=vec, r=vec,
-                   out=plgpu.SMEM((2, TILE, K), out_dtype), **_doc_scratch(packed, vec))
+    scratch = dict(k=plgpu.SMEM((2, TILE, K), k.dtype), w=vec, g=vec, r=vec, u=vec, a=vec,
+                   out=plgpu.SMEM((2, TILE, K), k.dtype), D=plgpu.SMEM((TILE, K), F32),
+                   starts=plgpu.SMEM((2, K), F32), **_doc_scratch(packed, vec))
     rows = range(6 if packed else 3)
 
-    def body(k_ref, c_ref, init_ref, out_ref, final_ref, *, k, w, g, r, out, state, start_bar,
-             in_bar, doc_buf, doc=None, first=None, last=None):
+    def body(k_ref, c_ref, init_ref, out_ref, final_ref, *res_refs, k, w, g, r, u, a, out, D,
+             starts, state, start_bar, in_bar, doc_buf, doc=None, first=None, last=None):
         b, h = lax.axis_index("b"), lax.axis_index("h")
         bufs = (w, g, r) + ((doc, first, last) if packed else ())
 
         def issue(i, slot):
-            _issue((b, h), i, TILE, slot, in_bar, [(k_ref, k)], rows, c_ref, bufs)
+            _issue((b, h), i, slot, in_bar, [(k_ref, k)], rows, c_ref, bufs)
 
-        def run_tile(i, slot, d):
-            def token(t, d):
-                if packed:
-                    doc_t = doc[slot, t].astype(jnp.int32)
-                    d = _document_in(d, init_ref, h, doc_t, first[slot, t], doc_buf, start_bar)
-                k_t = plgpu.load(k.at[slot, t], layout=VEC).astype(F32)
-                s = k_t * k_t
-                a = jnp.sum(d * s)
-                out.at[slot, t][...] = d if emit_d else (d * k_t).astype(out_dtype)
-                u = w[slot, t] * (1.0 - g[slot, t] * a)
-                d = _clip(r[slot, t] * d + u * s, d_min, d_max)
-                if packed:
-                    _document_out(d, final_ref, h, doc_t, last[slot, t], doc_buf)
-                return d
+        def run_tile(i, slot, d0):
+            k_tile, u_t = k.at[slot], u.at[slot]
+            s = _squares(k_tile, interpret)
+            starts.at[slot][...] = d0
+            if packed:
+                _restart_rows(init_ref, h, doc.at[slot], first.at[slot], D, start_bar)
+            plgpu.commit_smem()
+            w_row, g_row = plgpu.load(w.at[slot], layout=ROWS), plgpu.load(g.at[slot], layout=ROWS)
+            guess = jnp.sum(s * bcast_cols(plgpu.load(starts.at[slot], layout=COLS), s.shape),
+                            axis=1)
 
-            return lax.fori_loop(0, TILE, token, d, unroll=8)
+            def step(a_t):
+                u_t[...] = w_row * (1.0 - g_row * a_t)
+                plgpu.commit_smem()
+                d = _forward_sweep(d0, k_tile, u_t, r.at[slot], D, bounds,
+                                   first.at[slot] if packed else None)
+                plgpu.commit_smem()
+                return _row_sums(D, s, interpret), d
+
+            a_t, d = _settle(step, guess, d0)
+            a.at[slot][...] = a_t
+            out.at[slot][...] = (_tile(D, interpret) * _tile(k_tile, interpret)).astype(k.dtype)
+            if packed:  # each document ending here: its state after its last token
+                def ends(t, _):
+                    k_t = plgpu.load(k_tile.at[t], layout=VEC).astype(F32)
+                    value = _clip(r[slot, t] * plgpu.load(D.at[t], layout=VEC)
+                                  + u_t[t] * (k_t * k_t), *bounds)
+                    _document_out(value, final_ref, h, doc[slot, t].astype(jnp.int32),
+                                  last[slot, t], doc_buf)
+                lax.fori_loop(0, TILE, ends, None)
+            return d
 
         def store_tile(i, slot):
-            plgpu.copy_smem_to_gmem(out.at[slot], out_ref.at[b, pl.ds(i * TILE, TILE), h])
+            tokens = pl.ds(i * TILE, TILE)
+            plgpu.copy_smem_to_gmem(out.at[slot], out_ref.at[b, tokens, h], commit_group=False)
+            if residuals:
+                rows_ref, starts_ref = res_refs
+                for j, buf in enumerate((u, a)):
+                    plgpu.copy_smem_to_gmem(buf.at[slot], rows_ref.at[b, h, j, tokens],
+                                            commit_group=False)
+                plgpu.copy_smem_to_gmem(starts.at[slot], starts_ref.at[b, i, h],
+                                        commit_group=False)
+            plgpu.commit_smem_to_gmem_group()
 
         _walk(Tp // TILE, False, issue, in_bar, start_bar, state,
               init_ref.at[0 if packed else b, h], None if packed else final_ref.at[b, h],
@@ -227,75 +354,118 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, emit_d, interpret, packed=False
     return _kernel(body, "osgm_fwd_mosaic", out_type, scratch, B, H, interpret, ins, len(rows) + 1)
 
 
-def osgm_bwd(k, d, dkw, coefs, dfinal, *, bounds, interpret, packed=False):
-    """The reverse token loop (``osgm_triton``'s backward, one coordinate a thread, tiles in
-    reverse): with λ = ∂L/∂d_{t+1}, μ = λ ⊙ [d_min < r d + u s < d_max] and γ = ⟨μ, s⟩,
+def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=False):
+    """The reverse scan by Picard sweeps per tile (tiles in reverse): with λ = ∂L/∂d_{t+1},
+    μ = λ ⊙ [d_min < r d + u s < d_max], γ = ⟨μ, s⟩ (the sweeps' coupling),
 
         ∂k_t = 2 k (u μ − γ (w g) d − γ c_n) + ∂k̃ ⊙ d      ∂r_t = ⟨μ, d⟩
         λ ← r μ − γ (w g) s + ∂k̃ ⊙ k
 
     (with ``packed`` documents λ = dfinal[doc] at a document's last token, and ∂d_1[doc] the λ
-    after its first) from k, d (every d_t, float32) and ∂k̃ [B, Tp, H, 128], coefs [B, H,
-    4 (+ 3), Tp] (``backward_rows``) and dfinal [N, H, 128]. Returns (∂k [B, Tp, H, 128]
-    float32, rows (γ, ∂r) [B, H, 2, Tp] float32, ∂d_1 [N, H, 128])."""
+    after its first), each tile's d_t recomputed by one forward sweep from ``starts`` [B,
+    Tp / TILE, H, 128] and the rows' u_t. k and ∂k̃ [B, Tp, H, 128], coefs [B, H, 4 (+ 3), Tp]
+    (``backward_rows``), init (the documents' initial states; read with ``packed`` only) and
+    dfinal [N, H, 128]. Padded tokens (k = 0, r = 1) mask λ by [d_min < d < d_max] for the
+    final d, as the last real token's clip derivative does already. Returns (∂k [B, Tp, H,
+    128] float32, rows (γ, ∂r) [B, H, 2, Tp] float32, ∂d_1 [N, H, 128])."""
     B, Tp, H, K = k.shape
     _check("osgm_bwd", K, Tp)
     d_min, d_max = bounds
-    ins = (k, d, dkw, coefs, dfinal)
+    ins = (k, dkw, coefs, starts, init, dfinal)
     out_type = (out_struct((B, Tp, H, K), F32, *ins), out_struct((B, H, 2, Tp), F32, *ins),
                 out_struct(dfinal.shape, F32, *ins))
-    vec, n = plgpu.SMEM((2, BWD_TILE), F32), BWD_TILE
-    scratch = dict(k=plgpu.SMEM((2, n, K), k.dtype), d=plgpu.SMEM((2, n, K), F32),
-                   dkw=plgpu.SMEM((2, n, K), dkw.dtype), u=vec, r=vec, gw=vec, gn=vec,
-                   dk=plgpu.SMEM((2, n, K), F32), gam=vec, dr=vec, **_doc_scratch(packed, vec))
+    vec = plgpu.SMEM((2, TILE), F32)
+    scratch = dict(k=plgpu.SMEM((2, TILE, K), k.dtype), dkw=plgpu.SMEM((2, TILE, K), dkw.dtype),
+                   st=plgpu.SMEM((2, K), F32), u=vec, r=vec, gw=vec, gn=vec, c=plgpu.SMEM(
+                       (TILE,), F32), gam=vec, dr=vec, D=plgpu.SMEM((TILE, K), F32),
+                   M=plgpu.SMEM((TILE, K), F32), **_doc_scratch(packed, vec))
     rows = range(7 if packed else 4)
 
-    def body(k_ref, d_ref, dkw_ref, c_ref, dfinal_ref, dk_ref, rows_ref, dinit_ref, *, k, d,
-             dkw, u, r, gw, gn, dk, gam, dr, state, start_bar, in_bar, doc_buf, doc=None,
-             first=None, last=None):
+    def body(k_ref, dkw_ref, c_ref, st_ref, init_ref, dfinal_ref, dk_ref, rows_ref, dinit_ref,
+             *, k, dkw, st, u, r, gw, gn, c, gam, dr, D, M, state, start_bar, in_bar, doc_buf,
+             doc=None, first=None, last=None):
         b, h = lax.axis_index("b"), lax.axis_index("h")
         bufs = (u, r, gw, gn) + ((doc, first, last) if packed else ())
 
         def issue(i, slot):
-            _issue((b, h), i, n, slot, in_bar, [(k_ref, k), (d_ref, d), (dkw_ref, dkw)], rows,
-                   c_ref, bufs)
+            _issue((b, h), i, slot, in_bar, [(k_ref, k), (dkw_ref, dkw)], rows, c_ref, bufs,
+                   [(st_ref, st)])
 
-        def run_tile(i, slot, lam):
+        def lam_after(t, slot, mu):
+            """λ entering token t − 1 from μ_t (the coupling in ``c``)."""
+            k_t = plgpu.load(k.at[slot, t], layout=VEC).astype(F32)
+            dkw_t = plgpu.load(dkw.at[slot, t], layout=VEC).astype(F32)
+            return r[slot, t] * mu + c[t] * (k_t * k_t) + dkw_t * k_t
+
+        def reverse_sweep(lam, slot):
+            """μ_t into the rows of M (a document's last token: λ from the row there, whose μ
+            is written once before the sweeps); returns λ before the tile."""
             def token(tt, lam):
-                t = n - 1 - tt
-                if packed:
-                    doc_t = doc[slot, t].astype(jnp.int32)
-                    lam = _document_in(lam, dfinal_ref, h, doc_t, last[slot, t], doc_buf,
-                                       start_bar)
+                t = TILE - 1 - tt
                 k_t = plgpu.load(k.at[slot, t], layout=VEC).astype(F32)
-                d_t = plgpu.load(d.at[slot, t], layout=VEC)
-                dkw_t = plgpu.load(dkw.at[slot, t], layout=VEC).astype(F32)
-                s = k_t * k_t
-                u_t, r_t = u[slot, t], r[slot, t]
-                p = r_t * d_t + u_t * s
+                p = r[slot, t] * plgpu.load(D.at[t], layout=VEC) + u[slot, t] * (k_t * k_t)
                 mu = jnp.where((p > d_min) & (p < d_max), lam, 0.0)
-                gu = jnp.sum(mu * s)
-                ga, g_n = -gu * gw[slot, t], -gu * gn[slot, t]
-                dk.at[slot, t][...] = 2.0 * k_t * (u_t * mu + ga * d_t + g_n) + dkw_t * d_t
-                gam[slot, t] = gu
-                dr[slot, t] = jnp.sum(mu * d_t)
-                lam = r_t * mu + ga * s + dkw_t * k_t
                 if packed:
-                    _document_out(lam, dinit_ref, h, doc_t, first[slot, t], doc_buf)
-                return lam
+                    mu = jnp.where(_flag(last[slot, t]), plgpu.load(M.at[t], layout=VEC), mu)
+                M.at[t][...] = mu
+                return lam_after(t, slot, mu)
 
-            return lax.fori_loop(0, n, token, lam, unroll=8)
+            return lax.fori_loop(0, TILE, token, lam, unroll=8)
+
+        def run_tile(i, slot, lam0):
+            k_tile = k.at[slot]
+            s = _squares(k_tile, interpret)
+            if packed:
+                _restart_rows(init_ref, h, doc.at[slot], first.at[slot], D, start_bar)
+            _forward_sweep(plgpu.load(st.at[slot], layout=VEC), k_tile, u.at[slot], r.at[slot], D,
+                           bounds, first.at[slot] if packed else None)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # M's ∂k of the last tile was sent
+            plgpu.commit_smem()
+            if packed:  # μ at each document's last token, from its dfinal row
+                _restart_rows(dfinal_ref, h, doc.at[slot], last.at[slot], M, start_bar)
+
+                def masked(t, _):
+                    k_t = plgpu.load(k.at[slot, t], layout=VEC).astype(F32)
+                    p = r[slot, t] * plgpu.load(D.at[t], layout=VEC) + u[slot, t] * (k_t * k_t)
+                    keep = _flag(last[slot, t]) & (p > d_min) & (p < d_max)
+                    M.at[t][...] = jnp.where(keep, plgpu.load(M.at[t], layout=VEC), 0.0)
+                lax.fori_loop(0, TILE, masked, None)
+            plgpu.commit_smem()
+            gw_row = plgpu.load(gw.at[slot], layout=ROWS)
+
+            def step(gam_t):
+                c[...] = -gam_t * gw_row
+                plgpu.commit_smem()
+                lam = reverse_sweep(lam0, slot)
+                plgpu.commit_smem()
+                return _row_sums(M, s, interpret), lam
+
+            gam_t, lam = _settle(step, plgpu.layout_cast(jnp.zeros((TILE,), F32), ROWS), lam0)
+            mu, d, k_w = (_tile(x, interpret) for x in (M, D, k_tile))
+            per_row = lambda x: bcast_rows(x, mu.shape)  # noqa: E731
+            ds = (per_row(plgpu.load(u.at[slot], layout=ROWS)) * mu + per_row(-gam_t * gw_row) * d
+                  + per_row(-gam_t * plgpu.load(gn.at[slot], layout=ROWS)))
+            dk = 2.0 * k_w * ds + _tile(dkw.at[slot], interpret) * d
+            gam.at[slot][...] = gam_t
+            dr.at[slot][...] = jnp.sum(mu * d, axis=1)
+            if packed:  # each document starting here: the λ before its first token
+                def starts_(t, _):
+                    _document_out(lam_after(t, slot, plgpu.load(M.at[t], layout=VEC)), dinit_ref,
+                                  h, doc[slot, t].astype(jnp.int32), first[slot, t], doc_buf)
+                lax.fori_loop(0, TILE, starts_, None)
+            plgpu.commit_smem()  # every thread done with M before it holds ∂k
+            _set_tile(M, dk, interpret)
+            return lam
 
         def store_tile(i, slot):
-            tokens = pl.ds(i * n, n)
-            plgpu.copy_smem_to_gmem(dk.at[slot], dk_ref.at[b, tokens, h], commit_group=False)
-            plgpu.copy_smem_to_gmem(gam.at[slot], rows_ref.at[b, h, 0, tokens],
-                                    commit_group=False)
-            plgpu.copy_smem_to_gmem(dr.at[slot], rows_ref.at[b, h, 1, tokens],
-                                    commit_group=False)
+            tokens = pl.ds(i * TILE, TILE)
+            plgpu.copy_smem_to_gmem(M, dk_ref.at[b, tokens, h], commit_group=False)
+            for j, buf in enumerate((gam, dr)):
+                plgpu.copy_smem_to_gmem(buf.at[slot], rows_ref.at[b, h, j, tokens],
+                                        commit_group=False)
             plgpu.commit_smem_to_gmem_group()
 
-        _walk(Tp // n, True, issue, in_bar, start_bar, state,
+        _walk(Tp // TILE, True, issue, in_bar, start_bar, state,
               dfinal_ref.at[0 if packed else b, h], None if packed else dinit_ref.at[b, h],
               run_tile, store_tile)
 

@@ -167,8 +167,8 @@ def _forward(cfg, k, aux, init, emit_d):
     coupling settled, the token loop running only for the others (``osgm_fwd``'s skip flags:
     an exact fallback without a host round trip)."""
     settled = ()
-    if _mosaic_runs(cfg, k):
-        return _mosaic_forward(cfg, k, aux, init, emit_d)
+    if _mosaic_runs(cfg, k):  # (under differentiation: _scan_fwd's own call)
+        return _mosaic_forward(cfg, k, aux, init)
     if cfg.options.picard_iters:
         out, ok = _picard_forward(cfg, k, aux, init, emit_d=emit_d)
         settled = (ok, *out)
@@ -194,36 +194,40 @@ def _documents(cfg, aux):
     return tuple(aux[:, :, 0, c] for c in (DOC, FIRST, LAST)) if cfg.packed else None
 
 
-def _tile_padded(x, Tp, value=0.0):
-    """x [B, T, H, K] padded along T to Tp tokens with ``value``."""
-    return jnp.pad(x, [(0, 0), (0, Tp - x.shape[1]), (0, 0), (0, 0)], constant_values=value)
+def _tile_padded(x, Tp):
+    """x [B, T, H, K] padded along T to Tp tokens with zeros."""
+    return jnp.pad(x, [(0, 0), (0, Tp - x.shape[1]), (0, 0), (0, 0)])
 
 
-def _mosaic_forward(cfg, k, aux, init, emit_d):
+def _mosaic_forward(cfg, k, aux, init, residuals=False):
     """``osgm_mosaic.osgm_fwd``'s results (T padded to whole tiles, then cut), its per-token
-    coefficients from XLA."""
+    coefficients from XLA: (k̃, final), with ``residuals`` also the backward's (the rows
+    (u_t, a_t) and the states entering the tiles, as the kernel returns them)."""
     T = k.shape[1]
     Tp = osgm_mosaic.padded_length(T)
     coefs = osgm_mosaic.coefficient_rows(_coefficients(cfg, k, aux), Tp, _documents(cfg, aux))
-    out, final = _mosaic_call(
-        cfg, functools.partial(osgm_mosaic.osgm_fwd, emit_d=emit_d),
+    out = _mosaic_call(
+        cfg, functools.partial(osgm_mosaic.osgm_fwd, residuals=residuals),
         [_tile_padded(k, Tp), coefs, init], ["b t h k", "b h r t", "n h k"],
-        ["b t h k", "n h k"])
-    return out[:, :T], final
+        ["b t h k", "n h k"] + (["b h j t", "b i h k"] if residuals else []))
+    return (out[0][:, :T], *out[1:])
 
 
-def _mosaic_backward(cfg, k, aux, d, dkw, dfinal):
-    """``osgm_mosaic.osgm_bwd``'s cotangents (d padded strictly inside the box, so that padded
-    tokens pass λ on), ∂β from its γ_t elementwise (``osgm_picard.beta_cotangent``)."""
+def _mosaic_backward(cfg, k, aux, residuals, init, dkw, dfinal):
+    """``osgm_mosaic.osgm_bwd``'s cotangents from the forward's ``residuals``, ∂β from its γ_t
+    elementwise (``osgm_picard.beta_cotangent``)."""
     T = k.shape[1]
     Tp = osgm_mosaic.padded_length(T)
-    eta, d_min, d_max, eps = cfg.hyper
+    eta, _, _, eps = cfg.hyper
     per_token = _coefficients(cfg, k, aux)
-    coefs, a = osgm_mosaic.backward_rows(per_token, d, eps, Tp, _documents(cfg, aux))
+    fwd_rows, starts = residuals
+    u, a = (jnp.moveaxis(fwd_rows[:, :, i, :T], 1, 2) for i in range(2))  # [B, T, H]
+    coefs = osgm_mosaic.backward_rows(per_token, u, a, eps, Tp, _documents(cfg, aux))
     dk, rows, dinit = _mosaic_call(
         cfg, osgm_mosaic.osgm_bwd,
-        [_tile_padded(k, Tp), _tile_padded(d, Tp, (d_min + d_max) / 2), _tile_padded(dkw, Tp),
-         coefs, dfinal], ["b t h k"] * 3 + ["b h r t", "n h k"], ["b t h k", "b h r t", "n h k"])
+        [_tile_padded(k, Tp), _tile_padded(dkw, Tp), coefs, starts, init, dfinal],
+        ["b t h k", "b t h k", "b h r t", "b i h k", "n h k", "n h k"],
+        ["b t h k", "b h j t", "n h k"])
     gamma, dr = (jnp.moveaxis(rows[:, :, i, :T], 1, 2) for i in range(2))  # [B, T, H]
     dbeta = beta_cotangent(gamma, a, per_token, eta, cfg.beta_aware)
     daux = jnp.zeros_like(aux).at[..., BETA].set(dbeta).at[..., RET].set(dr)
@@ -343,7 +347,10 @@ def _scan(cfg, k, aux, init):
 def _scan_fwd(cfg, k, aux, init):
     """Under differentiation the kernel emits every d_t (kept for the backward, which then does
     not re-run the token loop); k̃ = d ⊙ k is the kernel's own product and cast, so equal bit
-    for bit."""
+    for bit. The Mosaic kernels keep less: per-token rows and the states entering the tiles."""
+    if _mosaic_runs(cfg, k):
+        k_write, final, *residuals = _mosaic_forward(cfg, k, aux, init, residuals=True)
+        return (k_write, final), (k, aux, tuple(residuals), init)
     d, final = _forward(cfg, k, aux, init, True)
     return ((d * k.astype(jnp.float32)).astype(k.dtype), final), (k, aux, d, init)
 
@@ -351,7 +358,7 @@ def _scan_fwd(cfg, k, aux, init):
 def _scan_bwd(cfg, res, cts):
     k, aux, d, init = res
     if _mosaic_runs(cfg, k):
-        dk, daux, dinit = _mosaic_backward(cfg, k, aux, d, *cts)
+        dk, daux, dinit = _mosaic_backward(cfg, k, aux, d, init, *cts)
         return match_types((dk.astype(k.dtype), daux, dinit), (k, aux, init))
     settled = ()
     if cfg.options.picard_iters:  # the token loop only where the sweeps did not settle

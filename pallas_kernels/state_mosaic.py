@@ -147,13 +147,17 @@ def _doc_states(x):
 
 
 def kernel(body, *, name, out_type, scratch, grid, interpret, grid_names=("b", "h", "v"),
-           warpgroups=1):
+           warpgroups=1, auto_barriers=True):
     """``plgpu.kernel`` as every Mosaic kernel of this package calls it: approximate exp and
-    division, the interpreter on a CPU (``interpret``), ``warpgroups`` named "wg" when two."""
+    division, the interpreter on a CPU (``interpret``), ``warpgroups`` named "wg" when two.
+    ``auto_barriers=False``: Pallas inserts no warpgroup barrier around shared-memory loads and
+    stores (it puts one before and one after each store otherwise); the body synchronises its
+    threads itself (``plgpu.commit_smem``) wherever one reads what another wrote."""
     threads = dict(num_threads=warpgroups, thread_name="wg") if warpgroups > 1 else {}
+    params = plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=not auto_barriers)
     return plgpu.kernel(
         body, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=grid_names,
-        compiler_params=plgpu.CompilerParams(approx_math=True), **threads,
+        compiler_params=params, **threads,
         interpret=plgpu.InterpretGPUParams() if interpret else None, kernel_name=name)
 
 

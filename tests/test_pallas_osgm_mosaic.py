@@ -99,25 +99,25 @@ def test_bad_shapes_raise():
     k = jnp.zeros((1, 64, 1, 64), jnp.float32)
     with pytest.raises(ValueError, match="K = 128"):
         osgm_mosaic.osgm_fwd(k, jnp.zeros((1, 1, 3, 64)), jnp.ones((1, 1, 64)),
-                             bounds=(0.5, 2.0), emit_d=False, interpret=True)
+                             bounds=(0.5, 2.0), interpret=True)
     with pytest.raises(ValueError, match="mosaic_loops must be a bool"):
         Options(mosaic_loops=1)
 
 
-@pytest.mark.parametrize("dtype, emit_d, packed", [(jnp.bfloat16, False, False),
-                                                   (jnp.float32, True, True)])
-def test_lowers_for_cuda(dtype, emit_d, packed):
-    """Through Mosaic GPU's own passes (layout inference of the per-thread rows and the
-    warpgroup reductions; with packed documents the state loads and stores at boundaries),
-    three forward tiles, six backward ones."""
+@pytest.mark.parametrize("dtype, residuals, packed", [(jnp.bfloat16, False, False),
+                                                      (jnp.float32, True, True)])
+def test_lowers_for_cuda(dtype, residuals, packed):
+    """Through Mosaic GPU's own passes (layout inference of the per-thread rows, the tiles'
+    row sums and the sweeps' while loop; with packed documents the restart rows and the
+    document states), three tiles each way."""
     s, docs = jax.ShapeDtypeStruct, 3 * packed
     seq, state = s((2, 192, 2, 128), dtype), s((5 if packed else 2, 2, 128), jnp.float32)
-    fwd = lambda k, c, i: osgm_mosaic.osgm_fwd(k, c, i, bounds=(0.5, 2.0), emit_d=emit_d,  # noqa: E731
-                                               interpret=False, packed=packed)
+    fwd = lambda k, c, i: osgm_mosaic.osgm_fwd(k, c, i, bounds=(0.5, 2.0), interpret=False,  # noqa: E731
+                                               packed=packed, residuals=residuals)
     assert mosaic_kernels_lowered_for_cuda(
         fwd, (seq, s((2, 2, 3 + docs, 192), jnp.float32), state)) == 1
     bwd = lambda *a: osgm_mosaic.osgm_bwd(*a, bounds=(0.5, 2.0), interpret=False,  # noqa: E731
                                           packed=packed)
-    d = s(seq.shape, jnp.float32)
+    starts = s((2, 3, 2, 128), jnp.float32)
     assert mosaic_kernels_lowered_for_cuda(
-        bwd, (seq, d, seq, s((2, 2, 4 + docs, 192), jnp.float32), state)) == 1
+        bwd, (seq, seq, s((2, 2, 4 + docs, 192), jnp.float32), starts, state, state)) == 1
