@@ -8,7 +8,8 @@ import pytest
 
 from pallas_kernels import osgm_mosaic, osgm_triton
 from pallas_kernels.osgm_precond import Options, osgm_pallas
-from conftest import assert_runs_match, assert_vmap_matches_loop, mosaic_kernels_lowered_for_cuda
+from benchmarks.mosaic_barriers import barriers, modules
+from conftest import assert_runs_match, assert_vmap_matches_loop
 from test_pallas_osgm import clipped_fraction, make_inputs, run
 
 MOSAIC = Options(mosaic_loops=True, picard_iters=0)
@@ -109,15 +110,20 @@ def test_bad_shapes_raise():
 def test_lowers_for_cuda(dtype, residuals, packed):
     """Through Mosaic GPU's own passes (layout inference of the per-thread rows, the tiles'
     row sums and the sweeps' while loop; with packed documents the restart rows and the
-    document states), three tiles each way."""
+    document states), three tiles each way; no warpgroup barrier inside the sweeps' token
+    loops (loop depth 3: tiles, sweeps, tokens), where Pallas would put two around each row
+    store by default."""
     s, docs = jax.ShapeDtypeStruct, 3 * packed
     seq, state = s((2, 192, 2, 128), dtype), s((5 if packed else 2, 2, 128), jnp.float32)
     fwd = lambda k, c, i: osgm_mosaic.osgm_fwd(k, c, i, bounds=(0.5, 2.0), interpret=False,  # noqa: E731
                                                packed=packed, residuals=residuals)
-    assert mosaic_kernels_lowered_for_cuda(
-        fwd, (seq, s((2, 2, 3 + docs, 192), jnp.float32), state)) == 1
     bwd = lambda *a: osgm_mosaic.osgm_bwd(*a, bounds=(0.5, 2.0), interpret=False,  # noqa: E731
                                           packed=packed)
     starts = s((2, 3, 2, 128), jnp.float32)
-    assert mosaic_kernels_lowered_for_cuda(
-        bwd, (seq, seq, s((2, 2, 4 + docs, 192), jnp.float32), starts, state, state)) == 1
+    for fn, args, name in [
+            (fwd, (seq, s((2, 2, 3 + docs, 192), jnp.float32), state), "osgm_fwd_mosaic"),
+            (bwd, (seq, seq, s((2, 2, 4 + docs, 192), jnp.float32), starts, state, state),
+             "osgm_bwd_mosaic")]:
+        found = modules(fn, args)
+        assert list(found) == [name]
+        assert max(barriers(found[name])) == 2
