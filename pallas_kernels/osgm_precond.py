@@ -1,15 +1,15 @@
 """``osgm_precondition`` (SPEC 3.1) on Pallas kernels: layout, ``custom_vjp`` wrapper, ``supports``.
 
 Forward: the token loop of ``osgm_triton`` (one program per batch row and head, d in registers,
-exact clip, no host synchronisation), or with ``Options.mosaic_loops`` the Mosaic GPU loops of
-``osgm_mosaic`` (both directions) where they run. Backward (exact): under differentiation the forward kernel
-writes every d_t (float32, kept as the residual; k̃ = d ⊙ k is formed from it), then the reverse
-kernel propagates λ = ∂L/∂d through the clipped recurrence and emits the cotangents of k, β, r
-and the initial state. The clip's derivative is that of ``reference.osgm.clip_box`` (0 on and
-beyond a bound). With ``Options.picard_iters`` (chosen by shape by default) each way first runs
-Picard sweeps (``osgm_sweep_triton``); the token-loop kernels then run only for the sequences
-whose sweeps did not settle and keep the sweeps' results for the others (their skip flags: an
-exact fallback with no host round trip).
+exact clip, no host synchronisation), or with ``Options.mosaic_loops`` the Mosaic GPU kernels of
+``osgm_mosaic`` (both directions, their own residuals) where they run. Backward (exact): under
+differentiation the forward kernel writes every d_t (float32, kept as the residual; k̃ = d ⊙ k
+is formed from it), then the reverse kernel propagates λ = ∂L/∂d through the clipped recurrence
+and emits the cotangents of k, β, r and the initial state. The clip's derivative is that of
+``reference.osgm.clip_box`` (0 on and beyond a bound). With ``Options.picard_iters`` (chosen by
+shape by default) each way first runs Picard sweeps (``osgm_sweep_triton``); the token-loop
+kernels then run only for the sequences whose sweeps did not settle and keep the sweeps' results
+for the others (their skip flags: an exact fallback with no host round trip).
 
 Packed documents (``cu_seqlens``) need no chunk layout: the kernels restart d at each
 document's first token. Head dims are padded to a power of two >= 16 (keys with zeros, the
@@ -68,9 +68,10 @@ class Options:
     pieces (``token_pieces``: each piece's composed map, then the sweep, whose programs chain
     the maps of the pieces before theirs; it must divide T); None (the default):
     ``auto_pieces`` halved until it divides T; 1: no split; packed documents never split.
-    ``mosaic_loops``: the token loops, forward and reverse, as the Mosaic GPU kernels of
-    ``osgm_mosaic`` (tiles by TMA, one coordinate a thread) where they run (K padded to 128,
-    no Picard sweeps), else the Triton ones."""
+    ``mosaic_loops``: both directions on the Mosaic GPU kernels of ``osgm_mosaic`` (Picard
+    sweeps inside 64-token tiles, one coordinate a thread, the coupling by row sums; under
+    differentiation the residuals are per-token rows and one state a tile instead of every
+    d_t) where they run (K padded to 128, ``picard_iters=0``), else the Triton ones."""
 
     prefetch: int = 2
     num_warps: int = 1
