@@ -261,7 +261,13 @@ def _settle(step, x0, carry0):
     return x, carry
 
 
-def _forward_sweep(d0, k_tile, u, r, D, bounds, first=None):
+def _unroll(interpret):
+    """Tokens a loop iteration of the sweeps: 8 compiled (their loads issued ahead of the
+    chain), 1 in interpret mode (XLA compiles the interpreted loop's body once, not 8 times)."""
+    return 1 if interpret else 8
+
+
+def _forward_sweep(d0, k_tile, u, r, D, bounds, interpret, first=None):
     """d_t of the tile's tokens into the rows of ``D`` (a document's first token: the restart
     row already there) for the per-token u_t, r_t (shared-memory rows); returns the state after
     the tile."""
@@ -272,7 +278,7 @@ def _forward_sweep(d0, k_tile, u, r, D, bounds, first=None):
         k_t = plgpu.load(k_tile.at[t], layout=VEC).astype(F32)
         return _clip(r[t] * d + u[t] * (k_t * k_t), *bounds)
 
-    return lax.fori_loop(0, TILE, token, d0, unroll=8)
+    return lax.fori_loop(0, TILE, token, d0, unroll=_unroll(interpret))
 
 
 def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residuals=False):
@@ -317,7 +323,7 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
             def step(a_t):
                 u_t[...] = w_row * (1.0 - g_row * a_t)
                 plgpu.commit_smem()
-                d = _forward_sweep(d0, k_tile, u_t, r.at[slot], D, bounds,
+                d = _forward_sweep(d0, k_tile, u_t, r.at[slot], D, bounds, interpret,
                                    first.at[slot] if packed else None)
                 plgpu.commit_smem()
                 return _row_sums(D, s, interpret), d
@@ -410,7 +416,7 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
                 M.at[t][...] = mu
                 return lam_after(t, slot, mu)
 
-            return lax.fori_loop(0, TILE, token, lam, unroll=8)
+            return lax.fori_loop(0, TILE, token, lam, unroll=_unroll(interpret))
 
         def run_tile(i, slot, lam0):
             k_tile = k.at[slot]
@@ -418,7 +424,7 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
             if packed:
                 _restart_rows(init_ref, h, doc.at[slot], first.at[slot], D, start_bar)
             _forward_sweep(plgpu.load(st.at[slot], layout=VEC), k_tile, u.at[slot], r.at[slot], D,
-                           bounds, first.at[slot] if packed else None)
+                           bounds, interpret, first.at[slot] if packed else None)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # M's ∂k of the last tile was sent
             plgpu.commit_smem()
             if packed:  # μ at each document's last token, from its dfinal row
