@@ -5,7 +5,8 @@
 On the inputs of ``bench_osgm`` (unit keys, β = σ(x), APF r = σ(x + 6), bf16) it swaps
 ``osgm_mosaic._settle`` for a counting one whose result row carries, for each tile, the
 number of sweeps run and the last sweep that still moved the coupling (the forward's a row,
-the backward's γ row), and prints their distribution; then it times the forward with the
+the backward's γ row: the backward's ∂k, which uses γ, is then wrong; the forward's results
+are not), and prints their distribution; then it times the forward with the
 sweeps fixed at 1, 2, 4 and 8 (no convergence test), whose differences are the cost of a
 sweep. ``--cpu``: interpret mode at a small shape (checks the script, times nothing real).
 """

@@ -2,14 +2,19 @@
 ``Options.mosaic_loops``), against the token-by-token reference in interpret mode, where they
 apply and where they fall back, and their lowering for CUDA."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
 
+from benchmarks import probe_sweeps
+from benchmarks.bench_osgm import make_inputs as make_bench_inputs
 from pallas_kernels import osgm_mosaic, osgm_triton
 from pallas_kernels.osgm_precond import Options, osgm_pallas
 from benchmarks.mosaic_barriers import barriers, modules
 from conftest import assert_runs_match, assert_vmap_matches_loop
+from precond_linattn.chunked.osgm_picard import coefficients
 from test_pallas_osgm import clipped_fraction, make_inputs, precondition, run
 
 MOSAIC = Options(mosaic_loops=True, picard_iters=0)
@@ -127,3 +132,26 @@ def test_lowers_for_cuda(dtype, residuals, packed):
         found = modules(fn, args)
         assert list(found) == [name]
         assert max(barriers(found[name])) == 2
+
+
+def test_sweeps_settle_in_a_few_at_the_paper_settings(monkeypatch):
+    """η = 0.003, unit keys, APF retention (bench_osgm's inputs): every tile settles within 4
+    sweeps each way (on these inputs 2 or 3 that move the coupling, one that confirms it),
+    counted by probe_sweeps' counting ``_settle`` (whose forward results are the real ones)."""
+    x, _ = make_bench_inputs(jax.random.PRNGKey(3), 1, 128, 1, 128, jnp.float32)
+    coefs = coefficients(x["k"], x["beta"], x["r"], 0.003, True, 1e-6)
+    rows, init = osgm_mosaic.coefficient_rows(coefs, 128), jnp.ones((1, 1, 128), jnp.float32)
+    fwd = functools.partial(osgm_mosaic.osgm_fwd, bounds=(0.5, 2.0), interpret=True,
+                            residuals=True)
+    real = fwd(x["k"], rows, init)
+    u, a = (jnp.moveaxis(real[2][:, :, i], 1, 2) for i in range(2))
+    bwd_args = (x["k"], x["k"] * 0.5, osgm_mosaic.backward_rows(coefs, u, a, 1e-6, 128),
+                real[3], init, init * 0.1)
+    monkeypatch.setattr(osgm_mosaic, "_settle", probe_sweeps.counting_settle)
+    counted = fwd(x["k"], rows, init)
+    for got, want in zip(counted[:2], real[:2]):
+        assert jnp.array_equal(got, want)
+    gamma_rows = osgm_mosaic.osgm_bwd(*bwd_args, bounds=(0.5, 2.0), interpret=True)[1]
+    for code in (counted[2][:, :, 1], gamma_rows[:, :, 0]):  # n + 1000 m, each tile's row
+        code = code[..., ::osgm_mosaic.TILE]
+        assert int(jnp.max(code % 1000)) <= 4 and int(jnp.min(code // 1000)) >= 1
