@@ -46,13 +46,13 @@ def make_inputs(key, B, T, H, K, dtype, skewed=False):
                 d0=jnp.ones((B, H, K), jnp.float32)), ks[3]
 
 
-def phase1(impl, eta=0.003, beta_aware=True, apf=True, options=None):
-    """(inputs) -> (k̃, final d)."""
+def phase1(impl, eta=0.003, beta_aware=True, apf=True, options=None, cu_seqlens=None):
+    """(inputs) -> (k̃, final d); ``cu_seqlens``: packed documents (one row, a d_1 each)."""
     def f(x):
         r = x["r"] if apf else None
         if options is not None:
             return osgm_pallas(x["k"], x["beta"], r, eta, 0.5, 2.0, beta_aware, 1e-6, x["d0"],
-                               None, 64, options)
+                               cu_seqlens, 64, options)
         if impl == "picard":  # the parallel-in-time algorithm in XLA (float32)
             kw, final = osgm_picard(*(None if a is None else a.astype(jnp.float32)
                                       for a in (x["k"], x["beta"], r)),
@@ -60,8 +60,20 @@ def phase1(impl, eta=0.003, beta_aware=True, apf=True, options=None):
             return kw.astype(x["k"].dtype), final
         return pla.osgm_precondition(x["k"], x["beta"], eta=eta, retention=r,
                                      beta_aware=beta_aware, initial_state=x["d0"],
-                                     output_final_state=True, impl=impl)
+                                     output_final_state=True, cu_seqlens=cu_seqlens, impl=impl)
     return f
+
+
+def packed(x, key):
+    """The rows of ``x`` as one packed row of documents whose boundaries fall inside tiles and
+    rows (one of a single token), each with its own d_1 in [0.7, 1.8]: (inputs, cu_seqlens)."""
+    B, T, H, K = x["k"].shape
+    total = B * T
+    cu = jnp.asarray(sorted({0, 5, 6, min(T + 37, total - 1), total // 2 + 11, total}),
+                     jnp.int32)
+    d0 = jax.random.uniform(key, (len(cu) - 1, H, K), jnp.float32, 0.7, 1.8)
+    rows = {n: v.reshape(1, total, *v.shape[2:]) for n, v in x.items() if n != "d0"}
+    return {**rows, "d0": d0}, cu
 
 
 def variant(text):
@@ -154,7 +166,8 @@ def main():
     names = a.variants.split(",")
     variants = [variant(v) for v in names]
     cases = [("paper APF fp32", jnp.float32, {}), ("paper APF bf16", jnp.bfloat16, {}),
-             ("clip eta=1 beta-free fp32", jnp.float32, dict(eta=1.0, beta_aware=False))]
+             ("clip eta=1 beta-free fp32", jnp.float32, dict(eta=1.0, beta_aware=False)),
+             ("packed APF fp32", jnp.float32, dict(packed=True))]
 
     def checks(which, options=None, label="", impl="pallas"):
         """The checks ``cases[n]`` for n in ``which`` of ``impl`` (``options``' kernels; None:
@@ -165,6 +178,9 @@ def main():
             def one(n=n, name=name, dtype=dtype, hyper=hyper):
                 x, kc = make_inputs(jax.random.fold_in(key, n), B, T, H, K, dtype,
                                     skewed="eta" in hyper)
+                hyper = dict(hyper)
+                if hyper.pop("packed", False):
+                    x, hyper["cu_seqlens"] = packed(x, kc)
                 if impl == "picard":
                     its = osgm_picard_steps(x["k"], x["beta"], x["r"], hyper.get("eta", 0.003),
                                             0.5, 2.0, hyper.get("beta_aware", True), 1e-6,
@@ -202,7 +218,7 @@ def main():
         timings.append(guarded(f"time {label}", lambda label=label, f=f: time_op(label, f, x, a.reps)))
     checked = 0 if "variant-checks" in sections else 1 if "checks" in sections else len(names)
     for v, o in zip(names[checked:], variants[checked:]):
-        checks((0, 2), o, f" [{v}]")
+        checks((0, 2, 3), o, f" [{v}]")
 
     print(f"\n{'check':42s} {'ok':>5s} {'err_kw':>9s} {'err_final':>9s} {'err_grad':>9s}")
     for r in filter(None, results):

@@ -34,3 +34,20 @@ def test_variant_strings(text, options):
 def test_bad_variant_strings_raise(text):
     with pytest.raises(ValueError):
         variant(text)
+
+
+@pytest.mark.parametrize("B, T", [(1, 128), (2, 128), (8, 2048)])
+def test_packed_check_inputs(B, T):
+    """The packed check's row: the B rows as one of B T tokens, documents with boundaries
+    strictly increasing from 0 to B T (one of a single token), a d_1 each."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.bench_osgm import make_inputs, packed
+    x, key = make_inputs(jax.random.key(0), B, T, 2, 16, jnp.float32)
+    rows, cu = packed(x, key)
+    assert rows["k"].shape == (1, B * T, 2, 16) and rows["beta"].shape == (1, B * T, 2)
+    assert int(cu[0]) == 0 and int(cu[-1]) == B * T and bool(jnp.all(jnp.diff(cu) > 0))
+    assert 1 in jnp.diff(cu).tolist() and rows["d0"].shape == (len(cu) - 1, 2, 16)
+    if B > 1:  # row order kept
+        assert jnp.array_equal(rows["k"][0, T:2 * T], x["k"][1])
