@@ -82,7 +82,7 @@ def variant(text):
     iteration, the backward 8; "2/1/8/p8/bk32": phase 1 by at most 8 Picard sweeps each way over
     blocks of 32 coordinates; "fixed": exactly N sweeps, no early exit; "cp8" / "cpauto": each
     sweep over 8 / ``auto_pieces`` sequence pieces, ``Options.picard_pieces``, auto when not
-    named, "cp1": unsplit; "mosaic": the token loops as Mosaic GPU kernels,
+    named, "cp1": unsplit; "mosaic": both directions on the Mosaic GPU kernels of ``osgm_mosaic``,
     ``Options.mosaic_loops``). Without "pN" the token loops (not ``picard_iters=None``'s choice by
     shape: a variant names its kernels)."""
     parts = text.split("/")

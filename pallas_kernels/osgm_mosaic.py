@@ -175,6 +175,17 @@ def _clip(p, d_min, d_max):
     return jnp.where(p >= d_max, d_max, jnp.where(p <= d_min, d_min, p))
 
 
+def _row(ref):
+    """A [128] shared-memory row, one coordinate a thread, as float32."""
+    return plgpu.load(ref, layout=VEC).astype(F32)
+
+
+def _affine(r_t, x, u_t, k_t):
+    """r_t x + u_t (k_t ⊙ k_t) (k_t a float32 key row): for x = d, the argument of token t's
+    clip; for x = μ and u_t the coupling c_t, the adjoint's step less its ∂k̃ ⊙ k term."""
+    return r_t * x + u_t * (k_t * k_t)
+
+
 def _issue(position, i, slot, bar, tiles, rows, c_ref, bufs, singles=()):
     """TMA copies of tile i into ``slot``: each (GMEM ref [B, Tp, H, 128], SMEM buffer) of
     ``tiles``, row ``rows[j]`` of the coefficients ``c_ref`` into ``bufs[j]``, and each (GMEM
@@ -187,6 +198,20 @@ def _issue(position, i, slot, bar, tiles, rows, c_ref, bufs, singles=()):
         plgpu.copy_gmem_to_smem(c_ref.at[b, h, row, tokens], buf.at[slot], bar.at[slot])
     for src, dst in singles:
         plgpu.copy_gmem_to_smem(src.at[b, i, h], dst.at[slot], bar.at[slot])
+
+
+def _send(position, i, tiles, rows_ref, row_bufs, singles=()):
+    """TMA stores of tile i's results, one commit group: each (SMEM buffer, GMEM ref [B, Tp, H,
+    128]) of ``tiles``, ``row_bufs[j]`` into row j of ``rows_ref`` [B, H, n, Tp], and each (SMEM
+    buffer, GMEM ref [B, n_tiles, H, 128]) of ``singles``."""
+    b, h = position
+    tokens = pl.ds(i * TILE, TILE)
+    copies = [(src, dst.at[b, tokens, h]) for src, dst in tiles]
+    copies += [(buf, rows_ref.at[b, h, j, tokens]) for j, buf in enumerate(row_bufs)]
+    copies += [(src, dst.at[b, i, h]) for src, dst in singles]
+    for src, dst in copies:
+        plgpu.copy_smem_to_gmem(src, dst, commit_group=False)
+    plgpu.commit_smem_to_gmem_group()
 
 
 def _doc_scratch(packed, vec):
@@ -273,10 +298,9 @@ def _forward_sweep(d0, k_tile, u, r, D, bounds, interpret, first=None):
     the tile."""
     def token(t, d):
         if first is not None:
-            d = jnp.where(_flag(first[t]), plgpu.load(D.at[t], layout=VEC), d)
+            d = jnp.where(_flag(first[t]), _row(D.at[t]), d)
         D.at[t][...] = d
-        k_t = plgpu.load(k_tile.at[t], layout=VEC).astype(F32)
-        return _clip(r[t] * d + u[t] * (k_t * k_t), *bounds)
+        return _clip(_affine(r[t], d, u[t], _row(k_tile.at[t])), *bounds)
 
     return lax.fori_loop(0, TILE, token, d0, unroll=_unroll(interpret))
 
@@ -333,25 +357,18 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
             out.at[slot][...] = (_tile(D, interpret) * _tile(k_tile, interpret)).astype(k.dtype)
             if packed:  # each document ending here: its state after its last token
                 def ends(t, _):
-                    k_t = plgpu.load(k_tile.at[t], layout=VEC).astype(F32)
-                    value = _clip(r[slot, t] * plgpu.load(D.at[t], layout=VEC)
-                                  + u_t[t] * (k_t * k_t), *bounds)
+                    value = _clip(_affine(r[slot, t], _row(D.at[t]), u_t[t],
+                                          _row(k_tile.at[t])), *bounds)
                     _document_out(value, final_ref, h, doc[slot, t].astype(jnp.int32),
                                   last[slot, t], doc_buf)
                 lax.fori_loop(0, TILE, ends, None)
             return d
 
         def store_tile(i, slot):
-            tokens = pl.ds(i * TILE, TILE)
-            plgpu.copy_smem_to_gmem(out.at[slot], out_ref.at[b, tokens, h], commit_group=False)
-            if residuals:
-                rows_ref, starts_ref = res_refs
-                for j, buf in enumerate((u, a)):
-                    plgpu.copy_smem_to_gmem(buf.at[slot], rows_ref.at[b, h, j, tokens],
-                                            commit_group=False)
-                plgpu.copy_smem_to_gmem(starts.at[slot], starts_ref.at[b, i, h],
-                                        commit_group=False)
-            plgpu.commit_smem_to_gmem_group()
+            rows_ref, starts_ref = res_refs if residuals else (None, None)
+            _send((b, h), i, [(out.at[slot], out_ref)], rows_ref,
+                  (u.at[slot], a.at[slot]) if residuals else (),
+                  [(starts.at[slot], starts_ref)] if residuals else ())
 
         _walk(Tp // TILE, False, issue, in_bar, start_bar, state,
               init_ref.at[0 if packed else b, h], None if packed else final_ref.at[b, h],
@@ -382,8 +399,8 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
                 out_struct(dfinal.shape, F32, *ins))
     vec = plgpu.SMEM((2, TILE), F32)
     scratch = dict(k=plgpu.SMEM((2, TILE, K), k.dtype), dkw=plgpu.SMEM((2, TILE, K), dkw.dtype),
-                   st=plgpu.SMEM((2, K), F32), u=vec, r=vec, gw=vec, gn=vec, c=plgpu.SMEM(
-                       (TILE,), F32), gam=vec, dr=vec, D=plgpu.SMEM((TILE, K), F32),
+                   st=plgpu.SMEM((2, K), F32), u=vec, r=vec, gw=vec, gn=vec,
+                   c=plgpu.SMEM((TILE,), F32), gam=vec, dr=vec, D=plgpu.SMEM((TILE, K), F32),
                    M=plgpu.SMEM((TILE, K), F32), **_doc_scratch(packed, vec))
     rows = range(7 if packed else 4)
 
@@ -397,24 +414,26 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
             _issue((b, h), i, slot, in_bar, [(k_ref, k), (dkw_ref, dkw)], rows, c_ref, bufs,
                    [(st_ref, st)])
 
-        def lam_after(t, slot, mu):
-            """λ entering token t − 1 from μ_t (the coupling in ``c``)."""
-            k_t = plgpu.load(k.at[slot, t], layout=VEC).astype(F32)
-            dkw_t = plgpu.load(dkw.at[slot, t], layout=VEC).astype(F32)
-            return r[slot, t] * mu + c[t] * (k_t * k_t) + dkw_t * k_t
+        def lam_after(t, slot, mu, k_t):
+            """λ entering token t − 1 from μ_t (the coupling in ``c``; k_t the key row)."""
+            return _affine(r[slot, t], mu, c[t], k_t) + _row(dkw.at[slot, t]) * k_t
+
+        def inside(t, slot, k_t):
+            """[d_min < r_t d_t + u_t s_t < d_max]: where the clip passes λ at token t."""
+            p = _affine(r[slot, t], _row(D.at[t]), u[slot, t], k_t)
+            return (p > d_min) & (p < d_max)
 
         def reverse_sweep(lam, slot):
             """μ_t into the rows of M (a document's last token: λ from the row there, whose μ
             is written once before the sweeps); returns λ before the tile."""
             def token(tt, lam):
                 t = TILE - 1 - tt
-                k_t = plgpu.load(k.at[slot, t], layout=VEC).astype(F32)
-                p = r[slot, t] * plgpu.load(D.at[t], layout=VEC) + u[slot, t] * (k_t * k_t)
-                mu = jnp.where((p > d_min) & (p < d_max), lam, 0.0)
+                k_t = _row(k.at[slot, t])
+                mu = jnp.where(inside(t, slot, k_t), lam, 0.0)
                 if packed:
-                    mu = jnp.where(_flag(last[slot, t]), plgpu.load(M.at[t], layout=VEC), mu)
+                    mu = jnp.where(_flag(last[slot, t]), _row(M.at[t]), mu)
                 M.at[t][...] = mu
-                return lam_after(t, slot, mu)
+                return lam_after(t, slot, mu, k_t)
 
             return lax.fori_loop(0, TILE, token, lam, unroll=_unroll(interpret))
 
@@ -431,10 +450,8 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
                 _restart_rows(dfinal_ref, h, doc.at[slot], last.at[slot], M, start_bar)
 
                 def masked(t, _):
-                    k_t = plgpu.load(k.at[slot, t], layout=VEC).astype(F32)
-                    p = r[slot, t] * plgpu.load(D.at[t], layout=VEC) + u[slot, t] * (k_t * k_t)
-                    keep = _flag(last[slot, t]) & (p > d_min) & (p < d_max)
-                    M.at[t][...] = jnp.where(keep, plgpu.load(M.at[t], layout=VEC), 0.0)
+                    keep = _flag(last[slot, t]) & inside(t, slot, _row(k.at[slot, t]))
+                    M.at[t][...] = jnp.where(keep, _row(M.at[t]), 0.0)
                 lax.fori_loop(0, TILE, masked, None)
             plgpu.commit_smem()
             gw_row = plgpu.load(gw.at[slot], layout=ROWS)
@@ -456,7 +473,7 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
             dr.at[slot][...] = jnp.sum(mu * d, axis=1)
             if packed:  # each document starting here: the λ before its first token
                 def starts_(t, _):
-                    _document_out(lam_after(t, slot, plgpu.load(M.at[t], layout=VEC)), dinit_ref,
+                    _document_out(lam_after(t, slot, _row(M.at[t]), _row(k.at[slot, t])), dinit_ref,
                                   h, doc[slot, t].astype(jnp.int32), first[slot, t], doc_buf)
                 lax.fori_loop(0, TILE, starts_, None)
             plgpu.commit_smem()  # every thread done with M before it holds ∂k
@@ -464,12 +481,7 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
             return lam
 
         def store_tile(i, slot):
-            tokens = pl.ds(i * TILE, TILE)
-            plgpu.copy_smem_to_gmem(M, dk_ref.at[b, tokens, h], commit_group=False)
-            for j, buf in enumerate((gam, dr)):
-                plgpu.copy_smem_to_gmem(buf.at[slot], rows_ref.at[b, h, j, tokens],
-                                        commit_group=False)
-            plgpu.commit_smem_to_gmem_group()
+            _send((b, h), i, [(M, dk_ref)], rows_ref, (gam.at[slot], dr.at[slot]))
 
         _walk(Tp // TILE, True, issue, in_bar, start_bar, state,
               dfinal_ref.at[0 if packed else b, h], None if packed else dinit_ref.at[b, h],

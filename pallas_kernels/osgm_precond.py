@@ -357,7 +357,7 @@ def _scan_fwd(cfg, k, aux, init):
 
 
 def _scan_bwd(cfg, res, cts):
-    k, aux, d, init = res
+    k, aux, d, init = res  # (with the Mosaic kernels, their residuals in place of every d_t)
     if _mosaic_runs(cfg, k):
         dk, daux, dinit = _mosaic_backward(cfg, k, aux, d, init, *cts)
         return match_types((dk.astype(k.dtype), daux, dinit), (k, aux, init))
