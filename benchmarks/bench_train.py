@@ -9,6 +9,7 @@ tokens per data-parallel device by default; 2 warm-up steps, then the median ste
         [--losses N] [--compare-mesh DATA FSDP TENSOR [--no-parity]]
         [--osgm-variant 2/1/16/8/scalar/p4/cpauto]  # OSGM kernel options (bench_osgm's strings)
         [--layers N] [--impl pallas|chunked]  # a memory probe: the peak of an N-block step
+        [--profile DIR]  # the last steps traced; their device time by kernel printed
 
 Rows are plain [b, T] sequences as in the anchors' runs; ``--packed`` passes each row's document
 boundaries (one document a row) so the step takes the packed-documents path of a text corpus
@@ -40,6 +41,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -51,6 +53,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from benchmarks.bench_osgm import variant as osgm_variant
+from benchmarks.kernel_times import kernel_table
 from pallas_kernels.osgm_precond import default_options
 from precond_linattn.models import LanguageModel, count_params, preset
 from train.build import flops_per_token
@@ -60,6 +63,7 @@ from train.sharding import drop_mesh_axis, init_sharded, logical_sharding, make_
 from train.step import StepShardings, device_batch, make_train_step
 
 WARMUP = 2  # untimed steps after compilation
+PROFILE_STEPS = 3  # the last steps of a run that --profile traces
 SCHEDULE_STEPS = 20480  # the recipe's run length: the learning-rate schedule is the real run's
 
 
@@ -105,13 +109,16 @@ class RunSpec:
         return f"{self.kind} {','.join(map(str, self.mesh))}{batch}"
 
 
-def train_run(name, config, run: RunSpec, seq_len, *, remat, scan_layers, packed, lr_warmup, seed):
+def train_run(name, config, run: RunSpec, seq_len, *, remat, scan_layers, packed, lr_warmup, seed,
+              profile=None):
     """Trains a fresh ``config`` model (the same initial weights on any mesh) for ``run.steps``
     steps of ``random_rows`` batches (with ``packed``, each row one document of a packed batch).
     Returns the median step time of the steps after ``WARMUP``, tokens/s in all and per device,
     TFLOP/s, the peak memories (module docstring), the compile time and the loss of every step
     (before its update). Prints ``name``, the step, its loss and the tokens/s since the last such
-    line to stderr every ~10 % of steps."""
+    line to stderr every ~10 % of steps. ``profile``: a directory where the last
+    ``PROFILE_STEPS`` steps are traced (``jax.profiler``); their device time by kernel is
+    printed (``kernel_times``)."""
     n_dev = math.prod(run.mesh)
     mesh = make_mesh(*run.mesh, devices=jax.devices()[:n_dev])
     tx = make_optimizer(osdn_recipe(SCHEDULE_STEPS, warmup_steps=lr_warmup))
@@ -142,8 +149,11 @@ def train_run(name, config, run: RunSpec, seq_len, *, remat, scan_layers, packed
     tokens = run.rows * seq_len
     every = max(1, round(run.steps / 10))
     times, losses, since = [], [], time.perf_counter()
+    traced = profile and min(PROFILE_STEPS, run.steps)
     for i in range(run.steps):
         b = batch(i) if i else b
+        if traced and i == run.steps - traced:
+            jax.profiler.start_trace(profile, create_perfetto_trace=True)
         t0 = time.perf_counter()
         params, opt_state, m = step(params, opt_state, b)
         jax.block_until_ready(m)
@@ -153,6 +163,10 @@ def train_run(name, config, run: RunSpec, seq_len, *, remat, scan_layers, packed
             progress(f"{name} {run.label}: step {i + 1}/{run.steps} loss {losses[-1]:.4f} "
                      f"{tokens * (i % every + 1) / (time.perf_counter() - since):.0f} tok/s")
             since = time.perf_counter()
+    if traced:
+        jax.profiler.stop_trace()
+        print(f"{name} {run.label}: device time by kernel, a step ({traced} traced)", flush=True)
+        print("\n".join(kernel_table(profile, steps=traced)), flush=True)
     t = statistics.median(times[WARMUP:])
     stats = [d.memory_stats() for d in mesh.devices.flat]
     n = count_params(config)
@@ -251,6 +265,9 @@ def parse_args(argv=None):
                     help="the ops' impl (default: the preset's)")
     ap.add_argument("--osgm-variant", type=osgm_variant,
                     help="the OSGM kernels' options, as bench_osgm's variant strings")
+    ap.add_argument("--profile", metavar="DIR",
+                    help=f"trace the last {PROFILE_STEPS} steps of each run into DIR/<model> and print "
+                         "their device time by kernel")
     a = ap.parse_args(argv)
     a.mesh = [tuple(m) for m in a.mesh or [(1, 1, 1)]]
     a.compare_mesh = tuple(a.compare_mesh) if a.compare_mesh else None
@@ -295,7 +312,8 @@ def main():
             name = f"{a.preset}/{p}"
             results = [train_run(name, config, r, a.seq_len, remat=a.remat,
                                  scan_layers=a.scan_layers, packed=a.packed,
-                                 lr_warmup=a.lr_warmup, seed=a.seed) for r in runs]
+                                 lr_warmup=a.lr_warmup, seed=a.seed,
+                                 profile=a.profile and os.path.join(a.profile, p)) for r in runs]
             print_model(name, runs, results, a.losses)
 
 

@@ -22,6 +22,11 @@ whose coordinates interact only through γ_t = ⟨μ_t, s_t⟩; it recomputes ea
 sweep from the tile's entering state and the u_t the forward ended with (its residuals, instead
 of every d_t).
 
+Shared memory: every per-token pass (s_t = k_t ⊙ k_t into S, the sweeps, k̃ and ∂k) runs by
+rows, thread j at its own coordinate, which meets no bank conflict; the tiles read whole in the
+WGMMA layout (S, D, M for the row sums) have rows padded to ``KP`` floats, so those reads meet
+none either; and the loads of ``GROUP`` tokens go out before their steps (``_tokens``).
+
 Keys and coefficient rows arrive by TMA in double-buffered tiles; outputs leave by TMA. T is
 padded to whole tiles (k = 0, w = 0, r = 1 leave d as it is); K = 128. Packed documents
 (``packed``: the rows carry each token's document and first / last flags) restart d (λ) from
@@ -38,7 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.state_mosaic import COLS, ROWS, WGMMA, bcast_cols, bcast_rows, kernel
+from pallas_kernels.state_mosaic import COLS, ROWS, WGMMA, bcast_cols, kernel
 from pallas_kernels.triton_common import out_struct
 
 F32 = jnp.float32
@@ -47,6 +52,10 @@ TILE = 64  # tokens a tile (the rows of the WGMMA layout); T is padded to a mult
 W, G, R = 0, 1, 2  # the forward's coefficient rows; with packed documents three more follow:
 U, RB, WG, GN = 0, 1, 2, 3  # document, first, last; and the backward's
 VEC = plgpu.Layout.WG_STRIDED((K_THREADS,), vec_size=1)
+KP = K_THREADS + 8  # the row stride (floats) of the tiles read both by rows and whole (S, D, M):
+# row t starts 8 banks after row t - 1, so the WGMMA layout's reads of 8 rows at once meet no
+# bank conflict (at stride 128 they are 8-way)
+GROUP = 8  # tokens whose shared-memory loads are issued together, ahead of their steps
 
 
 def runs(*, K: int) -> bool:
@@ -130,16 +139,20 @@ def _walk(n_tiles, reverse, issue, in_bar, start_bar, state, start, end, run_til
     plgpu.wait_smem_to_gmem(0)
 
 
-def _restart_rows(ref, h, doc, flag, rows, bar):
+def _restart_rows(ref, h, doc, flag, rows, bar, stage):
     """Row t of ``rows`` [TILE, 128] = document ``doc[t]``'s row of ``ref`` [N, H, 128] for
-    every token t whose ``flag`` is set (by TMA, one copy at a time: documents are rare)."""
-    plgpu.commit_smem()  # the rows' last readers are done before TMA writes them
+    every token t whose ``flag`` is set: by TMA into ``stage`` [128], then by each thread at its
+    coordinate (a TMA destination is 128-byte aligned, a row of the padded tiles is not: run 94
+    failed with CUDA_ERROR_MISALIGNED_ADDRESS); one at a time, documents are rare."""
+    plgpu.commit_smem()  # the rows' last readers are done before they are written
 
     def token(t, _):
         @pl.when(flag[t] != 0)
         def _():
-            plgpu.copy_gmem_to_smem(ref.at[doc[t].astype(jnp.int32), h], rows.at[t], bar)
+            plgpu.copy_gmem_to_smem(ref.at[doc[t].astype(jnp.int32), h], stage, bar)
             plgpu.barrier_wait(bar)
+            rows.at[t][...] = _row(stage)
+            plgpu.commit_smem()  # every thread has read the stage before the next copy
 
     lax.fori_loop(0, TILE, token, None)
 
@@ -165,7 +178,7 @@ def _kernel(body, name, out_type, scratch, B, H, interpret, args, arrivals):
     slots of ``arrivals`` copies, one for single rows) and a document-state buffer."""
     scratch = dict(scratch, state=plgpu.SMEM((K_THREADS,), F32), start_bar=plgpu.Barrier(),
                    in_bar=plgpu.Barrier(num_arrivals=arrivals, num_barriers=2),
-                   doc_buf=plgpu.SMEM((K_THREADS,), F32))
+                   doc_buf=plgpu.SMEM((K_THREADS,), F32), stage=plgpu.SMEM((K_THREADS,), F32))
     return kernel(body, name=name, out_type=out_type, scratch=scratch, grid=(B, H),
                   interpret=interpret, grid_names=("b", "h"), auto_barriers=False)(*args)
 
@@ -180,10 +193,42 @@ def _row(ref):
     return plgpu.load(ref, layout=VEC).astype(F32)
 
 
-def _affine(r_t, x, u_t, k_t):
-    """r_t x + u_t (k_t ⊙ k_t) (k_t a float32 key row): for x = d, the argument of token t's
-    clip; for x = μ and u_t the coupling c_t, the adjoint's step less its ∂k̃ ⊙ k term."""
-    return r_t * x + u_t * (k_t * k_t)
+def _affine(r_t, d, u_t, s_t):
+    """r_t d + u_t s_t (s_t = k_t ⊙ k_t): the argument of token t's clip."""
+    return r_t * d + u_t * s_t
+
+
+def _padded(ref):
+    """The [TILE, 128] view of a [TILE, KP] buffer (``KP``)."""
+    return ref.at[:, pl.ds(0, K_THREADS)]
+
+
+def _tokens(load, step, carry, interpret, reverse=False):
+    """carry ← step(t, load(t), carry) for the tile's tokens t (descending if ``reverse``), the
+    shared-memory loads of each ``GROUP`` tokens issued before the group's steps: a load that
+    follows a shared-memory store in the program waits for it (ptxas cannot tell the addresses
+    apart), which put a load's latency on every token's chain (run 92: ~70 cycles a token).
+    One token an iteration in interpret mode (XLA compiles the loop's body once)."""
+    n = 1 if interpret else GROUP
+
+    def body(i, carry):
+        ts = [i * n + m for m in range(n)]
+        ts = [TILE - 1 - t for t in ts] if reverse else ts
+        values = [load(t) for t in ts]
+        for t, v in zip(ts, values):
+            carry = step(t, v, carry)
+        return carry
+
+    return lax.fori_loop(0, TILE // n, body, carry)
+
+
+def _square_rows(k_tile, S, interpret):
+    """S_t = k_t ⊙ k_t (float32) for the tile's tokens, by rows (thread j its coordinate)."""
+    def step(t, k_t, carry):
+        S.at[t][...] = k_t * k_t
+        return carry
+
+    _tokens(lambda t: _row(k_tile.at[t]), step, None, interpret)
 
 
 def _issue(position, i, slot, bar, tiles, rows, c_ref, bufs, singles=()):
@@ -200,10 +245,11 @@ def _issue(position, i, slot, bar, tiles, rows, c_ref, bufs, singles=()):
         plgpu.copy_gmem_to_smem(src.at[b, i, h], dst.at[slot], bar.at[slot])
 
 
-def _send(position, i, tiles, rows_ref, row_bufs, singles=()):
+def _send(position, i, tiles, rows_ref, row_bufs, singles=(), by_rows=()):
     """TMA stores of tile i's results, one commit group: each (SMEM buffer, GMEM ref [B, Tp, H,
-    128]) of ``tiles``, ``row_bufs[j]`` into row j of ``rows_ref`` [B, H, n, Tp], and each (SMEM
-    buffer, GMEM ref [B, n_tiles, H, 128]) of ``singles``."""
+    128]) of ``tiles``, ``row_bufs[j]`` into row j of ``rows_ref`` [B, H, n, Tp], each (SMEM
+    buffer, GMEM ref [B, n_tiles, H, 128]) of ``singles``, and each (padded SMEM tile, GMEM ref
+    [B, Tp, H, 128]) of ``by_rows`` one token's row at a time (a TMA box is dense)."""
     b, h = position
     tokens = pl.ds(i * TILE, TILE)
     copies = [(src, dst.at[b, tokens, h]) for src, dst in tiles]
@@ -211,6 +257,10 @@ def _send(position, i, tiles, rows_ref, row_bufs, singles=()):
     copies += [(src, dst.at[b, i, h]) for src, dst in singles]
     for src, dst in copies:
         plgpu.copy_smem_to_gmem(src, dst, commit_group=False)
+    for src, dst in by_rows:
+        def row(t, _, src=src, dst=dst):
+            plgpu.copy_smem_to_gmem(src.at[t], dst.at[b, i * TILE + t, h], commit_group=False)
+        lax.fori_loop(0, TILE, row, None)
     plgpu.commit_smem_to_gmem_group()
 
 
@@ -231,13 +281,6 @@ def _wgmma_load(dtype):
     return load
 
 
-@plgpu.inline_mgpu(arg_types=(WGMMA, plgpu.RefType()))
-def _wgmma_store(ctx, x, ref):
-    """``ref`` [TILE, 128] float32 = x (WGMMA layout), in ``inline_mgpu``."""
-    del ctx
-    x.store_untiled(ref, optimized=False)
-
-
 def _tile(ref, interpret):
     """A [TILE, 128] shared-memory tile as float32 in the WGMMA layout. The buffers the sweeps
     also read or write by rows (one coordinate a thread) are loaded whole in ``inline_mgpu``:
@@ -245,20 +288,6 @@ def _tile(ref, interpret):
     search that runs out of fuel after ten minutes."""
     x = ref[...] if interpret else _wgmma_load(ref.dtype)(ref)
     return x.astype(F32)
-
-
-def _set_tile(ref, x, interpret):
-    """``ref`` [TILE, 128] float32 = x (WGMMA layout), as ``_tile`` loads."""
-    if interpret:
-        ref[...] = x
-    else:
-        _wgmma_store(x, ref)
-
-
-def _squares(k_tile, interpret):
-    """s = k ⊙ k of a tile [TILE, 128] in the WGMMA layout, float32."""
-    k = _tile(k_tile, interpret)
-    return k * k
 
 
 def _row_sums(x_tile, s, interpret):
@@ -286,23 +315,22 @@ def _settle(step, x0, carry0):
     return x, carry
 
 
-def _unroll(interpret):
-    """Tokens a loop iteration of the sweeps: 8 compiled (their loads issued ahead of the
-    chain), 1 in interpret mode (XLA compiles the interpreted loop's body once, not 8 times)."""
-    return 1 if interpret else 8
-
-
-def _forward_sweep(d0, k_tile, u, r, D, bounds, interpret, first=None):
+def _forward_sweep(d0, s_row, u, r, D, bounds, interpret, first=None):
     """d_t of the tile's tokens into the rows of ``D`` (a document's first token: the restart
-    row already there) for the per-token u_t, r_t (shared-memory rows); returns the state after
-    the tile."""
-    def token(t, d):
-        if first is not None:
-            d = jnp.where(_flag(first[t]), _row(D.at[t]), d)
-        D.at[t][...] = d
-        return _clip(_affine(r[t], d, u[t], _row(k_tile.at[t])), *bounds)
+    row already there) for the per-token u_t, r_t (shared-memory rows) and s_t = ``s_row(t)``;
+    returns the state after the tile."""
+    def load(t):
+        restart = None if first is None else (_flag(first[t]), _row(D.at[t]))
+        return r[t], u[t], s_row(t), restart
 
-    return lax.fori_loop(0, TILE, token, d0, unroll=_unroll(interpret))
+    def step(t, values, d):
+        r_t, u_t, s_t, restart = values
+        if restart is not None:
+            d = jnp.where(restart[0], restart[1], d)
+        D.at[t][...] = d
+        return _clip(_affine(r_t, d, u_t, s_t), *bounds)
+
+    return _tokens(load, step, d0, interpret)
 
 
 def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residuals=False):
@@ -321,25 +349,29 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
                      out_struct((B, Tp // TILE, H, K), F32, *ins))
     vec = plgpu.SMEM((2, TILE), F32)
     scratch = dict(k=plgpu.SMEM((2, TILE, K), k.dtype), w=vec, g=vec, r=vec, u=vec, a=vec,
-                   out=plgpu.SMEM((2, TILE, K), k.dtype), D=plgpu.SMEM((TILE, K), F32),
-                   starts=plgpu.SMEM((2, K), F32), **_doc_scratch(packed, vec))
+                   out=plgpu.SMEM((2, TILE, K), k.dtype), D=plgpu.SMEM((TILE, KP), F32),
+                   S=plgpu.SMEM((TILE, KP), F32), starts=plgpu.SMEM((2, K), F32),
+                   **_doc_scratch(packed, vec))
     rows = range(6 if packed else 3)
 
     def body(k_ref, c_ref, init_ref, out_ref, final_ref, *res_refs, k, w, g, r, u, a, out, D,
-             starts, state, start_bar, in_bar, doc_buf, doc=None, first=None, last=None):
+             S, starts, state, start_bar, in_bar, doc_buf, stage, doc=None, first=None,
+             last=None):
         b, h = lax.axis_index("b"), lax.axis_index("h")
         bufs = (w, g, r) + ((doc, first, last) if packed else ())
+        D, S = _padded(D), _padded(S)
 
         def issue(i, slot):
             _issue((b, h), i, slot, in_bar, [(k_ref, k)], rows, c_ref, bufs)
 
         def run_tile(i, slot, d0):
             k_tile, u_t = k.at[slot], u.at[slot]
-            s = _squares(k_tile, interpret)
+            _square_rows(k_tile, S, interpret)
             starts.at[slot][...] = d0
             if packed:
-                _restart_rows(init_ref, h, doc.at[slot], first.at[slot], D, start_bar)
+                _restart_rows(init_ref, h, doc.at[slot], first.at[slot], D, start_bar, stage)
             plgpu.commit_smem()
+            s = _tile(S, interpret)
             w_row, g_row = plgpu.load(w.at[slot], layout=ROWS), plgpu.load(g.at[slot], layout=ROWS)
             guess = jnp.sum(s * bcast_cols(plgpu.load(starts.at[slot], layout=COLS), s.shape),
                             axis=1)
@@ -347,18 +379,23 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
             def step(a_t):
                 u_t[...] = w_row * (1.0 - g_row * a_t)
                 plgpu.commit_smem()
-                d = _forward_sweep(d0, k_tile, u_t, r.at[slot], D, bounds, interpret,
+                d = _forward_sweep(d0, lambda t: _row(S.at[t]), u_t, r.at[slot], D, bounds, interpret,
                                    first.at[slot] if packed else None)
                 plgpu.commit_smem()
                 return _row_sums(D, s, interpret), d
 
             a_t, d = _settle(step, guess, d0)
             a.at[slot][...] = a_t
-            out.at[slot][...] = (_tile(D, interpret) * _tile(k_tile, interpret)).astype(k.dtype)
+
+            def emit(t, values, carry):  # k̃_t = d_t ⊙ k_t, by rows (each thread its own D, k)
+                out.at[slot, t][...] = (values[0] * values[1]).astype(k.dtype)
+                return carry
+
+            _tokens(lambda t: (_row(D.at[t]), _row(k_tile.at[t])), emit, None, interpret)
             if packed:  # each document ending here: its state after its last token
                 def ends(t, _):
-                    value = _clip(_affine(r[slot, t], _row(D.at[t]), u_t[t],
-                                          _row(k_tile.at[t])), *bounds)
+                    value = _clip(_affine(r[slot, t], _row(D.at[t]), u_t[t], _row(S.at[t])),
+                                  *bounds)
                     _document_out(value, final_ref, h, doc[slot, t].astype(jnp.int32),
                                   last[slot, t], doc_buf)
                 lax.fori_loop(0, TILE, ends, None)
@@ -400,60 +437,100 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
     vec = plgpu.SMEM((2, TILE), F32)
     scratch = dict(k=plgpu.SMEM((2, TILE, K), k.dtype), dkw=plgpu.SMEM((2, TILE, K), dkw.dtype),
                    st=plgpu.SMEM((2, K), F32), u=vec, r=vec, gw=vec, gn=vec,
-                   c=plgpu.SMEM((TILE,), F32), gam=vec, dr=vec, D=plgpu.SMEM((TILE, K), F32),
-                   M=plgpu.SMEM((TILE, K), F32), **_doc_scratch(packed, vec))
+                   c=plgpu.SMEM((TILE,), F32), gam=vec, dr=vec, D=plgpu.SMEM((TILE, KP), F32),
+                   M=plgpu.SMEM((TILE, KP), F32), **_doc_scratch(packed, vec))
+    squares = k.dtype != F32  # s_t kept in S (float32 keys: no room; squared where read)
+    if squares:
+        scratch["S"] = plgpu.SMEM((TILE, KP), F32)
     rows = range(7 if packed else 4)
 
     def body(k_ref, dkw_ref, c_ref, st_ref, init_ref, dfinal_ref, dk_ref, rows_ref, dinit_ref,
-             *, k, dkw, st, u, r, gw, gn, c, gam, dr, D, M, state, start_bar, in_bar, doc_buf,
-             doc=None, first=None, last=None):
+             *, k, dkw, st, u, r, gw, gn, c, gam, dr, D, M, state, start_bar, in_bar,
+             doc_buf, stage, S=None, doc=None, first=None, last=None):
         b, h = lax.axis_index("b"), lax.axis_index("h")
         bufs = (u, r, gw, gn) + ((doc, first, last) if packed else ())
+        D, M = _padded(D), _padded(M)
+        S = _padded(S) if squares else None
+
+        def s_row(t, slot):
+            """s_t = k_t ⊙ k_t (float32)."""
+            if squares:
+                return _row(S.at[t])
+            k_t = _row(k.at[slot, t])
+            return k_t * k_t
+
+        def s_tile(slot):
+            """s of the tile in the WGMMA layout."""
+            if squares:
+                return _tile(S, interpret)
+            k_tile = _tile(k.at[slot], interpret)
+            return k_tile * k_tile
 
         def issue(i, slot):
             _issue((b, h), i, slot, in_bar, [(k_ref, k), (dkw_ref, dkw)], rows, c_ref, bufs,
                    [(st_ref, st)])
 
-        def lam_after(t, slot, mu, k_t):
-            """λ entering token t − 1 from μ_t (the coupling in ``c``; k_t the key row)."""
-            return _affine(r[slot, t], mu, c[t], k_t) + _row(dkw.at[slot, t]) * k_t
-
-        def inside(t, slot, k_t):
+        def inside(t, slot):
             """[d_min < r_t d_t + u_t s_t < d_max]: where the clip passes λ at token t."""
-            p = _affine(r[slot, t], _row(D.at[t]), u[slot, t], k_t)
+            p = _affine(r[slot, t], _row(D.at[t]), u[slot, t], s_row(t, slot))
             return (p > d_min) & (p < d_max)
+
+        def source(t, slot):
+            """c_t s_t + ∂k̃_t ⊙ k_t: the adjoint's step at token t less its r_t μ_t."""
+            return c[t] * s_row(t, slot) + _row(dkw.at[slot, t]) * _row(k.at[slot, t])
 
         def reverse_sweep(lam, slot):
             """μ_t into the rows of M (a document's last token: λ from the row there, whose μ
-            is written once before the sweeps); returns λ before the tile."""
-            def token(tt, lam):
-                t = TILE - 1 - tt
-                k_t = _row(k.at[slot, t])
-                mu = jnp.where(inside(t, slot, k_t), lam, 0.0)
-                if packed:
-                    mu = jnp.where(_flag(last[slot, t]), _row(M.at[t]), mu)
-                M.at[t][...] = mu
-                return lam_after(t, slot, mu, k_t)
+            is written once before the sweeps); λ ← r_t μ_t + ``source``; returns λ before the
+            tile."""
+            def load(t):
+                restart = (_flag(last[slot, t]), _row(M.at[t])) if packed else None
+                return inside(t, slot), r[slot, t], source(t, slot), restart
 
-            return lax.fori_loop(0, TILE, token, lam, unroll=_unroll(interpret))
+            def step(t, values, lam):
+                keep, r_t, e_t, restart = values
+                mu = jnp.where(keep, lam, 0.0)
+                if restart is not None:
+                    mu = jnp.where(restart[0], restart[1], mu)
+                M.at[t][...] = mu
+                return r_t * mu + e_t
+
+            return _tokens(load, step, lam, interpret, reverse=True)
+
+        def gradient_rows(slot):
+            """∂k_t = 2 k_t ⊙ (u_t μ_t − γ_t w_t g_t d_t − γ_t c_n) + ∂k̃_t ⊙ d_t in place of
+            μ_t in M, by rows (the coefficient rows and γ from shared memory)."""
+            def load(t):
+                return (_row(k.at[slot, t]), _row(dkw.at[slot, t]), _row(M.at[t]), _row(D.at[t]),
+                        u[slot, t], -gam[slot, t], gw[slot, t], gn[slot, t])
+
+            def step(t, values, carry):
+                k_t, dkw_t, mu, d, u_t, neg_gam, gw_t, gn_t = values
+                ds = u_t * mu + (neg_gam * gw_t) * d + neg_gam * gn_t
+                M.at[t][...] = 2.0 * k_t * ds + dkw_t * d
+                return carry
+
+            _tokens(load, step, None, interpret)
 
         def run_tile(i, slot, lam0):
-            k_tile = k.at[slot]
-            s = _squares(k_tile, interpret)
+            if squares:
+                _square_rows(k.at[slot], S, interpret)
             if packed:
-                _restart_rows(init_ref, h, doc.at[slot], first.at[slot], D, start_bar)
-            _forward_sweep(plgpu.load(st.at[slot], layout=VEC), k_tile, u.at[slot], r.at[slot], D,
-                           bounds, interpret, first.at[slot] if packed else None)
+                _restart_rows(init_ref, h, doc.at[slot], first.at[slot], D, start_bar, stage)
+            _forward_sweep(plgpu.load(st.at[slot], layout=VEC), lambda t: s_row(t, slot),
+                           u.at[slot], r.at[slot], D, bounds, interpret,
+                           first.at[slot] if packed else None)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # M's ∂k of the last tile was sent
-            plgpu.commit_smem()
+            # (the others wait for this thread at the barrier before M is written)
             if packed:  # μ at each document's last token, from its dfinal row
-                _restart_rows(dfinal_ref, h, doc.at[slot], last.at[slot], M, start_bar)
+                _restart_rows(dfinal_ref, h, doc.at[slot], last.at[slot], M, start_bar, stage)
 
                 def masked(t, _):
-                    keep = _flag(last[slot, t]) & inside(t, slot, _row(k.at[slot, t]))
+                    keep = _flag(last[slot, t]) & inside(t, slot)
                     M.at[t][...] = jnp.where(keep, _row(M.at[t]), 0.0)
                 lax.fori_loop(0, TILE, masked, None)
             plgpu.commit_smem()
+            s = s_tile(slot)
             gw_row = plgpu.load(gw.at[slot], layout=ROWS)
 
             def step(gam_t):
@@ -464,24 +541,20 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
                 return _row_sums(M, s, interpret), lam
 
             gam_t, lam = _settle(step, plgpu.layout_cast(jnp.zeros((TILE,), F32), ROWS), lam0)
-            mu, d, k_w = (_tile(x, interpret) for x in (M, D, k_tile))
-            per_row = lambda x: bcast_rows(x, mu.shape)  # noqa: E731
-            ds = (per_row(plgpu.load(u.at[slot], layout=ROWS)) * mu + per_row(-gam_t * gw_row) * d
-                  + per_row(-gam_t * plgpu.load(gn.at[slot], layout=ROWS)))
-            dk = 2.0 * k_w * ds + _tile(dkw.at[slot], interpret) * d
             gam.at[slot][...] = gam_t
-            dr.at[slot][...] = jnp.sum(mu * d, axis=1)
+            dr.at[slot][...] = jnp.sum(_tile(M, interpret) * _tile(D, interpret), axis=1)
             if packed:  # each document starting here: the λ before its first token
                 def starts_(t, _):
-                    _document_out(lam_after(t, slot, _row(M.at[t]), _row(k.at[slot, t])), dinit_ref,
-                                  h, doc[slot, t].astype(jnp.int32), first[slot, t], doc_buf)
+                    lam_t = r[slot, t] * _row(M.at[t]) + source(t, slot)
+                    _document_out(lam_t, dinit_ref, h, doc[slot, t].astype(jnp.int32),
+                                  first[slot, t], doc_buf)
                 lax.fori_loop(0, TILE, starts_, None)
-            plgpu.commit_smem()  # every thread done with M before it holds ∂k
-            _set_tile(M, dk, interpret)
+            plgpu.commit_smem()  # γ in shared memory for every thread
+            gradient_rows(slot)
             return lam
 
         def store_tile(i, slot):
-            _send((b, h), i, [(M, dk_ref)], rows_ref, (gam.at[slot], dr.at[slot]))
+            _send((b, h), i, [], rows_ref, (gam.at[slot], dr.at[slot]), by_rows=[(M, dk_ref)])
 
         _walk(Tp // TILE, True, issue, in_bar, start_bar, state,
               dfinal_ref.at[0 if packed else b, h], None if packed else dinit_ref.at[b, h],

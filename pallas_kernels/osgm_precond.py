@@ -68,10 +68,14 @@ class Options:
     pieces (``token_pieces``: each piece's composed map, then the sweep, whose programs chain
     the maps of the pieces before theirs; it must divide T); None (the default):
     ``auto_pieces`` halved until it divides T; 1: no split; packed documents never split.
-    ``mosaic_loops``: both directions on the Mosaic GPU kernels of ``osgm_mosaic`` (Picard
-    sweeps inside 64-token tiles, one coordinate a thread, the coupling by row sums; under
-    differentiation the residuals are per-token rows and one state a tile instead of every
-    d_t) where they run (K padded to 128, ``picard_iters=0``), else the Triton ones."""
+    ``mosaic_loops`` (the default since RESULTS run 93): both directions on the Mosaic GPU
+    kernels of ``osgm_mosaic`` (Picard sweeps inside 64-token tiles, one coordinate a thread,
+    the coupling by row sums; under differentiation the residuals are per-token rows and one
+    state a tile instead of every d_t) where they run (K padded to 128, ``picard_iters`` 0 or
+    None), else the Triton ones. Run 93, APF phase 1 at 8x2048x8x128 bf16, fwd / fwd+bwd
+    (synchronous calls): 0.373 / 0.919 ms against the Triton loops' 0.604 / 1.292, and at
+    1x2048x8x128 0.405 / 0.770 against 0.730 / 1.571 (the Triton sweeps of run 64: 0.459
+    fwd+bwd)."""
 
     prefetch: int = 2
     num_warps: int = 1
@@ -82,7 +86,7 @@ class Options:
     picard_block_k: int = 32
     picard_early_exit: bool = False
     picard_pieces: int | None = None
-    mosaic_loops: bool = False
+    mosaic_loops: bool = True
 
     def __post_init__(self):
         n = self.picard_iters
@@ -116,12 +120,14 @@ PICARD_BELOW_PROGRAMS = 32
 PICARD_MIN_T = 1024
 
 
-def picard_by_shape(options: Options, *, B: int, H: int, T: int, packed: bool) -> Options:
-    """``options`` with ``picard_iters`` None resolved: PICARD_ITERS where the rows are dense,
+def picard_by_shape(options: Options, *, B: int, H: int, T: int, K: int, packed: bool) -> Options:
+    """``options`` with ``picard_iters`` None resolved: 0 where the Mosaic kernels take the call
+    (``mosaic_loops``, K padded to 128), else PICARD_ITERS where the rows are dense,
     B · H < PICARD_BELOW_PROGRAMS (the token loops' programs) and T >= PICARD_MIN_T, else 0."""
     if options.picard_iters is not None:
         return options
-    few = not packed and B * H < PICARD_BELOW_PROGRAMS and T >= PICARD_MIN_T
+    mosaic = options.mosaic_loops and osgm_mosaic.runs(K=K)
+    few = not mosaic and not packed and B * H < PICARD_BELOW_PROGRAMS and T >= PICARD_MIN_T
     return dataclasses.replace(options, picard_iters=PICARD_ITERS if few else 0)
 
 
@@ -429,7 +435,7 @@ def osgm_pallas(k, beta, retention, eta, d_min, d_max, beta_aware, eps, initial_
     del chunk_size
     B, T, H, K = k.shape
     options = picard_by_shape(_DEFAULT.current if options is None else options, B=B, H=H, T=T,
-                              packed=cu_seqlens is not None)
+                              K=pow2_dim(K), packed=cu_seqlens is not None)
     if not supports(K=K, dtype=k.dtype):
         raise ValueError(f"impl='pallas' takes head dims K <= {MAX_HEAD_DIM}, got K={K}; "
                          "use impl='chunked' (impl='auto' falls back to it)")

@@ -226,3 +226,23 @@ def test_main_lists_presets(monkeypatch, capsys):
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("deltanet")]
     assert [r[1] for r in rows] == ["DeltaNet", "OSDN", "OSDN-APF", "PDN"]
     assert rows[0][2] == "341.6M" and rows[0][-1] == "0.00%" and rows[1][-1] == "0.78%"
+
+
+def test_head_backward_runs_in_the_compute_dtype():
+    """The LM head's gradients: in float32 those of the plain matmul exactly; in bf16 within
+    bf16's rounding of them, from products whose operands are all bf16 (no float32 dot, which
+    the GPU would run as TF32 at a quarter of the speed)."""
+    from precond_linattn.models.lm import head_logits
+    kh, kw, kg = jax.random.split(jax.random.PRNGKey(3), 3)
+    h, w = jax.random.normal(kh, (2, 5, 16)), jax.random.normal(kw, (16, 24))
+    g = jax.random.normal(kg, (2, 5, 24))
+    pull = lambda f, *a: jax.vjp(f, *a)[1](g)  # noqa: E731
+    plain = lambda h, w: jnp.matmul(h, w, preferred_element_type=jnp.float32)  # noqa: E731
+    for got, want in zip(pull(head_logits, h, w), pull(plain, h, w)):
+        np.testing.assert_array_equal(got, want)
+    hb, wb = h.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    for got, want in zip(pull(head_logits, hb, wb), pull(plain, h, w)):
+        assert got.dtype == jnp.bfloat16 and rel_err(got, want) < 1e-2
+    hlo = jax.jit(lambda h, w: pull(head_logits, h, w)).lower(hb, wb).as_text()
+    dots = [line for line in hlo.splitlines() if "dot_general" in line]
+    assert len(dots) == 2 and all("f32>, tensor" not in d.split("->")[0] for d in dots), dots

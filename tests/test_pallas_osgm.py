@@ -1,5 +1,7 @@
 """osgm_precondition(impl="pallas") against the token-by-token reference (interpret mode on CPU)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -360,7 +362,9 @@ def test_bad_options_raise(field, value):
 @pytest.mark.parametrize("packed", [False, True])
 def test_lowers_for_cuda(options, packed):
     """Forward and backward kernels go through the Triton lowering for CUDA (no GPU needed: an
-    abstract H100 mesh; PTX and ptxas are not reached); K = 128, bf16, T odd."""
+    abstract H100 mesh; PTX and ptxas are not reached); K = 128, bf16, T odd (the Triton
+    kernels: the Mosaic ones, the default at K = 128, have their own test)."""
+    options = dataclasses.replace(options, mosaic_loops=False)
     b, t = (1, 37) if packed else (2, 37)
     cu = jnp.asarray([0, 5, 22, t], jnp.int32) if packed else None
     n = 3 if packed else b
@@ -378,29 +382,34 @@ def test_lowers_for_cuda(options, packed):
     assert triton_kernels_lowered_for_cuda(loss, args) == 2 + 2 * (options.picard_iters or 0)
 
 
-@pytest.mark.parametrize("b, h, t, packed, iters", [
-    (1, 8, 2048, False, 3), (3, 10, 1024, False, 3), (4, 8, 2048, False, 0),
-    (1, 8, 1023, False, 0), (1, 8, 2048, True, 0)])
-def test_picard_by_shape(b, h, t, packed, iters):
-    """``picard_iters=None`` (the default): the sweeps where the token loops would run fewer
-    than 32 one-warp programs (B · H) over at least 1024 dense tokens (RESULTS run 50), else the
-    token loops; a number is kept as given."""
-    got = osgm_precond.picard_by_shape(Options(), B=b, H=h, T=t, packed=packed)
+@pytest.mark.parametrize("b, h, t, k, packed, iters", [
+    (1, 8, 2048, 64, False, 3), (3, 10, 1024, 64, False, 3), (4, 8, 2048, 64, False, 0),
+    (1, 8, 1023, 64, False, 0), (1, 8, 2048, 64, True, 0), (1, 8, 2048, 128, False, 0)])
+def test_picard_by_shape(b, h, t, k, packed, iters):
+    """``picard_iters=None`` (the default): none where the Mosaic kernels take the call (K
+    padded to 128); else the sweeps where the token loops would run fewer than 32 one-warp
+    programs (B · H) over at least 1024 dense tokens (RESULTS run 50), else the token loops
+    (as at K = 128 without ``mosaic_loops``); a number is kept as given."""
+    got = osgm_precond.picard_by_shape(Options(), B=b, H=h, T=t, K=k, packed=packed)
     assert got.picard_iters == iters and got.picard_pieces is None
-    assert osgm_precond.picard_by_shape(Options(picard_iters=2), B=b, H=h, T=t,
+    triton = osgm_precond.picard_by_shape(Options(mosaic_loops=False), B=b, H=h, T=t, K=k,
+                                          packed=packed)
+    assert triton.picard_iters == (3 if (b * h < 32 and t >= 1024 and not packed) else 0)
+    assert osgm_precond.picard_by_shape(Options(picard_iters=2), B=b, H=h, T=t, K=k,
                                         packed=packed).picard_iters == 2
 
 
 @pytest.mark.parametrize("b, sweeps", [(1, True), (16, False)])
 def test_default_options_choose_the_sweeps_by_shape(b, sweeps):
-    """``osgm_pallas`` with the default options at T = 1024: B · H = 2 lowers the sweeps over
-    pieces (each way 3 sweeps, the last emitting, each with its compose kernel) besides the
-    token loops, B · H = 32 the token loops only (K = 128, bf16, CUDA lowering without a GPU)."""
+    """``osgm_pallas`` with the default options but the Triton kernels at T = 1024: B · H = 2
+    lowers the sweeps over pieces (each way 3 sweeps, the last emitting, each with its compose
+    kernel) besides the token loops, B · H = 32 the token loops only (K = 128, bf16, CUDA
+    lowering without a GPU)."""
     t = 1024
 
     def loss(k, beta, r, d0):
         kw, final = osgm_pallas(k, beta, r, 0.003, 0.5, 2.0, True, 1e-6, d0, None, 64,
-                                interpret=False)
+                                Options(mosaic_loops=False), interpret=False)
         return jnp.sum(kw.astype(jnp.float32) ** 2) + jnp.sum(final)
 
     args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in (

@@ -13,7 +13,7 @@ from benchmarks.bench_osgm import make_inputs as make_bench_inputs
 from pallas_kernels import osgm_mosaic, osgm_triton
 from pallas_kernels.osgm_precond import Options, osgm_pallas
 from benchmarks.mosaic_barriers import barriers, modules
-from conftest import assert_runs_match, assert_vmap_matches_loop
+from conftest import assert_runs_match, assert_vmap_matches_loop, triton_kernels_lowered_for_cuda
 from precond_linattn.chunked.osgm_picard import coefficients
 from test_pallas_osgm import clipped_fraction, make_inputs, precondition, run
 
@@ -101,6 +101,24 @@ def test_falls_back_below_128(monkeypatch):
     assert_runs_match(run(MOSAIC, x, eta=1.0), run("reference", x, eta=1.0), 2e-5)
 
 
+@pytest.mark.parametrize("b", [1, 4])
+def test_default_options_take_the_mosaic_kernels(b):
+    """``osgm_pallas`` with the default options at K = 128 lowers the Mosaic kernels both ways
+    and no Triton kernel, also at B · H = 2, where the Triton path would take the sweeps."""
+    s = jax.ShapeDtypeStruct
+    args = [s((b, 1024, 2, 128), jnp.bfloat16), s((b, 1024, 2), jnp.bfloat16),
+            s((b, 1024, 2), jnp.bfloat16), s((b, 2, 128), jnp.float32)]
+
+    def loss(k, beta, r, d0):
+        kw, final = osgm_pallas(k, beta, r, 0.003, 0.5, 2.0, True, 1e-6, d0, None, 64,
+                                interpret=False)
+        return jnp.sum(kw.astype(jnp.float32) ** 2) + jnp.sum(final)
+
+    grad = lambda *a: jax.grad(loss, argnums=(0, 1, 2, 3))(*a)  # noqa: E731
+    assert sorted(modules(grad, args)) == ["osgm_bwd_mosaic", "osgm_fwd_mosaic"]
+    assert triton_kernels_lowered_for_cuda(loss, args) == 0
+
+
 def test_bad_shapes_raise():
     k = jnp.zeros((1, 64, 1, 64), jnp.float32)
     with pytest.raises(ValueError, match="K = 128"):
@@ -155,3 +173,17 @@ def test_sweeps_settle_in_a_few_at_the_paper_settings(monkeypatch):
     for code in (counted[2][:, :, 1], gamma_rows[:, :, 0]):  # n + 1000 m, each tile's row
         code = code[..., ::osgm_mosaic.TILE]
         assert int(jnp.max(code % 1000)) <= 4 and int(jnp.min(code // 1000)) >= 1
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_token_groups_keep_the_order(reverse):
+    """``_tokens`` as compiled (loads of ``GROUP`` tokens ahead of their steps; interpret mode
+    runs one a step, so the kernels' tests do not see the grouping): every token once, in
+    order (descending when ``reverse``), each step given its own token's loads."""
+    x = jax.random.normal(jax.random.PRNGKey(0), (osgm_mosaic.TILE,))
+    got = osgm_mosaic._tokens(lambda t: (x[t], t), lambda t, v, c: c * 0.5 + v[0] * (v[1] == t),
+                              jnp.float32(1.0), interpret=False, reverse=reverse)
+    want = 1.0
+    for t in (reversed(range(osgm_mosaic.TILE)) if reverse else range(osgm_mosaic.TILE)):
+        want = want * 0.5 + x[t]
+    assert osgm_mosaic.GROUP > 1 and abs(float(got) - float(want)) < 1e-6

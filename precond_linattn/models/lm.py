@@ -24,6 +24,31 @@ from precond_linattn.layers.norm import RMSNorm
 from precond_linattn.models.config import ModelConfig
 
 
+@jax.custom_vjp
+def head_logits(h, w):
+    """logits = h W with float32 accumulation, h [..., D] and W [D, N] in the compute dtype. The
+    backward rounds the float32 cotangent to that dtype before its two products (∂h = g Wᵀ,
+    ∂W = hᵀ g), as autocast does: left to autodiff, a float32 cotangent turns both into float32
+    matmuls (TF32 on the GPU), which cost ~6.6 ms a step of the 340M models, the forward's 4x
+    (benchmarks/NOTES.md, session 18)."""
+    return jnp.matmul(h, w, preferred_element_type=jnp.float32)
+
+
+def _head_fwd(h, w):
+    return head_logits(h, w), (h, w)
+
+
+def _head_bwd(res, g):
+    h, w = res
+    g = g.astype(h.dtype)
+    dh = jnp.matmul(g, w.T, preferred_element_type=jnp.float32).astype(h.dtype)
+    dw = jnp.einsum("...d,...n->dn", h, g, preferred_element_type=jnp.float32).astype(w.dtype)
+    return dh, dw
+
+
+head_logits.defvjp(_head_fwd, _head_bwd)
+
+
 def _linear(i, o, c, rngs):
     return nnx.Linear(i, o, use_bias=False, dtype=c.layer.dtype, param_dtype=c.layer.param_dtype,
                       kernel_init=normal, rngs=rngs)
@@ -84,7 +109,7 @@ class LanguageModel(nnx.Module):
             w = self.embeddings.embedding[...].T
         else:
             w = self.lm_head.kernel[...]
-        return jnp.matmul(h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+        return head_logits(h, w.astype(h.dtype))
 
     def __call__(self, tokens: Int[Array, "b t"], *, cu_seqlens=None,
                  run_blocks=None) -> Float[Array, "b t v"]:

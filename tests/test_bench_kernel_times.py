@@ -1,0 +1,54 @@
+"""benchmarks/kernel_times.py: device time by kernel from a jax.profiler trace."""
+
+import gzip
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from benchmarks import kernel_times
+
+
+def write_trace(path, events):
+    path.mkdir(parents=True)
+    with gzip.open(path / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+
+
+def test_sums_the_device_streams_by_kernel(tmp_path):
+    """Only complete events on the GPU process's stream threads count (not its "XLA Ops" line
+    nor the host's), summed by name, per step, largest first, the rest in one line."""
+    meta = [dict(ph="M", pid=1, name="process_name", args=dict(name="/device:GPU:0")),
+            dict(ph="M", pid=2, name="process_name", args=dict(name="/host:CPU")),
+            dict(ph="M", pid=1, tid=7, name="thread_name", args=dict(name="Stream #13(Compute)")),
+            dict(ph="M", pid=1, tid=8, name="thread_name", args=dict(name="XLA Ops")),
+            dict(ph="M", pid=2, tid=9, name="thread_name", args=dict(name="tf_XLAEigen"))]
+    x = lambda name, dur, tid, pid=1: dict(ph="X", pid=pid, tid=tid, name=name, dur=dur, ts=0)  # noqa: E731
+    events = meta + [x("gemm", 3000, 7), x("gemm", 1000, 7), x("scan", 2000, 7), x("tiny", 1000, 7),
+                     x("gemm", 50000, 8), x("host", 90000, 9, pid=2)]
+    write_trace(tmp_path / "plugins" / "profile" / "run", events)
+    lines = kernel_times.kernel_table(str(tmp_path), top=2, steps=2)
+    assert lines[1].split() == ["1.0", "2.000", "57.1", "gemm"]
+    assert lines[2].split() == ["0.5", "1.000", "28.6", "scan"]
+    assert lines[3].split() == ["0.500", "14.3", "(1", "others)"]
+    assert lines[4].split() == ["3.500", "100.0", "total"]
+
+
+def test_reads_a_real_host_trace(tmp_path):
+    """On a machine without a GPU, the host's XLA threads of a real trace."""
+    f = jax.jit(lambda x: jnp.sin(x) @ x)
+    x = jnp.ones((64, 64))
+    f(x).block_until_ready()
+    with jax.profiler.trace(str(tmp_path), create_perfetto_trace=True):
+        f(x).block_until_ready()
+    lines = kernel_times.kernel_table(str(tmp_path))
+    assert lines[-1].split()[-1] == "total" and float(lines[-1].split()[0]) > 0
+
+
+def test_missing_or_empty_traces_raise(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no perfetto_trace.json.gz"):
+        kernel_times.kernel_table(str(tmp_path))
+    write_trace(tmp_path / "t", [])
+    with pytest.raises(ValueError, match="holds no kernel events"):
+        kernel_times.kernel_table(str(tmp_path))
