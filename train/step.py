@@ -13,7 +13,8 @@ would make the sharded batch axis part of one sequential recurrence. The offsets
 come without ``cu_seqlens`` and run as a plain [b, T] batch.
 
 Precision: parameters (the optimiser's master copy) are float32; the layers compute in their
-``dtype`` (bf16 by default) with float32 states; logits and the loss are float32.
+``dtype`` (bf16 by default) with float32 states; logits and the loss are float32, the logits'
+gradient in the compute dtype (``train.head_loss``: the head and the loss are one op).
 
 Gradient accumulation is a ``lax.scan`` over the A micro-batches inside one step: the loss is
 the token-weighted mean over the whole batch (sum of per-token losses / supervised tokens), so
@@ -41,6 +42,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from train.data import IGNORE_INDEX
+from train.head_loss import head_loss_sums
 
 BATCH_KEYS = ("inputs", "targets", "cu_seqlens")
 
@@ -70,15 +72,13 @@ def device_batch(batch: dict, micro_batches: int, sharding: NamedSharding) -> di
     return out
 
 
-def token_loss(logits, targets) -> dict:
-    """Sums over supervised tokens (targets != IGNORE_INDEX): ``nll`` (cross-entropy of the float32
-    ``logits`` [..., V]), ``correct`` (argmax == target) and ``count``."""
-    mask = targets != IGNORE_INDEX
-    safe = jnp.where(mask, targets, 0)
-    nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), safe)
-    correct = (jnp.argmax(logits, axis=-1) == targets) & mask
-    return dict(nll=jnp.sum(jnp.where(mask, nll, 0.0)), correct=jnp.sum(correct, dtype=jnp.int32),
-                count=jnp.sum(mask, dtype=jnp.int32))
+def token_loss(graphdef, params, batch: dict, **forward_options) -> dict:
+    """Sums over the supervised tokens of one micro-batch (targets != IGNORE_INDEX): ``nll``
+    (cross-entropy of the float32 logits), ``correct`` (argmax == target) and ``count``, by
+    ``head_loss_sums`` on ``forward``'s features."""
+    h, w = forward(graphdef, params, batch, **forward_options)
+    nll, correct, count = head_loss_sums(h, w, batch["targets"])
+    return dict(nll=nll, correct=correct, count=count)
 
 
 def _constrain(tree, shardings, skip=lambda path: False):
@@ -92,7 +92,8 @@ def _constrain(tree, shardings, skip=lambda path: False):
 
 def forward(graphdef, params, batch: dict, *, gathered=None, remat: bool = False,
             scan_layers: bool = False):
-    """Logits [b, T, V] (float32) of one micro-batch (``inputs`` [b, T], optional ``cu_seqlens``).
+    """The head's input and weight of one micro-batch (``inputs`` [b, T], optional
+    ``cu_seqlens``): (``LanguageModel.features`` [b, T, D], ``head_weight`` [D, V]).
 
     gathered: shardings like ``params`` without the fsdp axis (``StepShardings.gathered``): each
     block's parameters are all-gathered to them just before the block runs (FSDP), the others
@@ -126,11 +127,12 @@ def forward(graphdef, params, batch: dict, *, gathered=None, remat: bool = False
         return h
 
     def apply(tokens, cu_seqlens):
-        return model(tokens, cu_seqlens=cu_seqlens, run_blocks=run_blocks)
+        return model.features(tokens, cu_seqlens=cu_seqlens, run_blocks=run_blocks)
 
+    w = model.head_weight()
     if "cu_seqlens" not in batch:
-        return apply(batch["inputs"], None)
-    return jax.vmap(lambda tokens, cu: apply(tokens[None], cu)[0])(batch["inputs"], batch["cu_seqlens"])
+        return apply(batch["inputs"], None), w
+    return jax.vmap(lambda tokens, cu: apply(tokens[None], cu)[0])(batch["inputs"], batch["cu_seqlens"]), w
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, shardings: StepShardings, *,
@@ -141,9 +143,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, shardings: StepS
     ``forward``'s."""
 
     def micro_loss(params, batch, total):
-        logits = forward(graphdef, params, batch, gathered=shardings.gathered, remat=remat,
-                         scan_layers=scan_layers)
-        sums = token_loss(logits, batch["targets"])
+        sums = token_loss(graphdef, params, batch, gathered=shardings.gathered, remat=remat,
+                          scan_layers=scan_layers)
         return sums["nll"] / total, sums
 
     def step(params, opt_state, batch):
@@ -171,8 +172,7 @@ def make_eval_step(graphdef, shardings: StepShardings, *, scan_layers: bool = Fa
 
     def step(params, batch):
         micro = jax.tree.map(lambda x: x[0], batch)
-        logits = forward(graphdef, params, micro, gathered=shardings.gathered, scan_layers=scan_layers)
-        return token_loss(logits, micro["targets"])
+        return token_loss(graphdef, params, micro, gathered=shardings.gathered, scan_layers=scan_layers)
 
     s = shardings
     return jax.jit(step, in_shardings=(s.params, s.batch), out_shardings=s.replicated)

@@ -102,14 +102,25 @@ class LanguageModel(nnx.Module):
         self.norm = _norm(c)
         self.lm_head = None if c.tie_embeddings else _linear(c.hidden_size, c.vocab_size, c, rngs)
 
+    def head_weight(self):
+        """W_head [D, vocab] in the compute dtype (Eᵀ when tied)."""
+        w = self.embeddings.embedding[...].T if self.lm_head is None else self.lm_head.kernel[...]
+        return w.astype(self.config.layer.dtype)
+
     def logits(self, h):
         """Logits (float32) of the final hidden states h [..., D]: RMSNorm(h) W_head."""
-        h = self.norm(h)
-        if self.lm_head is None:
-            w = self.embeddings.embedding[...].T
-        else:
-            w = self.lm_head.kernel[...]
-        return head_logits(h, w.astype(h.dtype))
+        return head_logits(self.norm(h), self.head_weight())
+
+    def features(self, tokens: Int[Array, "b t"], *, cu_seqlens=None,
+                 run_blocks=None) -> Float[Array, "b t d"]:
+        """RMSNorm(h) [B, T, D] after the last block, in the compute dtype: the head's input
+        (``train.head_loss`` takes it with ``head_weight``); arguments as ``__call__``'s."""
+        h = self.embeddings(tokens)
+        if run_blocks is not None:
+            return self.norm(run_blocks(self.layers, h, cu_seqlens))
+        for block in self.layers:
+            h = block(h, cu_seqlens=cu_seqlens)
+        return self.norm(h)
 
     def __call__(self, tokens: Int[Array, "b t"], *, cu_seqlens=None,
                  run_blocks=None) -> Float[Array, "b t v"]:
@@ -117,12 +128,8 @@ class LanguageModel(nnx.Module):
 
         run_blocks(layers, h, cu_seqlens) -> h replaces the loop ``h = block(h, cu_seqlens=...)``
         over the blocks (a hook for training: parameter gathers, rematerialisation, a scan)."""
-        h = self.embeddings(tokens)
-        if run_blocks is not None:
-            return self.logits(run_blocks(self.layers, h, cu_seqlens))
-        for block in self.layers:
-            h = block(h, cu_seqlens=cu_seqlens)
-        return self.logits(h)
+        return head_logits(self.features(tokens, cu_seqlens=cu_seqlens, run_blocks=run_blocks),
+                           self.head_weight())
 
     def prefill(self, tokens: Int[Array, "b t"], *, cu_seqlens=None):
         """(logits [N, vocab] after the last token of every row / document, cache).
