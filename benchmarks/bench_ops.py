@@ -10,7 +10,9 @@ preconditioner (none, OSGM, OSGM with APF retention, ATK), phase 1 then the delt
         [--sections checks,time] [--impl auto] [--budget-s 300]
 
 ``phase`` times the ATK phase alone (``atk_precondition`` on its Pallas kernels) for each
-``--atk-pieces`` count (``atk_precond.Options.sequence_pieces``; "auto": ``auto_pieces``).
+``--atk-pieces`` entry: a count of sequence pieces for the Triton kernels
+(``atk_precond.Options.sequence_pieces``; "auto": ``auto_pieces``) or "mosaic" (the default
+options: the Mosaic kernels of ``atk_mosaic`` where they run).
 Timings run first, then checks (one time budget for both). Checks: ``--impl`` against
 ``impl="chunked"`` on the same fresh inputs at ``--check-shape`` (bf16; bars of bench_delta:
 outputs 6e-3, gradients of every input 8e-3). Timings: forward and
@@ -67,9 +69,11 @@ def composed(precond, impl):
 
 
 def atk_phase(pieces):
-    """(inputs) -> (k̃, final A) of the ATK phase on its kernels, cut into ``pieces``."""
+    """(inputs) -> (k̃, final A) of the ATK phase on the Triton kernels cut into ``pieces``, or
+    with "mosaic" on the default options."""
     from pallas_kernels.atk_precond import Options, atk_pallas
-    options = Options(sequence_pieces=None if pieces == "auto" else int(pieces))
+    options = Options() if pieces == "mosaic" else Options(
+        sequence_pieces=None if pieces == "auto" else int(pieces), mosaic=False)
 
     def f(x):
         return atk_pallas(x["k"], x["gp"], x["bp"], x["c"], 1.5, 1e-6, None, None, 64, options)
@@ -82,7 +86,8 @@ def main():
     p.add_argument("--check-shape", type=int, nargs=4, default=(2, 1000, 4, 128))
     p.add_argument("--models", default=",".join(NAMES.values()))
     p.add_argument("--sections", default="checks,time", help="checks, time, phase")
-    p.add_argument("--atk-pieces", default="1,auto", help="sequence pieces of the phase rows")
+    p.add_argument("--atk-pieces", default="auto,mosaic",
+                   help="the phase rows' sequence pieces (Triton), or mosaic")
     p.add_argument("--impl", default="auto")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--budget-s", type=float, default=300)

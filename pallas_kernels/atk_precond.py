@@ -35,8 +35,10 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import atk_mosaic
 from pallas_kernels.atk_triton import AUX, CENTER, DECAY, DOC, FIRST, GAIN, LAST, atk_bwd, atk_fwd
 from pallas_kernels.partition import match_types, sharded_call
+from pallas_kernels.rows_mosaic import padded_length
 from pallas_kernels.token_pieces import auto_pieces, chain, rows, unrows
 from pallas_kernels.triton_common import (
     MAX_HEAD_DIM, aux_rows, doc_columns, interpret_default, pad_last, pow2_dim, vary_alike)
@@ -50,13 +52,16 @@ class Options:
     >= 16, capped at the padded K), blocks loaded ahead, warps per program, and the pieces each
     dense row's sequence is cut into (module docstring; None, the default: ``auto_pieces``, the
     fastest on the H200 at 8x2048x8x128 of 1, 2, 4, 8, 16: phase fwd+bwd 1.24 -> 0.81 ms at 4,
-    benchmarks/RESULTS.md run 47; packed documents never split)."""
+    benchmarks/RESULTS.md run 47; packed documents never split). ``mosaic``: the Mosaic GPU
+    kernels of ``atk_mosaic`` (one thread a coordinate) where they run (K padded to 128,
+    16-bit keys, a per-head decay), else the Triton ones."""
 
     block_t: int = 16
     block_k: int = 32
     prefetch: int = 2
     num_warps: int = 1
     sequence_pieces: int | None = None
+    mosaic: bool = True
 
     def __post_init__(self):
         bk, p = self.block_k, self.sequence_pieces
@@ -169,6 +174,66 @@ def _scan_bwd(cfg, res, cts):
 _scan.defvjp(_scan_fwd, _scan_bwd)
 
 
+def _mosaic_call(cfg, kernel, args, in_axes, out_axes):
+    """A kernel of ``atk_mosaic`` through ``sharded_call`` (unpartitioned in interpret mode)."""
+    fn = functools.partial(kernel, hyper=cfg.hyper, interpret=cfg.interpret, packed=cfg.packed)
+    return sharded_call(lambda *xs: tuple(fn(*xs)), args, in_axes, out_axes,
+                        shard_batch=not cfg.packed, direct=cfg.interpret)
+
+
+def _tile_padded(x, Tp):
+    """x [B, T, H, K] zero-padded along T to Tp tokens."""
+    return jnp.pad(x, [(0, 0), (0, Tp - x.shape[1]), (0, 0), (0, 0)])
+
+
+def _mosaic_rows(cfg, aux, Tp):
+    """``atk_mosaic.coefficient_rows`` from the aux rows (gain, log decay, centre, documents)."""
+    docs = tuple(aux[:, :, 0, c] for c in (DOC, FIRST, LAST)) if cfg.packed else None
+    return atk_mosaic.coefficient_rows(aux[..., GAIN], aux[..., DECAY], aux[..., CENTER], Tp, docs)
+
+
+def _mosaic_forward(cfg, k, aux, init, residuals=False):
+    """``atk_mosaic.atk_fwd``'s (k̃, final A[, the states entering the tiles]), T padded to
+    whole tiles and k̃ cut back."""
+    T = k.shape[1]
+    Tp = padded_length(T)
+    out = _mosaic_call(cfg, functools.partial(atk_mosaic.atk_fwd, residuals=residuals),
+                       [_tile_padded(k, Tp), _mosaic_rows(cfg, aux, Tp), init],
+                       ["b t h k", "b h r t", "n h k"],
+                       ["b t h k", "n h k"] + (["b i h k"] if residuals else []))
+    return (out[0][:, :T], *out[1:])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _mosaic_scan(cfg, k, aux, init):
+    return _mosaic_forward(cfg, k, aux, init)
+
+
+def _mosaic_scan_fwd(cfg, k, aux, init):
+    k_write, final, starts = _mosaic_forward(cfg, k, aux, init, residuals=True)
+    return (k_write, final), (k, aux, init, starts)
+
+
+def _mosaic_scan_bwd(cfg, res, cts):
+    k, aux, init, starts = res
+    dkw, dfinal = cts
+    T = k.shape[1]
+    Tp = padded_length(T)
+    dk, rows, dinit = _mosaic_call(
+        cfg, atk_mosaic.atk_bwd,
+        [_tile_padded(k, Tp), _tile_padded(dkw.astype(k.dtype), Tp), _mosaic_rows(cfg, aux, Tp),
+         starts, init, dfinal],
+        ["b t h k", "b t h k", "b h r t", "b i h k", "n h k", "n h k"],
+        ["b t h k", "b h j t", "n h k"])
+    dgain, dcenter, ddecay = (jnp.moveaxis(rows[:, :, j, :T], 1, 2) for j in range(3))
+    daux = jnp.zeros_like(aux).at[..., GAIN].set(dgain).at[..., CENTER].set(dcenter)
+    daux = daux.at[..., DECAY].set(ddecay)
+    return match_types((dk[:, :T], daux, dinit), (k, aux, init))
+
+
+_mosaic_scan.defvjp(_mosaic_scan_fwd, _mosaic_scan_bwd)
+
+
 def atk_pallas(k, log_decay, gain, center, x, eps, initial_state, cu_seqlens, chunk_size,
                options: Options = Options(), interpret: bool | None = None):
     """k̃ [B, T, H, K] (k's dtype) and final A [N, H, K] (float32) on the Pallas kernels.
@@ -190,16 +255,21 @@ def atk_pallas(k, log_decay, gain, center, x, eps, initial_state, cu_seqlens, ch
     columns = {GAIN: gain, CENTER: f32(center)} | ({DECAY: f32(log_decay)} if per_head else {})
     aux = aux_rows(columns | doc_columns(seg, DOC, FIRST, LAST), AUX, gain)
     Kp = pow2_dim(K)
+    init = (jnp.zeros((seg.num_docs, H, Kp), jnp.float32) if initial_state is None
+            else pad_last(f32(initial_state), Kp))
+    hyper = (math.log(float(x)), float(eps))
+    interpret = interpret_default() if interpret is None else interpret
+    if options.mosaic and atk_mosaic.runs(K=Kp, dtype=k.dtype, per_head=per_head):
+        cfg = _Config(hyper, cu_seqlens is not None, Kp, options, interpret)
+        k_write, final = _mosaic_scan(cfg, *vary_alike(pad_last(k, Kp), aux, init))
+        return k_write[..., :K], final[..., :K]
     bk = min(options.block_k, Kp)
     pieces = 1 if cu_seqlens is not None else options.sequence_pieces or auto_pieces(
         programs=B * H * (Kp // bk), T=T)
     U = options.block_t * pieces  # T padded to whole blocks in every piece
     pad_t = [(0, 0), (0, -T % U), (0, 0), (0, 0)]
     g = None if per_head else jnp.pad(pad_last(log_decay, Kp), pad_t)
-    init = (jnp.zeros((seg.num_docs, H, Kp), jnp.float32) if initial_state is None
-            else pad_last(f32(initial_state), Kp))
-    cfg = _Config((math.log(float(x)), float(eps)), cu_seqlens is not None, bk, options,
-                  interpret_default() if interpret is None else interpret, pieces)
+    cfg = _Config(hyper, cu_seqlens is not None, bk, options, interpret, pieces)
     k_write, final = _scan(cfg, *vary_alike(jnp.pad(pad_last(k, Kp), pad_t), jnp.pad(aux, pad_t),
                                             g, init))
     return k_write[:, :T, :, :K], final[..., :K]

@@ -28,7 +28,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import osgm_mosaic
+from pallas_kernels import osgm_mosaic, rows_mosaic
 from pallas_kernels.osgm_sweep_triton import (
     G, INV_N, U_BWD, W, osgm_sweep, osgm_sweep_bwd, osgm_sweep_compose, osgm_sweep_compose_bwd)
 from pallas_kernels.osgm_triton import AUX, BETA, DOC, FIRST, LAST, RET, osgm_bwd, osgm_fwd
@@ -211,7 +211,7 @@ def _mosaic_forward(cfg, k, aux, init, residuals=False):
     coefficients from XLA: (k̃, final), with ``residuals`` also the backward's (the rows
     (u_t, a_t) and the states entering the tiles, as the kernel returns them)."""
     T = k.shape[1]
-    Tp = osgm_mosaic.padded_length(T)
+    Tp = rows_mosaic.padded_length(T)
     coefs = osgm_mosaic.coefficient_rows(_coefficients(cfg, k, aux), Tp, _documents(cfg, aux))
     out = _mosaic_call(
         cfg, functools.partial(osgm_mosaic.osgm_fwd, residuals=residuals),
@@ -224,7 +224,7 @@ def _mosaic_backward(cfg, k, aux, residuals, init, dkw, dfinal):
     """``osgm_mosaic.osgm_bwd``'s cotangents from the forward's ``residuals``, ∂β from its γ_t
     elementwise (``osgm_picard.beta_cotangent``)."""
     T = k.shape[1]
-    Tp = osgm_mosaic.padded_length(T)
+    Tp = rows_mosaic.padded_length(T)
     eta, _, _, eps = cfg.hyper
     per_token = _coefficients(cfg, k, aux)
     fwd_rows, starts = residuals

@@ -194,7 +194,8 @@ def test_auto_pieces_and_bad_pieces():
 @pytest.mark.parametrize("decay", ["head", "channel"])
 def test_sequence_pieces_lower_for_cuda(decay):
     """The split's four kernels (the recurrence alone and the full pass, each way) go through the
-    Triton lowering for CUDA (no GPU needed: an abstract H100 mesh); K = 128, bf16, T = 300."""
+    Triton lowering for CUDA (no GPU needed: an abstract H100 mesh); K = 128, bf16, T = 300 (the
+    Triton kernels: with a per-head decay the Mosaic ones are the default here)."""
     b, t = 2, 300
     g_shape = (b, t, H) if decay == "head" else (b, t, H, 128)
     args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in (
@@ -203,7 +204,7 @@ def test_sequence_pieces_lower_for_cuda(decay):
 
     def loss(k, g, gain, c):
         kw, final = atk_pallas(k, g, gain, c, 1.5, 1e-6, None, None, 64,
-                               Options(sequence_pieces=2), interpret=False)
+                               Options(sequence_pieces=2, mosaic=False), interpret=False)
         return jnp.sum(kw.astype(jnp.float32) ** 2) + jnp.sum(final)
 
     assert triton_kernels_lowered_for_cuda(loss, args) == 4

@@ -173,17 +173,3 @@ def test_sweeps_settle_in_a_few_at_the_paper_settings(monkeypatch):
     for code in (counted[2][:, :, 1], gamma_rows[:, :, 0]):  # n + 1000 m, each tile's row
         code = code[..., ::osgm_mosaic.TILE]
         assert int(jnp.max(code % 1000)) <= 4 and int(jnp.min(code // 1000)) >= 1
-
-
-@pytest.mark.parametrize("reverse", [False, True])
-def test_token_groups_keep_the_order(reverse):
-    """``_tokens`` as compiled (loads of ``GROUP`` tokens ahead of their steps; interpret mode
-    runs one a step, so the kernels' tests do not see the grouping): every token once, in
-    order (descending when ``reverse``), each step given its own token's loads."""
-    x = jax.random.normal(jax.random.PRNGKey(0), (osgm_mosaic.TILE,))
-    got = osgm_mosaic._tokens(lambda t: (x[t], t), lambda t, v, c: c * 0.5 + v[0] * (v[1] == t),
-                              jnp.float32(1.0), interpret=False, reverse=reverse)
-    want = 1.0
-    for t in (reversed(range(osgm_mosaic.TILE)) if reverse else range(osgm_mosaic.TILE)):
-        want = want * 0.5 + x[t]
-    assert osgm_mosaic.GROUP > 1 and abs(float(got) - float(want)) < 1e-6

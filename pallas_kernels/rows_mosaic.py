@@ -1,0 +1,237 @@
+"""What the per-coordinate Mosaic GPU kernels share (``osgm_mosaic``, ``atk_mosaic``): one CTA a
+(batch row, head), one warpgroup whose 128 threads each hold one coordinate of the carried state,
+tiles of ``TILE`` tokens arriving by TMA (double-buffered) and leaving by TMA.
+
+Per-token passes run by rows, thread j at its own coordinate of a [TILE, 128] shared-memory
+tile, which meets no bank conflict and needs no barrier; the loads of ``GROUP`` tokens go out
+before their steps (``tokens``). A tile that is also read whole in the WGMMA layout (for row
+sums over the coordinates) has its rows padded to ``KP`` floats. Kernels run without Pallas's
+automatic barriers: every hand-off between threads goes through ``plgpu.commit_smem``. Per-token
+scalars travel as float32 rows [B, H, n, Tp]; packed documents add three rows (each token's
+document id, first and last flags) and restart the carry from a document's state.
+"""
+
+import functools
+
+import jax.experimental.mosaic.gpu as mgpu
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.state_mosaic import WGMMA, kernel
+
+F32 = jnp.float32
+K_THREADS = 128  # the head dim the kernels take: one coordinate a thread of a warpgroup
+TILE = 64  # tokens a tile (the rows of the WGMMA layout); T is padded to a multiple of it
+VEC = plgpu.Layout.WG_STRIDED((K_THREADS,), vec_size=1)
+KP = K_THREADS + 8  # the row stride (floats) of the tiles read both by rows and whole:
+# row t starts 8 banks after row t - 1, so the WGMMA layout's reads of 8 rows at once meet no
+# bank conflict (at stride 128 they are 8-way)
+GROUP = 8  # tokens whose shared-memory loads are issued together, ahead of their steps
+
+
+def rows_layout(rows, docs, Tp, ones):
+    """Per-token rows [B, T, H] each (then, if ``docs``, its three rows: each token's document
+    id and first / last flags [B, T]) as [B, H, n, Tp] float32, padded with zeros (no document
+    flags) but row ``ones`` with ones."""
+    B, T, H = rows[0].shape
+    rows = list(rows) + ([] if docs is None else [jnp.broadcast_to(
+        x.astype(F32)[..., None], (B, T, H)) for x in docs])
+    x = jnp.pad(jnp.stack(rows, axis=1), [(0, 0), (0, 0), (0, Tp - T), (0, 0)])
+    return jnp.transpose(x.at[:, ones, T:].set(1.0), (0, 3, 1, 2))
+
+
+def padded_length(T):
+    """T rounded up to whole tiles."""
+    return -(-T // TILE) * TILE
+
+
+def check_shape(name, K, Tp):
+    if K != K_THREADS or Tp % TILE:
+        raise ValueError(f"osgm_mosaic.{name} takes K = {K_THREADS} and T a multiple of {TILE}, "
+                         f"got K={K}, T={Tp}")
+
+
+def walk(n_tiles, reverse, issue, in_bar, start_bar, state, start, end, run_tile,
+          store_tile):
+    """The tile loop of a CTA: ``n_tiles`` tiles in order (descending if ``reverse``),
+    double-buffered (slot j % 2 for the j-th walked; ``issue(i, slot)`` sends tile i's copies
+    to ``in_bar[slot]``, the next tile's right after this one's arrived), the carry (one
+    coordinate a thread) from the GMEM ref ``start`` (by ``start_bar``) through ``state`` to
+    ``end``; ``run_tile(i, slot, carry)`` returns the next carry after writing the tile's
+    outputs into slot ``slot``, which ``store_tile(i, slot)`` sends (one commit group a tile:
+    the slot is reused once the group of two tiles before has been read)."""
+    at = (lambda j: n_tiles - 1 - j) if reverse else (lambda j: j)
+    issue(at(0), 0)
+    plgpu.copy_gmem_to_smem(start, state, start_bar)
+    plgpu.barrier_wait(start_bar)
+
+    def body(j, carry):
+        i, slot = at(j), lax.rem(j, 2)
+        plgpu.barrier_wait(in_bar.at[slot])
+
+        @pl.when(j + 1 < n_tiles)
+        def _next():
+            issue(at(j + 1), 1 - slot)
+
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the slot's last outputs were sent
+        plgpu.commit_smem()  # (one thread waited: the others wait for it here)
+        carry = run_tile(i, slot, carry)
+        plgpu.commit_smem()
+        store_tile(i, slot)
+        return carry
+
+    carry = lax.fori_loop(0, n_tiles, body, plgpu.load(state, layout=VEC))
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    if end is not None:
+        state[...] = carry
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(state, end)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def restart_rows(ref, h, doc, flag, rows, bar, stage):
+    """Row t of ``rows`` [TILE, 128] = document ``doc[t]``'s row of ``ref`` [N, H, 128] for
+    every token t whose ``flag`` is set: by TMA into ``stage`` [128], then by each thread at its
+    coordinate (a TMA destination is 128-byte aligned, a row of the padded tiles is not: run 94
+    failed with CUDA_ERROR_MISALIGNED_ADDRESS); one at a time, documents are rare."""
+    plgpu.commit_smem()  # the rows' last readers are done before they are written
+
+    def token(t, _):
+        @pl.when(flag[t] != 0)
+        def _():
+            plgpu.copy_gmem_to_smem(ref.at[doc[t].astype(jnp.int32), h], stage, bar)
+            plgpu.barrier_wait(bar)
+            rows.at[t][...] = row(stage)
+            plgpu.commit_smem()  # every thread has read the stage before the next copy
+
+    lax.fori_loop(0, TILE, token, None)
+
+
+def document_out(value, ref, h, doc, flag, buf):
+    """Document ``doc``'s row of ``ref`` [N, H, 128] = ``value`` where ``flag`` is set."""
+    @pl.when(flag != 0)
+    def _():
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        plgpu.commit_smem()  # every thread waits for the one that waited
+        buf[...] = value
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(buf, ref.at[doc, h])
+
+
+def flag_mask(x):
+    """A per-token flag (a float row entry) as a VEC-layout mask."""
+    return plgpu.layout_cast(jnp.broadcast_to(x != 0, (K_THREADS,)), VEC)
+
+
+def cta_kernel(body, name, out_type, scratch, B, H, interpret, args, arrivals):
+    """One CTA a (row, head) with ``scratch`` plus the state buffer, the barriers (two tile
+    slots of ``arrivals`` copies, one for single rows) and a document-state buffer."""
+    scratch = dict(scratch, state=plgpu.SMEM((K_THREADS,), F32), start_bar=plgpu.Barrier(),
+                   in_bar=plgpu.Barrier(num_arrivals=arrivals, num_barriers=2),
+                   doc_buf=plgpu.SMEM((K_THREADS,), F32), stage=plgpu.SMEM((K_THREADS,), F32))
+    return kernel(body, name=name, out_type=out_type, scratch=scratch, grid=(B, H),
+                  interpret=interpret, grid_names=("b", "h"), auto_barriers=False)(*args)
+
+
+def row(ref):
+    """A [128] shared-memory row, one coordinate a thread, as float32."""
+    return plgpu.load(ref, layout=VEC).astype(F32)
+
+
+def padded(ref):
+    """The [TILE, 128] view of a [TILE, KP] buffer (``KP``)."""
+    return ref.at[:, pl.ds(0, K_THREADS)]
+
+
+def tokens(load, step, carry, interpret, reverse=False):
+    """carry ← step(t, load(t), carry) for the tile's tokens t (descending if ``reverse``), the
+    shared-memory loads of each ``GROUP`` tokens issued before the group's steps: a load that
+    follows a shared-memory store in the program waits for it (ptxas cannot tell the addresses
+    apart), which put a load's latency on every token's chain (run 92: ~70 cycles a token).
+    One token an iteration in interpret mode (XLA compiles the loop's body once)."""
+    n = 1 if interpret else GROUP
+
+    def body(i, carry):
+        ts = [i * n + m for m in range(n)]
+        ts = [TILE - 1 - t for t in ts] if reverse else ts
+        values = [load(t) for t in ts]
+        for t, v in zip(ts, values):
+            carry = step(t, v, carry)
+        return carry
+
+    return lax.fori_loop(0, TILE // n, body, carry)
+
+
+def square_rows(k_tile, S, interpret):
+    """S_t = k_t ⊙ k_t (float32) for the tile's tokens, by rows (thread j its coordinate)."""
+    def step(t, k_t, carry):
+        S.at[t][...] = k_t * k_t
+        return carry
+
+    tokens(lambda t: row(k_tile.at[t]), step, None, interpret)
+
+
+def issue(position, i, slot, bar, tiles, rows, c_ref, bufs, singles=()):
+    """TMA copies of tile i into ``slot``: each (GMEM ref [B, Tp, H, 128], SMEM buffer) of
+    ``tiles``, row ``rows[j]`` of the coefficients ``c_ref`` into ``bufs[j]``, and each (GMEM
+    ref [B, n_tiles, H, 128], SMEM buffer) of ``singles`` (one row a tile)."""
+    b, h = position
+    span = pl.ds(i * TILE, TILE)
+    for src, dst in tiles:
+        plgpu.copy_gmem_to_smem(src.at[b, span, h], dst.at[slot], bar.at[slot])
+    for n, buf in zip(rows, bufs):
+        plgpu.copy_gmem_to_smem(c_ref.at[b, h, n, span], buf.at[slot], bar.at[slot])
+    for src, dst in singles:
+        plgpu.copy_gmem_to_smem(src.at[b, i, h], dst.at[slot], bar.at[slot])
+
+
+def send(position, i, tiles, rows_ref, row_bufs, singles=(), by_rows=()):
+    """TMA stores of tile i's results, one commit group: each (SMEM buffer, GMEM ref [B, Tp, H,
+    128]) of ``tiles``, ``row_bufs[j]`` into row j of ``rows_ref`` [B, H, n, Tp], each (SMEM
+    buffer, GMEM ref [B, n_tiles, H, 128]) of ``singles``, and each (padded SMEM tile, GMEM ref
+    [B, Tp, H, 128]) of ``by_rows`` one token's row at a time (a TMA box is dense)."""
+    b, h = position
+    span = pl.ds(i * TILE, TILE)
+    copies = [(src, dst.at[b, span, h]) for src, dst in tiles]
+    copies += [(buf, rows_ref.at[b, h, j, span]) for j, buf in enumerate(row_bufs)]
+    copies += [(src, dst.at[b, i, h]) for src, dst in singles]
+    for src, dst in copies:
+        plgpu.copy_smem_to_gmem(src, dst, commit_group=False)
+    for src, dst in by_rows:
+        def one(t, _, src=src, dst=dst):
+            plgpu.copy_smem_to_gmem(src.at[t], dst.at[b, i * TILE + t, h], commit_group=False)
+        lax.fori_loop(0, TILE, one, None)
+    plgpu.commit_smem_to_gmem_group()
+
+
+def doc_scratch(packed, vec):
+    """The document rows' buffers (ids, first and last flags) when ``packed``."""
+    return dict(doc=vec, first=vec, last=vec) if packed else {}
+
+
+@functools.cache
+def wgmma_load(dtype):
+    """An ``inline_mgpu`` load of a [TILE, 128] shared-memory tile of ``dtype`` in the WGMMA
+    layout."""
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),), return_type=plgpu.ShapeDtypeStruct(
+        (TILE, K_THREADS), dtype, layout=WGMMA))
+    def load(ctx, ref):
+        del ctx
+        return mgpu.FragmentedArray.load_untiled(ref, layout=mgpu.WGMMA_LAYOUT, optimized=False)
+    return load
+
+
+def tile(ref, interpret):
+    """A [TILE, 128] shared-memory tile as float32 in the WGMMA layout. The buffers the sweeps
+    also read or write by rows (one coordinate a thread) are loaded whole in ``inline_mgpu``:
+    through ``plgpu.load``, both uses of one buffer send Pallas's layout inference into a
+    search that runs out of fuel after ten minutes."""
+    x = ref[...] if interpret else wgmma_load(ref.dtype)(ref)
+    return x.astype(F32)
+
+
+def row_sums(x_tile, s, interpret):
+    """Σ_j X_tj s_tj [TILE] (ROWS layout) of a float32 tile in shared memory."""
+    return jnp.sum(tile(x_tile, interpret) * s, axis=1)
