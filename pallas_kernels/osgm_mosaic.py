@@ -22,17 +22,15 @@ whose coordinates interact only through γ_t = ⟨μ_t, s_t⟩; it recomputes ea
 sweep from the tile's entering state and the u_t the forward ended with (its residuals, instead
 of every d_t).
 
-Shared memory: every per-token pass (s_t = k_t ⊙ k_t into S, the sweeps, k̃ and ∂k) runs by
-rows, thread j at its own coordinate, which meets no bank conflict; the tiles read whole in the
-WGMMA layout (S, D, M for the row sums) have rows padded to ``KP`` floats, so those reads meet
-none either; and the loads of ``GROUP`` tokens go out before their steps (``_tokens``).
-
-Keys and coefficient rows arrive by TMA in double-buffered tiles; outputs leave by TMA. T is
-padded to whole tiles (k = 0, w = 0, r = 1 leave d as it is); K = 128. Packed documents
-(``packed``: the rows carry each token's document and first / last flags) restart d (λ) from
-the document's state at its first (last) token: the restart rows are copied by TMA into the
-tile's row buffer before the sweeps, which read them there. In interpret mode
-(``plgpu.InterpretGPUParams``) the same program runs on the CPU.
+The machinery is ``rows_mosaic``'s: every per-token pass (s_t = k_t ⊙ k_t into S, the sweeps,
+k̃ and ∂k) runs by rows, thread j at its own coordinate; the tiles read whole in the WGMMA layout
+(S, D, M for the row sums) have padded rows; the loads of ``GROUP`` tokens go out before their
+steps (``rows_mosaic.tokens``); keys and coefficient rows arrive by TMA in double-buffered
+tiles, outputs leave by TMA. T is padded to whole tiles (k = 0, w = 0, r = 1 leave d as it
+is); K = 128. Packed documents (``packed``: the rows carry each token's document and first /
+last flags) restart d (λ) from the document's state at its first (last) token: the restart
+rows are copied into the tile's row buffer before the sweeps, which read them there. In
+interpret mode (``plgpu.InterpretGPUParams``) the same program runs on the CPU.
 """
 
 
