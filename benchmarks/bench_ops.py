@@ -9,10 +9,11 @@ preconditioner (none, OSGM, OSGM with APF retention, ATK), phase 1 then the delt
     PYTHONPATH=. python3 benchmarks/bench_ops.py [--shape B T H D] [--models osdn,pgdn,...]
         [--sections checks,time] [--impl auto] [--budget-s 300]
 
-``phase`` times the ATK phase alone (``atk_precondition`` on its Pallas kernels) for each
-``--atk-pieces`` entry: a count of sequence pieces for the Triton kernels
-(``atk_precond.Options.sequence_pieces``; "auto": ``auto_pieces``) or "mosaic" (the default
-options: the Mosaic kernels of ``atk_mosaic`` where they run).
+``phase`` times the ATK phase alone (``atk_precondition`` on its Pallas kernels), and checks it
+against the chunked form at ``--check-shape``, for each ``--atk-pieces`` entry: a count of
+sequence pieces for the Triton kernels
+(``atk_precond.Options.sequence_pieces``; "auto": ``auto_pieces``) or "mosaic" (the Mosaic
+kernels of ``atk_mosaic``, ``Options(mosaic=True)``).
 Timings run first, then checks (one time budget for both). Checks: ``--impl`` against
 ``impl="chunked"`` on the same fresh inputs at ``--check-shape`` (bf16; bars of bench_delta:
 outputs 6e-3, gradients of every input 8e-3). Timings: forward and
@@ -70,9 +71,9 @@ def composed(precond, impl):
 
 def atk_phase(pieces):
     """(inputs) -> (k̃, final A) of the ATK phase on the Triton kernels cut into ``pieces``, or
-    with "mosaic" on the default options."""
+    with "mosaic" on the Mosaic ones."""
     from pallas_kernels.atk_precond import Options, atk_pallas
-    options = Options() if pieces == "mosaic" else Options(
+    options = Options(mosaic=True) if pieces == "mosaic" else Options(
         sequence_pieces=None if pieces == "auto" else int(pieces), mosaic=False)
 
     def f(x):
@@ -112,6 +113,14 @@ def main():
             label = f"atk phase pieces={pieces}"
             times[label] = guarded(f"time {label}", lambda pieces=pieces, label=label: time_op(
                 label, atk_phase(pieces), x, a.reps))
+        xc = inputs(jax.random.fold_in(key, 9), *a.check_shape, "deltanet", jnp.bfloat16)
+        xc = {n: xc[n] for n in ("k", "gp", "bp", "c")}
+        chunked = lambda x: pla.atk_precondition(x["k"], x["gp"], x["bp"], x["c"],  # noqa: E731
+                                                 output_final_state=True, impl="chunked")
+        for pieces in a.atk_pieces.split(","):
+            checks.append(guarded(f"check atk phase {pieces}", lambda pieces=pieces: check(
+                f"atk phase {pieces} vs chunked", atk_phase(pieces), chunked, xc,
+                jax.random.fold_in(key, 99), jnp.bfloat16)))
     for i, (backbone, precond, name) in enumerate(models if "checks" in a.sections else ()):
         def one(backbone=backbone, precond=precond, name=name, i=i):
             x = inputs(jax.random.fold_in(key, i), *a.check_shape, backbone, jnp.bfloat16)

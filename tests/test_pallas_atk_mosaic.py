@@ -1,5 +1,5 @@
-"""The Mosaic GPU kernels of the ATK phase (pallas_kernels/atk_mosaic.py, the default for 16-bit
-keys with a per-head decay at K padded to 128) against the token-by-token reference in
+"""The Mosaic GPU kernels of the ATK phase (pallas_kernels/atk_mosaic.py, ``Options(mosaic=True)``:
+16-bit keys with a per-head decay at K padded to 128) against the token-by-token reference in
 interpret mode, where they apply and where they fall back, and their lowering for CUDA."""
 
 import jax
@@ -24,6 +24,19 @@ def triton_refused(monkeypatch):
     monkeypatch.setattr(atk_precond, "atk_bwd", refuse)
 
 
+MOSAIC = atk_precond.Options(mosaic=True)
+
+
+def precondition(impl, x, cu_seqlens=None):
+    """(k̃, final A) of the reference (impl "reference") or of the kernels with ``MOSAIC``."""
+    if impl == "reference":
+        return pla.atk_precondition(x["k"], x["log_decay"], x["gain"], x["center"], x=1.5,
+                                    initial_state=x["initial_state"], output_final_state=True,
+                                    cu_seqlens=cu_seqlens, impl="reference")
+    return atk_precond.atk_pallas(x["k"], x["log_decay"], x["gain"], x["center"], 1.5, 1e-6,
+                                  x["initial_state"], cu_seqlens, 64, MOSAIC)
+
+
 def run(impl, x, cu_seqlens=None):
     """(k̃, final A, gradients of every input) for a loss linear in k̃ and the final state with
     weights exact in bf16 (so the kernels' bf16 cotangent of k̃ is the reference's)."""
@@ -31,10 +44,7 @@ def run(impl, x, cu_seqlens=None):
     final_weight = jax.random.normal(jax.random.PRNGKey(6), x["initial_state"].shape)
 
     def loss(x):
-        kw, final = pla.atk_precondition(
-            x["k"], x["log_decay"], x["gain"], x["center"], x=1.5,
-            initial_state=x["initial_state"], output_final_state=True, cu_seqlens=cu_seqlens,
-            impl=impl)
+        kw, final = precondition(impl, x, cu_seqlens)
         value = jnp.sum(kw.astype(F32) * kw_weight.astype(F32)) + jnp.sum(final * final_weight)
         return value, (kw, final)
 
@@ -106,7 +116,7 @@ def test_lowers_for_cuda(packed):
             s((3 if packed else b, 2, 128), F32)]
 
     def loss(k, g, gain, c, init):
-        kw, final = atk_precond.atk_pallas(k, g, gain, c, 1.5, 1e-6, init, cu, 64,
+        kw, final = atk_precond.atk_pallas(k, g, gain, c, 1.5, 1e-6, init, cu, 64, MOSAIC,
                                            interpret=False)
         return jnp.sum(kw.astype(F32) ** 2) + jnp.sum(final)
 
@@ -126,9 +136,8 @@ def test_vmapped_packed_rows(monkeypatch):
     x = make_inputs(6, b=2, t=64, h=1, k_dim=128, n_init=2, dtype=jnp.bfloat16)
 
     def f(k, g, gain, init):
-        return pla.atk_precondition(k[None], g[None], gain[None], x["center"].astype(F32),
-                                    initial_state=init[None], output_final_state=True,
-                                    cu_seqlens=jnp.asarray([0, 64], jnp.int32), impl="pallas")
+        return atk_precond.atk_pallas(k[None], g[None], gain[None], x["center"].astype(F32), 1.5,
+                                      1e-6, init[None], jnp.asarray([0, 64], jnp.int32), 64, MOSAIC)
 
     args = (x["k"], x["log_decay"].astype(F32), x["gain"].astype(F32), x["initial_state"])
     rows = jax.jit(jax.vmap(f))(*args)
