@@ -10,7 +10,7 @@ import pytest
 import precond_linattn as pla
 from benchmarks.mosaic_barriers import barriers, modules
 from conftest import assert_close, triton_kernels_lowered_for_cuda
-from pallas_kernels import atk_mosaic, atk_precond
+from pallas_kernels import atk_precond
 from test_pallas_atk import make_inputs
 
 F32 = jnp.float32
@@ -84,36 +84,14 @@ def test_packed_documents(monkeypatch):
     assert_matches_reference(x, cu)
 
 
-@pytest.mark.parametrize("case", ["per-channel decay", "float32 keys"])
-def test_falls_back_to_triton(monkeypatch, case):
-    """Per-channel decays and float32 keys take the Triton kernels (the Mosaic ones are never
-    called) and match the reference."""
-    def refuse(*a, **kw):
-        raise AssertionError("an atk_mosaic kernel was called")
-    monkeypatch.setattr(atk_mosaic, "atk_fwd", refuse)
-    monkeypatch.setattr(atk_mosaic, "atk_bwd", refuse)
-    channel = case == "per-channel decay"
-    x = make_inputs(5, b=1, t=20, h=1, k_dim=128, decay="channel" if channel else "head",
-                    n_init=1, dtype=jnp.bfloat16 if channel else F32)
-    x = dict(x, k=x["k"].astype(F32)) if channel else x
-    if channel:  # bf16 keys, the rest float32: Triton for the per-channel decay
-        x = dict(x, k=x["k"].astype(jnp.bfloat16), log_decay=x["log_decay"].astype(F32),
-                 gain=x["gain"].astype(F32), center=x["center"].astype(F32))
-    got, want = run("pallas", x), run("reference", dict(x, k=x["k"].astype(F32)))
-    assert_close(got[1], want[1], 2e-5, "final state")
-    assert_close(got[2]["gain"], want[2]["gain"], 2e-5, "dgain")
-
-
-@pytest.mark.parametrize("packed", [False, True])
-def test_lowers_for_cuda(packed):
-    """Both kernels through Mosaic GPU's passes (three tiles); without packed documents no
-    warpgroup barrier inside the token loops (depth 2: tiles, tokens), none either way, and
-    no Triton kernel."""
+def lowered(k_dtype, g_shape, packed=False):
+    """{Mosaic kernel name: module} and the Triton kernel count of the phase's gradient with
+    ``MOSAIC`` lowered for CUDA (three tiles; with ``packed`` three documents in one row)."""
     s = jax.ShapeDtypeStruct
     b, t = (1, 170) if packed else (2, 170)
     cu = jnp.asarray([0, 37, 100, t], jnp.int32) if packed else None
-    args = [s((b, t, 2, 128), jnp.bfloat16), s((b, t, 2), F32), s((b, t, 2), F32), s((2,), F32),
-            s((3 if packed else b, 2, 128), F32)]
+    args = [s((b, t, 2, 128), k_dtype), s((b, t, 2) + g_shape, F32), s((b, t, 2), F32),
+            s((2,), F32), s((3 if packed else b, 2, 128), F32)]
 
     def loss(k, g, gain, c, init):
         kw, final = atk_precond.atk_pallas(k, g, gain, c, 1.5, 1e-6, init, cu, 64, MOSAIC,
@@ -121,12 +99,26 @@ def test_lowers_for_cuda(packed):
         return jnp.sum(kw.astype(F32) ** 2) + jnp.sum(final)
 
     grad = lambda *a: jax.grad(loss, argnums=(0, 1, 2, 3, 4))(*a)  # noqa: E731
-    found = modules(grad, args)
-    assert sorted(found) == ["atk_bwd_mosaic", "atk_fwd_mosaic"]
+    return modules(grad, args), triton_kernels_lowered_for_cuda(loss, args)
+
+
+@pytest.mark.parametrize("k_dtype, g_shape", [(jnp.bfloat16, (128,)), (F32, ())])
+def test_falls_back_to_triton(k_dtype, g_shape):
+    """Per-channel decays and float32 keys take the Triton kernels (whose results the tests of
+    test_pallas_atk check), not the Mosaic ones."""
+    mosaic, triton = lowered(k_dtype, g_shape)
+    assert not mosaic and triton == 2
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_lowers_for_cuda(packed):
+    """Both kernels through Mosaic GPU's passes; without packed documents no warpgroup barrier
+    inside the token loops (depth 2: tiles, tokens); no Triton kernel."""
+    found, triton = lowered(jnp.bfloat16, (), packed)
+    assert sorted(found) == ["atk_bwd_mosaic", "atk_fwd_mosaic"] and triton == 0
     if not packed:
         assert all(max(barriers(text)) <= 1 for text in found.values()), {
             n: barriers(text) for n, text in found.items()}
-    assert triton_kernels_lowered_for_cuda(loss, args) == 0
 
 
 def test_vmapped_packed_rows(monkeypatch):
