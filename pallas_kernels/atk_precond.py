@@ -35,10 +35,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import atk_mosaic
+from pallas_kernels import atk_mosaic, rows_mosaic
 from pallas_kernels.atk_triton import AUX, CENTER, DECAY, DOC, FIRST, GAIN, LAST, atk_bwd, atk_fwd
 from pallas_kernels.partition import match_types, sharded_call
-from pallas_kernels.rows_mosaic import padded_length
 from pallas_kernels.token_pieces import auto_pieces, chain, rows, unrows
 from pallas_kernels.triton_common import (
     MAX_HEAD_DIM, aux_rows, doc_columns, interpret_default, pad_last, pow2_dim, vary_alike)
@@ -176,15 +175,10 @@ _scan.defvjp(_scan_fwd, _scan_bwd)
 
 
 def _mosaic_call(cfg, kernel, args, in_axes, out_axes):
-    """A kernel of ``atk_mosaic`` through ``sharded_call`` (unpartitioned in interpret mode)."""
+    """A kernel of ``atk_mosaic`` through ``rows_mosaic.call``."""
     fn = functools.partial(kernel, hyper=cfg.hyper, interpret=cfg.interpret, packed=cfg.packed)
-    return sharded_call(lambda *xs: tuple(fn(*xs)), args, in_axes, out_axes,
-                        shard_batch=not cfg.packed, direct=cfg.interpret)
-
-
-def _tile_padded(x, Tp):
-    """x [B, T, H, K] zero-padded along T to Tp tokens."""
-    return jnp.pad(x, [(0, 0), (0, Tp - x.shape[1]), (0, 0), (0, 0)])
+    return rows_mosaic.call(fn, args, in_axes, out_axes, packed=cfg.packed,
+                            interpret=cfg.interpret)
 
 
 def _mosaic_rows(cfg, aux, Tp):
@@ -197,9 +191,9 @@ def _mosaic_forward(cfg, k, aux, init, residuals=False):
     """``atk_mosaic.atk_fwd``'s (k̃, final A[, the states entering the tiles]), T padded to
     whole tiles and k̃ cut back."""
     T = k.shape[1]
-    Tp = padded_length(T)
+    Tp = rows_mosaic.padded_length(T)
     out = _mosaic_call(cfg, functools.partial(atk_mosaic.atk_fwd, residuals=residuals),
-                       [_tile_padded(k, Tp), _mosaic_rows(cfg, aux, Tp), init],
+                       [rows_mosaic.tile_padded(k, Tp), _mosaic_rows(cfg, aux, Tp), init],
                        ["b t h k", "b h r t", "n h k"],
                        ["b t h k", "n h k"] + (["b i h k"] if residuals else []))
     return (out[0][:, :T], *out[1:])
@@ -219,14 +213,14 @@ def _mosaic_scan_bwd(cfg, res, cts):
     k, aux, init, starts = res
     dkw, dfinal = cts
     T = k.shape[1]
-    Tp = padded_length(T)
+    Tp = rows_mosaic.padded_length(T)
     dk, rows, dinit = _mosaic_call(
         cfg, atk_mosaic.atk_bwd,
-        [_tile_padded(k, Tp), _tile_padded(dkw.astype(k.dtype), Tp), _mosaic_rows(cfg, aux, Tp),
-         starts, init, dfinal],
+        [rows_mosaic.tile_padded(k, Tp), rows_mosaic.tile_padded(dkw.astype(k.dtype), Tp),
+         _mosaic_rows(cfg, aux, Tp), starts, init, dfinal],
         ["b t h k", "b t h k", "b h r t", "b i h k", "n h k", "n h k"],
         ["b t h k", "b h j t", "n h k"])
-    dgain, dcenter, ddecay = (jnp.moveaxis(rows[:, :, j, :T], 1, 2) for j in range(3))
+    dgain, dcenter, ddecay = rows_mosaic.token_rows(rows, T)
     daux = jnp.zeros_like(aux).at[..., GAIN].set(dgain).at[..., CENTER].set(dcenter)
     daux = daux.at[..., DECAY].set(ddecay)
     return match_types((dk[:, :T], daux, dinit), (k, aux, init))

@@ -189,21 +189,16 @@ def _mosaic_runs(cfg, k):
 
 
 def _mosaic_call(cfg, kernel, args, in_axes, out_axes):
-    """A kernel of ``osgm_mosaic`` through ``sharded_call`` (unpartitioned in interpret mode)."""
+    """A kernel of ``osgm_mosaic`` through ``rows_mosaic.call``."""
     kernel = functools.partial(kernel, bounds=cfg.hyper[1:3], interpret=cfg.interpret,
                                packed=cfg.packed)
-    return sharded_call(lambda *xs: tuple(kernel(*xs)), args, in_axes, out_axes,
-                        shard_batch=not cfg.packed, direct=cfg.interpret)
+    return rows_mosaic.call(kernel, args, in_axes, out_axes, packed=cfg.packed,
+                            interpret=cfg.interpret)
 
 
 def _documents(cfg, aux):
     """Each token's document id and first / last flags [B, T] with packed documents, else None."""
     return tuple(aux[:, :, 0, c] for c in (DOC, FIRST, LAST)) if cfg.packed else None
-
-
-def _tile_padded(x, Tp):
-    """x [B, T, H, K] padded along T to Tp tokens with zeros."""
-    return jnp.pad(x, [(0, 0), (0, Tp - x.shape[1]), (0, 0), (0, 0)])
 
 
 def _mosaic_forward(cfg, k, aux, init, residuals=False):
@@ -215,7 +210,7 @@ def _mosaic_forward(cfg, k, aux, init, residuals=False):
     coefs = osgm_mosaic.coefficient_rows(_coefficients(cfg, k, aux), Tp, _documents(cfg, aux))
     out = _mosaic_call(
         cfg, functools.partial(osgm_mosaic.osgm_fwd, residuals=residuals),
-        [_tile_padded(k, Tp), coefs, init], ["b t h k", "b h r t", "n h k"],
+        [rows_mosaic.tile_padded(k, Tp), coefs, init], ["b t h k", "b h r t", "n h k"],
         ["b t h k", "n h k"] + (["b h j t", "b i h k"] if residuals else []))
     return (out[0][:, :T], *out[1:])
 
@@ -228,14 +223,15 @@ def _mosaic_backward(cfg, k, aux, residuals, init, dkw, dfinal):
     eta, _, _, eps = cfg.hyper
     per_token = _coefficients(cfg, k, aux)
     fwd_rows, starts = residuals
-    u, a = (jnp.moveaxis(fwd_rows[:, :, i, :T], 1, 2) for i in range(2))  # [B, T, H]
+    u, a = rows_mosaic.token_rows(fwd_rows, T)
     coefs = osgm_mosaic.backward_rows(per_token, u, a, eps, Tp, _documents(cfg, aux))
     dk, rows, dinit = _mosaic_call(
         cfg, osgm_mosaic.osgm_bwd,
-        [_tile_padded(k, Tp), _tile_padded(dkw, Tp), coefs, starts, init, dfinal],
+        [rows_mosaic.tile_padded(k, Tp), rows_mosaic.tile_padded(dkw, Tp), coefs, starts, init,
+         dfinal],
         ["b t h k", "b t h k", "b h r t", "b i h k", "n h k", "n h k"],
         ["b t h k", "b h j t", "n h k"])
-    gamma, dr = (jnp.moveaxis(rows[:, :, i, :T], 1, 2) for i in range(2))  # [B, T, H]
+    gamma, dr = rows_mosaic.token_rows(rows, T)
     dbeta = beta_cotangent(gamma, a, per_token, eta, cfg.beta_aware)
     daux = jnp.zeros_like(aux).at[..., BETA].set(dbeta).at[..., RET].set(dr)
     return dk[:, :T], daux, dinit

@@ -19,6 +19,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.partition import sharded_call
 from pallas_kernels.state_mosaic import WGMMA, kernel
 
 F32 = jnp.float32
@@ -45,6 +46,24 @@ def rows_layout(rows, docs, Tp, ones):
 def padded_length(T):
     """T rounded up to whole tiles."""
     return -(-T // TILE) * TILE
+
+
+def tile_padded(x, Tp):
+    """x [B, T, H, K] zero-padded along T to Tp tokens."""
+    return jnp.pad(x, [(0, 0), (0, Tp - x.shape[1]), (0, 0), (0, 0)])
+
+
+def token_rows(rows, T):
+    """The rows [B, H, n, Tp] a kernel returns, as n arrays [B, T, H]."""
+    return tuple(jnp.moveaxis(rows[:, :, j, :T], 1, 2) for j in range(rows.shape[2]))
+
+
+def call(kernel, args, in_axes, out_axes, *, packed, interpret):
+    """``kernel(*args)`` (its static arguments bound) through ``partition.sharded_call``: batch
+    rows and heads stay sharded (heads only with packed documents); unpartitioned in interpret
+    mode, whose I/O callbacks ``custom_partitioning`` cannot lower."""
+    return sharded_call(lambda *xs: tuple(kernel(*xs)), args, in_axes, out_axes,
+                        shard_batch=not packed, direct=interpret)
 
 
 def check_shape(name, K, Tp):
