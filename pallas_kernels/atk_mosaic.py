@@ -21,19 +21,18 @@ extra [T, 128] float32 tiles do not fit the backward's shared memory. The wrappe
 kernels with ``atk_precond.Options(mosaic=True)``.
 
 Packed documents restart A from the document's initial state at its first token (λ from its
-∂final at its last token) through the staging row (``restart``), and write the document's final
-state (∂initial) where it ends (starts). Padded tokens carry k = 0, gain = 0, α = 1. Rows of
+∂final at its last token) through the staging row (``rows_mosaic.restart``), and write the
+document's final state (∂initial) where it ends (starts). Padded tokens carry k = 0, gain = 0, α = 1. Rows of
 per-token scalars [B, H, 3 (+ 3), Tp]: gain, α, c_h (then document, first, last).
 """
 
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.rows_mosaic import (
-    F32, K_THREADS, KP, TILE, VEC, check_shape, cta_kernel, doc_scratch, document_out, flag_mask,
-    issue, padded, row, rows_layout, send, tile, tokens, walk)
+    F32, K_THREADS, KP, TILE, VEC, check_shape, cta_kernel, doc_scratch, document_out, issue,
+    padded, restart, row, rows_layout, send, tile, tokens, walk)
 from pallas_kernels.state_mosaic import ROWS
 from pallas_kernels.triton_common import out_struct
 
@@ -58,23 +57,6 @@ def _squash(A, c, log_x, eps):
     rho = jnp.log(A + eps) - c
     den = 1.0 + jnp.abs(rho)
     return jnp.exp(-log_x * (rho / den)), den
-
-
-def _restart(x, ref, h, doc, is_first, bar, stage):
-    """x, or where ``is_first`` is set document ``doc``'s row of ``ref`` [N, H, 128] (by TMA
-    through ``stage``; documents are rare, so the copy and its barriers sit under a branch)."""
-    @pl.when(is_first != 0)
-    def _():
-        plgpu.copy_gmem_to_smem(ref.at[doc.astype(jnp.int32), h], stage, bar)
-        plgpu.barrier_wait(bar)
-
-    x = jnp.where(flag_mask(is_first), row(stage), x)
-
-    @pl.when(is_first != 0)
-    def _():
-        plgpu.commit_smem()  # every thread has read the stage before the next copy
-
-    return x
 
 
 def _scratch(k, packed, n_rows):
@@ -118,7 +100,7 @@ def atk_fwd(k, coefs, initial_state, *, hyper, interpret, packed=False, residual
             def step(t, values, A):
                 k_t, g_t, a_t, c_t = values
                 if packed:
-                    A = _restart(A, init_ref, h, doc[slot, t], first[slot, t], start_bar, stage)
+                    A = restart(A, init_ref, h, doc[slot, t], first[slot, t], start_bar, stage)
                 A = a_t * A + g_t * (k_t * k_t)
                 out.at[slot, t][...] = (_squash(A, c_t, log_x, eps)[0] * k_t).astype(k.dtype)
                 if packed:  # a document ending here: its final state
@@ -175,7 +157,7 @@ def atk_bwd(k, dkw, coefs, starts, init, dfinal, *, hyper, interpret, packed=Fal
             def recompute(t, values, A):  # A_{t−1} into ``prev``, as the forward walks
                 k_t, g_t, a_t = values
                 if packed:
-                    A = _restart(A, init_ref, h, doc[slot, t], first[slot, t], start_bar, stage)
+                    A = restart(A, init_ref, h, doc[slot, t], first[slot, t], start_bar, stage)
                 prev.at[t][...] = A
                 return a_t * A + g_t * (k_t * k_t)
 
@@ -196,7 +178,7 @@ def atk_bwd(k, dkw, coefs, starts, init, dfinal, *, hyper, interpret, packed=Fal
             def step(t, values, lam):
                 k_t, delta, A_prev, g_t, a_t, s_t, B_t, q, e = values
                 if packed:
-                    lam = _restart(lam, dfinal_ref, h, doc[slot, t], last[slot, t], start_bar,
+                    lam = restart(lam, dfinal_ref, h, doc[slot, t], last[slot, t], start_bar,
                                    stage)
                 big = lam + e
                 dk.at[t][...] = (delta * B_t + 2.0 * g_t * k_t * big).astype(k.dtype)
