@@ -17,6 +17,7 @@ besides h and W (2 bytes a token and entry), and the backward is the two matmuls
 import jax
 import jax.numpy as jnp
 
+from precond_linattn.models.lm import head_pullback
 from train.data import IGNORE_INDEX
 
 
@@ -51,10 +52,8 @@ def _fwd(h, w, targets):
 
 def _bwd(res, cts):
     h, w, dlogits = res
-    g = cts[0]
-    dh = g * jnp.matmul(dlogits, w.T, preferred_element_type=jnp.float32)
-    dw = g * jnp.einsum("...d,...v->dv", h, dlogits, preferred_element_type=jnp.float32)
-    return dh.astype(h.dtype), dw.astype(w.dtype), None
+    dh, dw = head_pullback(h, w, dlogits)
+    return (cts[0] * dh).astype(h.dtype), (cts[0] * dw).astype(w.dtype), None
 
 
 head_loss_sums.defvjp(_fwd, _bwd)

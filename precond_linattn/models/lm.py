@@ -38,12 +38,18 @@ def _head_fwd(h, w):
     return head_logits(h, w), (h, w)
 
 
+def head_pullback(h, w, g):
+    """(g Wᵀ, hᵀ g) in float32 accumulation for the head's input h [..., D], weight W [D, N]
+    and a cotangent g [..., N] of the logits, all three in the compute dtype."""
+    dh = jnp.matmul(g, w.T, preferred_element_type=jnp.float32)
+    dw = jnp.einsum("...d,...n->dn", h, g, preferred_element_type=jnp.float32)
+    return dh, dw
+
+
 def _head_bwd(res, g):
     h, w = res
-    g = g.astype(h.dtype)
-    dh = jnp.matmul(g, w.T, preferred_element_type=jnp.float32).astype(h.dtype)
-    dw = jnp.einsum("...d,...n->dn", h, g, preferred_element_type=jnp.float32).astype(w.dtype)
-    return dh, dw
+    dh, dw = head_pullback(h, w, g.astype(h.dtype))
+    return dh.astype(h.dtype), dw.astype(w.dtype)
 
 
 head_logits.defvjp(_head_fwd, _head_bwd)
