@@ -21,7 +21,7 @@ from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from benchmarks.bench_osgm import make_inputs
-from pallas_kernels import osgm_mosaic as om
+from pallas_kernels import osgm_mosaic as om, rows_mosaic
 from pallas_kernels.state_mosaic import ROWS
 from precond_linattn.chunked.osgm_picard import coefficients
 
@@ -80,7 +80,7 @@ def main():
     real = fwd()
     print(f"{B}x{T}x{H}x{K} bf16, eta {a.eta}: forward {timed(real, x['k'], rows, init, reps=reps):.3f} ms")
     _, _, fwd_rows, starts = real(x["k"], rows, init)
-    u, av = (jnp.moveaxis(fwd_rows[:, :, i], 1, 2) for i in range(2))
+    u, av = rows_mosaic.token_rows(fwd_rows, T)
     brows = om.backward_rows(coefs, u, av, 1e-6, T)
     dkw = jax.random.normal(jax.random.PRNGKey(1), x["k"].shape, jnp.bfloat16)
     bwd = jax.jit(functools.partial(om.osgm_bwd, **kw))

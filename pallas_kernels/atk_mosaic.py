@@ -59,11 +59,11 @@ def _squash(A, c, log_x, eps):
     return jnp.exp(-log_x * (rho / den)), den
 
 
-def _scratch(k, packed, n_rows):
+def _scratch(k, packed):
     """The coefficient rows' buffers (two slots each) and the key tiles."""
     vec = plgpu.SMEM((2, TILE), F32)
     return dict(k=plgpu.SMEM((2, TILE, K_THREADS), k.dtype),
-                **{f"c{j}": vec for j in range(n_rows)}, **doc_scratch(packed, vec))
+                **{f"c{j}": vec for j in range(N_ROWS)}, **doc_scratch(packed, vec))
 
 
 def atk_fwd(k, coefs, initial_state, *, hyper, interpret, packed=False, residuals=False):
@@ -72,13 +72,13 @@ def atk_fwd(k, coefs, initial_state, *, hyper, interpret, packed=False, residual
     [B, Tp, H, 128] in k's dtype and the final A [N, H, 128]; with ``residuals`` also the state
     entering each tile [B, Tp / TILE, H, 128] float32 (``atk_bwd``'s)."""
     B, Tp, H, K = k.shape
-    check_shape("atk_fwd", K, Tp)
+    check_shape("atk_mosaic.atk_fwd", K, Tp)
     log_x, eps = hyper
     ins = (k, coefs, initial_state)
     out_type = (out_struct((B, Tp, H, K), k.dtype, *ins), out_struct(initial_state.shape, F32, *ins))
     if residuals:
         out_type += (out_struct((B, Tp // TILE, H, K), F32, *ins),)
-    scratch = dict(_scratch(k, packed, N_ROWS), out=plgpu.SMEM((2, TILE, K), k.dtype),
+    scratch = dict(_scratch(k, packed), out=plgpu.SMEM((2, TILE, K), k.dtype),
                    starts=plgpu.SMEM((2, K), F32))
     rows = range(N_ROWS + 3 if packed else N_ROWS)
 
@@ -129,12 +129,12 @@ def atk_bwd(k, dkw, coefs, starts, init, dfinal, *, hyper, interpret, packed=Fal
     [N, H, 128]. Returns (∂k [B, Tp, H, 128] in k's dtype, rows (∂gain, −Σ q, ∂g) [B, H, 3, Tp]
     float32, ∂initial [N, H, 128])."""
     B, Tp, H, K = k.shape
-    check_shape("atk_bwd", K, Tp)
+    check_shape("atk_mosaic.atk_bwd", K, Tp)
     log_x, eps = hyper
     ins = (k, dkw, coefs, starts, init, dfinal)
     out_type = (out_struct((B, Tp, H, K), k.dtype, *ins), out_struct((B, H, 3, Tp), F32, *ins),
                 out_struct(dfinal.shape, F32, *ins))
-    scratch = dict(_scratch(k, packed, N_ROWS), dkw=plgpu.SMEM((2, TILE, K), dkw.dtype),
+    scratch = dict(_scratch(k, packed), dkw=plgpu.SMEM((2, TILE, K), dkw.dtype),
                    st=plgpu.SMEM((2, K), F32), prev=plgpu.SMEM((TILE, KP), F32),
                    dk=plgpu.SMEM((TILE, K), k.dtype), P1=plgpu.SMEM((TILE, KP), F32),
                    P2=plgpu.SMEM((TILE, KP), F32), sums=plgpu.SMEM((3, 2, TILE), F32))

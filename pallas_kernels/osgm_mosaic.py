@@ -33,7 +33,6 @@ rows are copied into the tile's row buffer before the sweeps, which read them th
 interpret mode (``plgpu.InterpretGPUParams``) the same program runs on the CPU.
 """
 
-
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -125,7 +124,7 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
     float32; with ``residuals`` also the rows (u_t, a_t) [B, H, 2, Tp] and the state entering
     each tile [B, Tp / TILE, H, 128] float32 (``osgm_bwd``'s inputs)."""
     B, Tp, H, K = k.shape
-    check_shape("osgm_fwd", K, Tp)
+    check_shape("osgm_mosaic.osgm_fwd", K, Tp)
     ins = (k, coefs, initial_state)
     out_type = (out_struct((B, Tp, H, K), k.dtype, *ins),
                 out_struct(initial_state.shape, F32, *ins))
@@ -182,19 +181,19 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
                     value = _clip(_affine(r[slot, t], row(D.at[t]), u_t[t], row(S.at[t])),
                                   *bounds)
                     document_out(value, final_ref, h, doc[slot, t].astype(jnp.int32),
-                                  last[slot, t], doc_buf)
+                                 last[slot, t], doc_buf)
                 lax.fori_loop(0, TILE, ends, None)
             return d
 
         def store_tile(i, slot):
             rows_ref, starts_ref = res_refs if residuals else (None, None)
             send((b, h), i, [(out.at[slot], out_ref)], rows_ref,
-                  (u.at[slot], a.at[slot]) if residuals else (),
-                  [(starts.at[slot], starts_ref)] if residuals else ())
+                 (u.at[slot], a.at[slot]) if residuals else (),
+                 [(starts.at[slot], starts_ref)] if residuals else ())
 
         walk(Tp // TILE, False, issue_tile, in_bar, start_bar, state,
-              init_ref.at[0 if packed else b, h], None if packed else final_ref.at[b, h],
-              run_tile, store_tile)
+             init_ref.at[0 if packed else b, h], None if packed else final_ref.at[b, h],
+             run_tile, store_tile)
 
     return cta_kernel(body, "osgm_fwd_mosaic", out_type, scratch, B, H, interpret, ins, len(rows) + 1)
 
@@ -214,7 +213,7 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
     final d, as the last real token's clip derivative does already. Returns (∂k [B, Tp, H,
     128] float32, rows (γ, ∂r) [B, H, 2, Tp] float32, ∂d_1 [N, H, 128])."""
     B, Tp, H, K = k.shape
-    check_shape("osgm_bwd", K, Tp)
+    check_shape("osgm_mosaic.osgm_bwd", K, Tp)
     d_min, d_max = bounds
     ins = (k, dkw, coefs, starts, init, dfinal)
     out_type = (out_struct((B, Tp, H, K), F32, *ins), out_struct((B, H, 2, Tp), F32, *ins),
@@ -332,7 +331,7 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
                 def starts_(t, _):
                     lam_t = r[slot, t] * row(M.at[t]) + source(t, slot)
                     document_out(lam_t, dinit_ref, h, doc[slot, t].astype(jnp.int32),
-                                  first[slot, t], doc_buf)
+                                 first[slot, t], doc_buf)
                 lax.fori_loop(0, TILE, starts_, None)
             plgpu.commit_smem()  # γ in shared memory for every thread
             gradient_rows(slot)
@@ -342,8 +341,8 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
             send((b, h), i, [], rows_ref, (gam.at[slot], dr.at[slot]), by_rows=[(M, dk_ref)])
 
         walk(Tp // TILE, True, issue_tile, in_bar, start_bar, state,
-              dfinal_ref.at[0 if packed else b, h], None if packed else dinit_ref.at[b, h],
-              run_tile, store_tile)
+             dfinal_ref.at[0 if packed else b, h], None if packed else dinit_ref.at[b, h],
+             run_tile, store_tile)
 
     return cta_kernel(body, "osgm_bwd_mosaic", out_type, scratch, B, H, interpret, ins, len(rows) + 3)
 

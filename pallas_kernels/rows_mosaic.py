@@ -67,13 +67,14 @@ def call(kernel, args, in_axes, out_axes, *, packed, interpret):
 
 
 def check_shape(name, K, Tp):
+    """ValueError naming the kernel ``name`` unless K = 128 and Tp is whole tiles."""
     if K != K_THREADS or Tp % TILE:
-        raise ValueError(f"osgm_mosaic.{name} takes K = {K_THREADS} and T a multiple of {TILE}, "
+        raise ValueError(f"{name} takes K = {K_THREADS} and T a multiple of {TILE}, "
                          f"got K={K}, T={Tp}")
 
 
 def walk(n_tiles, reverse, issue, in_bar, start_bar, state, start, end, run_tile,
-          store_tile):
+         store_tile):
     """The tile loop of a CTA: ``n_tiles`` tiles in order (descending if ``reverse``),
     double-buffered (slot j % 2 for the j-th walked; ``issue(i, slot)`` sends tile i's copies
     to ``in_bar[slot]``, the next tile's right after this one's arrived), the carry (one
