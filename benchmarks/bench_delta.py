@@ -177,6 +177,7 @@ def check(name, f_kernel, f_ref, x, key, dtype):
 
 
 PIPELINED = [False]  # ``--timing pipelined``
+PROFILE = [None]  # ``--profile DIR``: time_op's calls traced there, their kernels printed
 
 
 def timeit(f, *a, reps):
@@ -210,7 +211,19 @@ def time_op(label, f, x, reps):
              if m else None,
              t_s=round(elapsed()))
     print(json.dumps(r), flush=True)
+    if PROFILE[0]:
+        for part, g in (("fwd", fwd), ("fwdbwd", grad)):
+            print(f"{label} {part}: device time by kernel, a call ({reps} traced)")
+            print("\n".join(traced_kernels(g, x, reps, f"{PROFILE[0]}/{label}/{part}")), flush=True)
     return r
+
+
+def traced_kernels(f, x, reps, trace_dir):
+    """kernel_times' table of ``reps`` calls of the compiled ``f`` traced into ``trace_dir``."""
+    from benchmarks.kernel_times import kernel_table
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        jax.block_until_ready([f(x) for _ in range(reps)])
+    return kernel_table(trace_dir, top=12, steps=reps)
 
 
 def breakdown(core, x, reps, options):

@@ -7,7 +7,8 @@ preconditioner (none, OSGM, OSGM with APF retention, ATK), phase 1 then the delt
     o = delta_rule(q, k, v, β, write_key=k̃, log_decay=g)
 
     PYTHONPATH=. python3 benchmarks/bench_ops.py [--shape B T H D] [--models osdn,pgdn,...]
-        [--sections checks,time] [--impl auto] [--budget-s 300]
+        [--sections checks,time] [--impl auto] [--budget-s 300] [--timing sync|pipelined]
+        [--profile DIR]  # the device time by kernel of every timed row, from a trace
 
 ``phase`` times the ATK phase alone (``atk_precondition`` on its Pallas kernels), and checks it
 against the chunked form at ``--check-shape``, for each ``--atk-pieces`` entry: a count of
@@ -30,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 import precond_linattn as pla
+from benchmarks import bench_delta
 from benchmarks.bench_delta import DECAYS, Guard, check, elapsed, make_inputs, time_op
 
 PRECONDITIONERS = ("none", "osgm", "osgm_apf", "atk")
@@ -92,7 +94,12 @@ def main():
     p.add_argument("--impl", default="auto")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--budget-s", type=float, default=300)
+    p.add_argument("--timing", choices=("sync", "pipelined"), default="sync",
+                   help="bench_delta.timeit's: each call waited for, or calls queued back to back")
+    p.add_argument("--profile", metavar="DIR", help="trace the timed calls there and print the "
+                   "device time by kernel of each row")
     a = p.parse_args()
+    bench_delta.PIPELINED[0], bench_delta.PROFILE[0] = a.timing == "pipelined", a.profile
     wanted = a.models.split(",")
     unknown = sorted(set(wanted) - set(NAMES.values()))
     if unknown:

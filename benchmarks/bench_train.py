@@ -9,7 +9,7 @@ tokens per data-parallel device by default; 2 warm-up steps, then the median ste
         [--losses N] [--compare-mesh DATA FSDP TENSOR [--no-parity]]
         [--osgm-variant 2/1/16/8/scalar/p4/cpauto]  # OSGM kernel options (bench_osgm's strings)
         [--layers N] [--impl pallas|chunked]  # a memory probe: the peak of an N-block step
-        [--profile DIR]  # the last steps traced; their device time by kernel printed
+        [--profile DIR]  # 3 more steps traced: device time by kernel, the device's idle gaps
 
 Rows are plain [b, T] sequences as in the anchors' runs; ``--packed`` passes each row's document
 boundaries (one document a row) so the step takes the packed-documents path of a text corpus
@@ -53,7 +53,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from benchmarks.bench_osgm import variant as osgm_variant
-from benchmarks.kernel_times import kernel_table
+from benchmarks.kernel_times import idle_table, kernel_table
 from pallas_kernels.osgm_precond import default_options
 from precond_linattn.models import LanguageModel, count_params, preset
 from train.build import flops_per_token
@@ -63,7 +63,7 @@ from train.sharding import drop_mesh_axis, init_sharded, logical_sharding, make_
 from train.step import StepShardings, device_batch, make_train_step
 
 WARMUP = 2  # untimed steps after compilation
-PROFILE_STEPS = 3  # the last steps of a run that --profile traces
+PROFILE_STEPS = 3  # the steps --profile traces after a run's timed ones
 SCHEDULE_STEPS = 20480  # the recipe's run length: the learning-rate schedule is the real run's
 
 
@@ -116,9 +116,9 @@ def train_run(name, config, run: RunSpec, seq_len, *, remat, scan_layers, packed
     Returns the median step time of the steps after ``WARMUP``, tokens/s in all and per device,
     TFLOP/s, the peak memories (module docstring), the compile time and the loss of every step
     (before its update). Prints ``name``, the step, its loss and the tokens/s since the last such
-    line to stderr every ~10 % of steps. ``profile``: a directory where the last
-    ``PROFILE_STEPS`` steps are traced (``jax.profiler``); their device time by kernel is
-    printed (``kernel_times``)."""
+    line to stderr every ~10 % of steps. ``profile``: a directory where ``PROFILE_STEPS`` more
+    steps, untimed, are traced (``jax.profiler``); their device time by kernel and the device's
+    idle gaps are printed (``kernel_times``)."""
     n_dev = math.prod(run.mesh)
     mesh = make_mesh(*run.mesh, devices=jax.devices()[:n_dev])
     tx = make_optimizer(osdn_recipe(SCHEDULE_STEPS, warmup_steps=lr_warmup))
@@ -149,11 +149,8 @@ def train_run(name, config, run: RunSpec, seq_len, *, remat, scan_layers, packed
     tokens = run.rows * seq_len
     every = max(1, round(run.steps / 10))
     times, losses, since = [], [], time.perf_counter()
-    traced = profile and min(PROFILE_STEPS, run.steps)
     for i in range(run.steps):
         b = batch(i) if i else b
-        if traced and i == run.steps - traced:
-            jax.profiler.start_trace(profile, create_perfetto_trace=True)
         t0 = time.perf_counter()
         params, opt_state, m = step(params, opt_state, b)
         jax.block_until_ready(m)
@@ -163,10 +160,17 @@ def train_run(name, config, run: RunSpec, seq_len, *, remat, scan_layers, packed
             progress(f"{name} {run.label}: step {i + 1}/{run.steps} loss {losses[-1]:.4f} "
                      f"{tokens * (i % every + 1) / (time.perf_counter() - since):.0f} tok/s")
             since = time.perf_counter()
-    if traced:
-        jax.profiler.stop_trace()
-        print(f"{name} {run.label}: device time by kernel, a step ({traced} traced)", flush=True)
-        print("\n".join(kernel_table(profile, steps=traced)), flush=True)
+    if profile:  # steps after the timed ones, traced back to back as a training loop runs them
+        with jax.profiler.trace(profile, create_perfetto_trace=True):
+            t0 = time.perf_counter()
+            for i in range(run.steps, run.steps + PROFILE_STEPS):
+                params, opt_state, m = step(params, opt_state, batch(i))
+            jax.block_until_ready(m)
+            queued_ms = (time.perf_counter() - t0) / PROFILE_STEPS * 1e3
+        print(f"{name} {run.label}: device time by kernel, a step ({PROFILE_STEPS} traced, queued "
+              f"without waiting: {queued_ms:.1f} ms a step)", flush=True)
+        print("\n".join(kernel_table(profile, steps=PROFILE_STEPS) + idle_table(profile, steps=PROFILE_STEPS)),
+              flush=True)
     t = statistics.median(times[WARMUP:])
     stats = [d.memory_stats() for d in mesh.devices.flat]
     n = count_params(config)
@@ -266,8 +270,8 @@ def parse_args(argv=None):
     ap.add_argument("--osgm-variant", type=osgm_variant,
                     help="the OSGM kernels' options, as bench_osgm's variant strings")
     ap.add_argument("--profile", metavar="DIR",
-                    help=f"trace the last {PROFILE_STEPS} steps of each run into DIR/<model> and print "
-                         "their device time by kernel")
+                    help=f"trace {PROFILE_STEPS} more steps of each run into DIR/<model> and print "
+                         "their device time by kernel and the device's idle gaps")
     a = ap.parse_args(argv)
     a.mesh = [tuple(m) for m in a.mesh or [(1, 1, 1)]]
     a.compare_mesh = tuple(a.compare_mesh) if a.compare_mesh else None

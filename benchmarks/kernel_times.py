@@ -1,13 +1,17 @@
 """Device time by kernel, read from a ``jax.profiler`` trace: where a step's milliseconds go.
 
-    python benchmarks/kernel_times.py TRACE_DIR [--top 25] [--steps N]
+    python benchmarks/kernel_times.py TRACE_DIR [--top 25] [--steps N] [--idle]
 
 ``TRACE_DIR`` is what ``jax.profiler.trace(TRACE_DIR, create_perfetto_trace=True)`` wrote; the
 newest ``perfetto_trace.json.gz`` under it is read. The table sums the complete ("X") events of
 the device's stream lines (process "/device:GPU:N", threads "Stream ..."; on a machine without a
 GPU, the host's XLA threads instead, which is what the tests read) by event name, divided by
 ``--steps`` (the calls the trace holds), and prints the ``--top`` names with their share of the
-total. ``bench_train.py --profile`` traces its timed steps and prints this table per model.
+total. ``--idle`` adds where the device waited: the time inside the traced window that no stream
+was busy, per step, and the ``--top`` largest gaps grouped by the kernels before and after them
+(a gap after a kernel that ends a host-side step, e.g. a while loop's condition, or before
+a custom call the host launches late). ``bench_train.py --profile`` traces steps after its
+timed ones and prints both tables per model.
 """
 
 import argparse
@@ -34,9 +38,10 @@ def _names(events, kind):
             if e.get("ph") == "M" and e.get("name") == f"{kind}_name"}
 
 
-def kernel_events(path):
-    """(name, µs) of every complete event on the device's streams; without a device process,
-    of the host's XLA threads (thread names starting "tf_XLA")."""
+def kernel_events(path, with_start=False):
+    """(name, µs) of every complete event on the device's streams (with ``with_start``: (name, µs,
+    start µs)); without a device process, of the host's XLA threads (thread names starting
+    "tf_XLA")."""
     with gzip.open(path) as f:
         data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
@@ -46,7 +51,8 @@ def kernel_events(path):
         keep = lambda e: e["pid"] in gpus and threads.get(e.get("tid"), "").startswith("Stream")  # noqa: E731
     else:
         keep = lambda e: threads.get(e.get("tid"), "").startswith("tf_XLA")  # noqa: E731
-    return [(e["name"], float(e["dur"])) for e in events if e.get("ph") == "X" and keep(e)]
+    return [(e["name"], float(e["dur"])) + ((float(e["ts"]),) if with_start else ())
+            for e in events if e.get("ph") == "X" and keep(e)]
 
 
 def kernel_table(trace_dir, top=25, steps=1):
@@ -70,13 +76,40 @@ def kernel_table(trace_dir, top=25, steps=1):
     return lines
 
 
+def idle_table(trace_dir, top=10, steps=1):
+    """Lines: the device's idle ms per step inside the traced window (no event on any stream),
+    then the ``top`` (kernel before -> kernel after) pairs by the idle time between them."""
+    events = sorted(kernel_events(newest_trace(trace_dir), with_start=True), key=lambda e: e[2])
+    if not events:
+        raise ValueError(f"the trace under {trace_dir!r} holds no kernel events")
+    gaps, calls = collections.Counter(), collections.Counter()
+    last_name, busy_until = events[0][0], events[0][2] + events[0][1]
+    for name, us, start in events[1:]:
+        if start > busy_until:
+            pair = f"{last_name[:45]} -> {name[:45]}"
+            gaps[pair] += start - busy_until
+            calls[pair] += 1
+        if start + us >= busy_until:
+            last_name, busy_until = name, start + us
+    window = busy_until - events[0][2]
+    idle = sum(gaps.values())
+    lines = [f"idle {idle / 1e3 / steps:.3f} ms/step of a {window / 1e3 / steps:.3f} ms window "
+             f"({100 * idle / window:.1f} %); largest gaps:",
+             f"{'gaps':>6s} {'ms/step':>8s}  kernel before -> kernel after"]
+    lines += [f"{calls[p] / steps:6.1f} {us / 1e3 / steps:8.3f}  {p}" for p, us in gaps.most_common(top)]
+    return lines
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace_dir")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--steps", type=int, default=1, help="calls the trace holds (per-step times)")
+    ap.add_argument("--idle", action="store_true", help="also the device's idle time and its gaps")
     a = ap.parse_args(argv)
     print("\n".join(kernel_table(a.trace_dir, a.top, a.steps)))
+    if a.idle:
+        print("\n".join(idle_table(a.trace_dir, a.top, a.steps)))
 
 
 if __name__ == "__main__":

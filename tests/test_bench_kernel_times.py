@@ -52,3 +52,20 @@ def test_missing_or_empty_traces_raise(tmp_path):
     write_trace(tmp_path / "t", [])
     with pytest.raises(ValueError, match="holds no kernel events"):
         kernel_times.kernel_table(str(tmp_path))
+
+
+def test_idle_table_sums_the_gaps_between_busy_streams(tmp_path):
+    """Idle time is what no stream covers: overlapping events on two streams leave no gap, a
+    kernel nested in a longer one does not end the busy span, gaps group by their neighbours."""
+    meta = [dict(ph="M", pid=1, name="process_name", args=dict(name="/device:GPU:0")),
+            dict(ph="M", pid=1, tid=7, name="thread_name", args=dict(name="Stream #13(Compute)")),
+            dict(ph="M", pid=1, tid=8, name="thread_name", args=dict(name="Stream #14(Memcpy)"))]
+    x = lambda name, ts, dur, tid=7: dict(ph="X", pid=1, tid=tid, name=name, ts=ts, dur=dur)  # noqa: E731
+    events = meta + [x("a", 0, 100), x("copy", 50, 100, tid=8), x("b", 400, 100), x("c", 420, 10, tid=8),
+                     x("a", 700, 100), x("b", 1100, 100)]
+    write_trace(tmp_path / "t", events)
+    lines = kernel_times.idle_table(str(tmp_path), top=5, steps=2)
+    assert lines[0].startswith("idle 0.375 ms/step of a 0.600 ms window (62.5 %)")
+    assert [line.split() for line in lines[2:]] == [["0.5", "0.150", "a", "->", "b"],
+                                                    ["0.5", "0.125", "copy", "->", "b"],
+                                                    ["0.5", "0.100", "b", "->", "a"]]
