@@ -18,7 +18,7 @@ q_t = −L δ k B_t / (1 + |ρ_t|)²:
 the three sums over the coordinates as row sums of padded tiles (Λ_t A_{t−1} in place of A_{t−1}).
 Per-channel decays (PKDA) and float32 keys stay on the Triton kernels (``atk_triton``): their
 extra [T, 128] float32 tiles do not fit the backward's shared memory. The wrapper takes these
-kernels with ``atk_precond.Options(mosaic=True)``.
+kernels wherever they run unless ``atk_precond.Options(mosaic=False)``.
 
 Packed documents restart A from the document's initial state at its first token (λ from its
 ∂final at its last token) through the staging row (``rows_mosaic.restart``), and write the

@@ -53,15 +53,15 @@ class Options:
     fastest on the H200 at 8x2048x8x128 of 1, 2, 4, 8, 16: phase fwd+bwd 1.24 -> 0.81 ms at 4,
     benchmarks/RESULTS.md run 47; packed documents never split). ``mosaic``: the Mosaic GPU
     kernels of ``atk_mosaic`` (one thread a coordinate) where they run (K padded to 128,
-    16-bit keys, a per-head decay), else the Triton ones; off by default until the device
-    checks have run them (benchmarks/NOTES.md, session 18)."""
+    16-bit keys, a per-head decay), else the Triton ones; on by default since they passed the
+    device checks and ran the phase 2x faster (benchmarks/RESULTS.md runs 97 and 99)."""
 
     block_t: int = 16
     block_k: int = 32
     prefetch: int = 2
     num_warps: int = 1
     sequence_pieces: int | None = None
-    mosaic: bool = False
+    mosaic: bool = True
 
     def __post_init__(self):
         bk, p = self.block_k, self.sequence_pieces
