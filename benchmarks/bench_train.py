@@ -142,6 +142,7 @@ def train_run(name, config, run: RunSpec, seq_len, *, remat, scan_layers, packed
 
     b = batch(0)
     t0 = time.perf_counter()
+    params, opt_state = shardings.leaves(params, opt_state)  # the step's form (train.step)
     step = make_train_step(graphdef, tx, shardings, remat=remat,
                            scan_layers=scan_layers).lower(params, opt_state, b).compile()
     compile_s = time.perf_counter() - t0

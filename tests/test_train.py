@@ -94,6 +94,18 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch
         assert ck.manager.all_steps() == [2, 4]  # step 6 was never reached, nothing saved after 4
 
 
+def test_the_step_takes_the_states_as_leaf_lists():
+    """train.step's states travel as lists (cheap to flatten on the host); trees() rebuilds the
+    very trees, with the same arrays, that leaves() took apart."""
+    setup = loop.build(tiny())
+    param_leaves, opt_leaves = setup.shardings.leaves(setup.params, setup.opt_state)
+    assert type(param_leaves) is list and type(opt_leaves) is list and len(opt_leaves) > len(param_leaves)
+    params, opt_state = setup.shardings.trees(param_leaves, opt_leaves)
+    for got, want in ((params, setup.params), (opt_state, setup.opt_state)):
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        assert all(a is b for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+
+
 def test_evaluator_draws_once_and_sums_on_device(monkeypatch):
     """The held-out batches are drawn once for every evaluation; the device-side sums give the
     metrics of summing each batch's on the host (the former way), exactly."""

@@ -78,7 +78,8 @@ def check_hlo(setup, cfg):
     the recurrent op's [B, T, H, D] inputs or their chunked [B, N, C, H, D] forms. Unit dims are
     dropped first (a scan over layers gathers each layer's [1, ...] slice inside the loop)."""
     batch = device_batch(next(iter(build_dataset(data_spec(cfg)))), 1, setup.shardings.batch)
-    hlo = setup.train_step.lower(setup.params, setup.opt_state, batch).compile().as_text()
+    states = setup.shardings.leaves(setup.params, setup.opt_state)
+    hlo = setup.train_step.lower(*states, batch).compile().as_text()
     results = re.findall(r"=\s*(.*?)\s*all-gather(?:-start)?\(", hlo)  # the output shape(s)
     shapes = [[int(d) for d in dims.split(",") if d and int(d) != 1]  # a scanned layer's slice: [1, ...]
               for r in results for dims in re.findall(r"\[([\d,]*)\]", r)]

@@ -135,10 +135,11 @@ def train(cfg: ExperimentConfig, *, stop_at: int | None = None, devices=None,
             result.losses[s] = host["loss"]
         pending.clear()
 
+    param_leaves, opt_leaves = shardings.leaves(params, opt_state)  # the step's form (train.step)
     try:
         for step in range(start + 1, steps + 1):
             batch = device_batch(next(data), A, shardings.batch)
-            params, opt_state, metrics = train_step(params, opt_state, batch)
+            param_leaves, opt_leaves, metrics = train_step(param_leaves, opt_leaves, batch)
             record()  # the previous step's metrics, while this step runs
             pending.append((step, metrics))
             result.step, last = step, step == steps
@@ -146,12 +147,13 @@ def train(cfg: ExperimentConfig, *, stop_at: int | None = None, devices=None,
                                  or bool(checkpointer and checkpointer.stop_requested))
             if evaluate and (step % cfg.logging.eval_every == 0 or last):
                 record()
-                result.evaluation = evaluate(params)
+                result.evaluation = evaluate(shardings.trees(param_leaves, opt_leaves)[0])
                 monitor.write_eval(step, result.evaluation)
                 say(f"eval at step {step}: "
                     + ", ".join(f"{k} {v:.4f}" for k, v in result.evaluation.items()))
             if checkpointer and (checkpointer.should_save(step, last=last) or stop):
                 record()
+                params, opt_state = shardings.trees(param_leaves, opt_leaves)
                 checkpointer.save(step, model=params, opt=opt_state, rng=rng, data_state=data.get_state())
             if stop:
                 result.stopped = True

@@ -59,6 +59,16 @@ class StepShardings:
     batch: NamedSharding
     replicated: NamedSharding
 
+    def leaves(self, params, opt_state) -> tuple[list, list]:
+        """The states as ``make_train_step``'s step takes them: their leaves, in tree order."""
+        return jax.tree.leaves(params), jax.tree.leaves(opt_state)
+
+    def trees(self, param_leaves, opt_leaves) -> tuple:
+        """(params, opt_state) rebuilt from their leaves (the trees of ``self.params`` /
+        ``self.opt``, whose leaves are the shardings)."""
+        return (jax.tree.unflatten(jax.tree.structure(self.params), param_leaves),
+                jax.tree.unflatten(jax.tree.structure(self.opt), opt_leaves))
+
 
 def device_batch(batch: dict, micro_batches: int, sharding: NamedSharding) -> dict:
     """This host's batch (numpy [b_local, ...]) -> global arrays [A, B / A, ...] on ``sharding``,
@@ -137,10 +147,15 @@ def forward(graphdef, params, batch: dict, *, gathered=None, remat: bool = False
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, shardings: StepShardings, *,
                     remat: bool = False, scan_layers: bool = False):
-    """``step(params, opt_state, batch) -> (params, opt_state, metrics)``, jitted with the given
-    shardings and the states donated. metrics: loss, accuracy (on supervised tokens), tokens
-    (supervised), grad_norm (of the batch gradient, before clipping). remat, scan_layers: as
-    ``forward``'s."""
+    """``step(param_leaves, opt_leaves, batch) -> (param_leaves, opt_leaves, metrics)``, jitted
+    with the given shardings and the states donated. metrics: loss, accuracy (on supervised
+    tokens), tokens (supervised), grad_norm (of the batch gradient, before clipping). remat,
+    scan_layers: as ``forward``'s.
+
+    The states travel as lists of their leaves (``StepShardings.leaves`` / ``trees`` convert):
+    a call flattens its arguments and unflattens its results on the host, which for ``nnx.State``
+    trees costs ~9 ms a step at the 340M shape (~340 parameters, ~680 optimiser leaves), as long
+    as the step's first kernels then wait (benchmarks/NOTES.md, session 19); lists cost ~0.1 ms."""
 
     def micro_loss(params, batch, total):
         sums = token_loss(graphdef, params, batch, gathered=shardings.gathered, remat=remat,
@@ -163,8 +178,14 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, shardings: StepS
         return params, opt_state, metrics
 
     s = shardings
-    return jax.jit(step, in_shardings=(s.params, s.opt, s.batch),
-                   out_shardings=(s.params, s.opt, s.replicated), donate_argnums=(0, 1))
+
+    def leaf_step(param_leaves, opt_leaves, batch):
+        params, opt_state, metrics = step(*s.trees(param_leaves, opt_leaves), batch)
+        return *s.leaves(params, opt_state), metrics
+
+    p, o = s.leaves(s.params, s.opt)
+    return jax.jit(leaf_step, in_shardings=(p, o, s.batch), out_shardings=(p, o, s.replicated),
+                   donate_argnums=(0, 1))
 
 
 def make_eval_step(graphdef, shardings: StepShardings, *, scan_layers: bool = False):
