@@ -170,8 +170,8 @@ def train_run(name, config, run: RunSpec, seq_len, *, remat, scan_layers, packed
             queued_ms = (time.perf_counter() - t0) / PROFILE_STEPS * 1e3
         print(f"{name} {run.label}: device time by kernel, a step ({PROFILE_STEPS} traced, queued "
               f"without waiting: {queued_ms:.1f} ms a step)", flush=True)
-        print("\n".join(kernel_table(profile, steps=PROFILE_STEPS) + idle_table(profile, steps=PROFILE_STEPS)),
-              flush=True)
+        tables = kernel_table(profile, steps=PROFILE_STEPS) + idle_table(profile, steps=PROFILE_STEPS)
+        print("\n".join(tables), flush=True)
     t = statistics.median(times[WARMUP:])
     stats = [d.memory_stats() for d in mesh.devices.flat]
     n = count_params(config)
