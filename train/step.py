@@ -154,8 +154,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, shardings: StepS
 
     The states travel as lists of their leaves (``StepShardings.leaves`` / ``trees`` convert):
     a call flattens its arguments and unflattens its results on the host, which for ``nnx.State``
-    trees costs ~9 ms a step at the 340M shape (~340 parameters, ~680 optimiser leaves), as long
-    as the step's first kernels then wait (benchmarks/NOTES.md, session 19); lists cost ~0.1 ms."""
+    trees costs ~9 ms a step at the 340M shape (~340 parameter and ~680 optimiser leaves; lists:
+    ~0.1 ms), host time that bounds the step of a small model (benchmarks/NOTES.md, session 19)."""
 
     def micro_loss(params, batch, total):
         sums = token_loss(graphdef, params, batch, gathered=shardings.gathered, remat=remat,
