@@ -70,8 +70,9 @@ def backward_rows(coefs, u, a, eps, Tp, docs=None):
 
 
 def _clip(p, d_min, d_max):
-    """``reference.osgm.clip_box``'s values."""
-    return jnp.where(p >= d_max, d_max, jnp.where(p <= d_min, d_min, p))
+    """``reference.osgm.clip_box``'s values (d_min <= d_max) as a max and a min: on the sweeps'
+    chain, two min / max instructions instead of two compare-select pairs."""
+    return jnp.minimum(jnp.maximum(p, d_min), d_max)
 
 
 def _affine(r_t, d, u_t, s_t):

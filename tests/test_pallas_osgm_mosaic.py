@@ -32,14 +32,15 @@ def triton_loops_poisoned(monkeypatch):
     monkeypatch.setattr(osgm_triton, "_bwd", nan_body(5))
 
 
-@pytest.mark.parametrize("beta_aware, clip", [(True, "active"), (False, "active"),
-                                              (True, "inactive")])
-def test_matches_reference(beta_aware, clip, monkeypatch):
+@pytest.mark.parametrize("beta_aware, clip, init", [(True, "active", "inside"),
+                                                    (False, "active", "outside"),
+                                                    (True, "inactive", "inside")])
+def test_matches_reference(beta_aware, clip, init, monkeypatch):
     """K = 100 (padded to 128), T = 70 (a partial last tile: padded tokens leave d and λ as
     they are), two rows, APF retention: forward, final state and the gradients of k, β, r, d_1
-    within 2e-5 of the reference, the clip pinning many coordinates or never reached; the
-    Triton loops never ran."""
-    x = make_inputs(3, t=70, k_dim=100, skewed=clip == "active")
+    within 2e-5 of the reference, the clip pinning many coordinates or never reached (initial
+    states outside the box: both bounds clip); the Triton loops never ran."""
+    x = make_inputs(3, t=70, k_dim=100, skewed=clip == "active", init=init)
     eta = 2.0 if clip == "active" else 0.003
     if clip == "active":
         assert clipped_fraction(x, eta) > 0.2
