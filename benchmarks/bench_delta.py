@@ -310,7 +310,8 @@ def variant(v):
     ``Options.fused_grads`` True / False; gw1:
     ``Options.grads_warpgroups`` = 1; wyP / waP: ``Options.wy_precision`` /
     ``wy_apply_precision`` = P; wis: ``Options.wy_in_serial``; invm:
-    ``Options.inverse_backend`` = "mosaic"). Unnamed options keep their defaults."""
+    ``Options.inverse_backend`` = "mosaic"; mb: ``Options.serial_barriers`` = "manual").
+    Unnamed options keep their defaults."""
     f = v.split("/")
     flags = [t for t in f[3:] if not t.isdigit()]
     block_k = [int(t[1:]) for t in flags if t[0] == "k" and t[1:].isdigit()]
@@ -349,7 +350,8 @@ def variant(v):
                    wy_precision=wy_dots[0] if wy_dots else None,
                    wy_apply_precision=apply_dots[0] if apply_dots else None,
                    wy_in_serial=True if "wis" in flags else None,
-                   inverse_backend="mosaic" if "invm" in flags else None)
+                   inverse_backend="mosaic" if "invm" in flags else None,
+                   serial_barriers="manual" if "mb" in flags else "auto")
 
 
 def variant_tag(opt):
