@@ -16,8 +16,7 @@ from pallas_kernels.state_wy_mosaic import BETA, BETA_GAMMA, GAMMA, TAIL
 from pallas_kernels.triton_common import Dots
 from pallas_kernels.wy_triton import wy_inverse
 from precond_linattn.chunked.delta import decay_sums
-from conftest import (assert_repeats_bitwise, assert_vmap_matches_loop,
-                      mosaic_kernels_lowered_for_cuda)
+from conftest import (assert_repeats_bitwise, assert_vmap_matches_loop)
 from test_pallas_precision import (assert_within_fla_bars, kernel_runs, packed_documents_runs, rel_rms)
 
 B, H, NC, C, V = 2, 2, 3, 64, 128
