@@ -310,7 +310,8 @@ def variant(v):
     ``Options.fused_grads`` True / False; gw1:
     ``Options.grads_warpgroups`` = 1; wyP / waP: ``Options.wy_precision`` /
     ``wy_apply_precision`` = P; wis: ``Options.wy_in_serial``; invm:
-    ``Options.inverse_backend`` = "mosaic"; mb: ``Options.serial_barriers`` = "manual").
+    ``Options.inverse_backend`` = "mosaic"; mb / gb: ``Options.serial_barriers`` /
+    ``grads_barriers`` = "manual").
     Unnamed options keep their defaults."""
     f = v.split("/")
     flags = [t for t in f[3:] if not t.isdigit()]
@@ -351,7 +352,8 @@ def variant(v):
                    wy_apply_precision=apply_dots[0] if apply_dots else None,
                    wy_in_serial=True if "wis" in flags else None,
                    inverse_backend="mosaic" if "invm" in flags else None,
-                   serial_barriers="manual" if "mb" in flags else "auto")
+                   serial_barriers="manual" if "mb" in flags else "auto",
+                   grads_barriers="manual" if "gb" in flags else "auto")
 
 
 def variant_tag(opt):
@@ -377,7 +379,9 @@ def variant_tag(opt):
             + (f"/wy{opt.wy_precision}" if opt.wy_precision else "")
             + (f"/wa{opt.wy_apply_precision}" if opt.wy_apply_precision else "")
             + ("/wis" if opt.wy_in_serial else "")
-            + ("/invm" if opt.inverse_backend == "mosaic" else ""))
+            + ("/invm" if opt.inverse_backend == "mosaic" else "")
+            + ("/mb" if opt.serial_barriers == "manual" else "")
+            + ("/gb" if opt.grads_barriers == "manual" else ""))
 
 
 def jla_ops():

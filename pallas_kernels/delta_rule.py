@@ -146,7 +146,9 @@ class Options:
     "auto" (Pallas puts a warpgroup barrier before and after each shared-memory store: 25 a chunk
     step, ``benchmarks/mosaic_barriers.py``) or "manual" (the passes synchronise only where a
     thread reads what another wrote or a TMA store still reads: ``state_wy_mosaic``); "auto"
-    until the device checks have run "manual"."""
+    until the device checks have run "manual". ``grads_barriers``: the same choice for
+    ``grads_mosaic``'s kernel (61 barriers a CTA with "auto"; "manual": its ``commit_smem``
+    hand-offs alone)."""
 
     precision: str | None = None
     parallel_precision: str | None = None
@@ -175,14 +177,16 @@ class Options:
     inverse_backend: str | None = None  # wy_in_serial: "triton" | "mosaic" wy_inverse
     wy_apply_precision: str | None = None  # split: that forward's W and U dots
     serial_barriers: str = "auto"  # wy_in_serial: "auto" | "manual" warpgroup barriers
+    grads_barriers: str = "auto"  # fused_grads: "auto" | "manual" warpgroup barriers
 
     def __post_init__(self):
         if self.inverse_backend not in (None, "triton", "mosaic"):
             raise ValueError("Options.inverse_backend must be None, 'triton' or 'mosaic', got "
                              f"{self.inverse_backend!r}")
-        if self.serial_barriers not in ("auto", "manual"):
-            raise ValueError("Options.serial_barriers must be 'auto' or 'manual', got "
-                             f"{self.serial_barriers!r}")
+        for name in ("serial_barriers", "grads_barriers"):
+            if getattr(self, name) not in ("auto", "manual"):
+                raise ValueError(f"Options.{name} must be 'auto' or 'manual', got "
+                                 f"{getattr(self, name)!r}")
         if self.grads_warpgroups not in (1, 2):
             raise ValueError(f"Options.grads_warpgroups must be 1 or 2, got "
                              f"{self.grads_warpgroups!r}")
@@ -594,7 +598,8 @@ def _fused_bwd(cfg, res, cts):
     *grads, dG = _kernel_call(cfg, chunk_grads_fused, args, axes,
                               tuple(axes[n] for n in ("q", "k", "kw", "v", "beta", "gamma")),
                               mosaic=True, scale=cfg.scale, interpret=cfg.dots.interpret,
-                              warpgroups=cfg.options.grads_warpgroups)
+                              warpgroups=cfg.options.grads_warpgroups,
+                              auto_barriers=cfg.options.grads_barriers == "auto")
     dg = None if to_dg is None else to_dg(dG)[0]  # dg_t = Σ_{i >= t} dG_i within the chunk
     return (*match_types((*grads, dg, None if init is None else dinit), (*ins, init)),
             None, None, None)

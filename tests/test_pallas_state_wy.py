@@ -132,14 +132,19 @@ def test_passes_lower_for_cuda():
                                      s((B, H, K, V), F32), *flags)) == 9
 
 
-def test_serial_barriers_option_reaches_both_passes(rand, monkeypatch):
-    """``Options.serial_barriers``: "manual" runs both passes without Pallas's barriers, "auto"
-    (the default) with them; anything else is refused by name."""
+def test_barrier_options_reach_their_kernels(rand, monkeypatch):
+    """``Options.serial_barriers`` / ``grads_barriers``: "manual" runs both state passes / the
+    chunk gradients without Pallas's barriers, "auto" (the default) with them; anything else is
+    refused by name."""
     seen = []
+
+    def recorded(real, kernel):
+        return lambda *a, **kw: seen.append((kernel, kw["auto_barriers"])) or real(*a, **kw)
+
     for name in ("state_fwd", "state_bwd"):
-        real = getattr(state_wy_mosaic, name)
-        monkeypatch.setattr(state_wy_mosaic, name, lambda *a, _r=real, **kw: seen.append(
-            kw["auto_barriers"]) or _r(*a, **kw))
+        monkeypatch.setattr(state_wy_mosaic, name, recorded(getattr(state_wy_mosaic, name), name))
+    monkeypatch.setattr(delta_rule, "chunk_grads_fused", recorded(delta_rule.chunk_grads_fused,
+                                                                  "grads"))
     x = rand.delta_inputs(1, 64, 1, 64, 64, decay="scalar", dtype=BF16)
 
     def loss(q, options):
@@ -147,13 +152,16 @@ def test_serial_barriers_option_reaches_both_passes(rand, monkeypatch):
                                  0.125, None, None, 64, options)
         return jnp.sum(o.astype(F32))
 
-    for barriers, want in (("manual", False), ("auto", True)):
+    for serial, grads in (("manual", "auto"), ("auto", "manual")):
         seen.clear()
-        options = Options(serial_backend="mosaic", fused_grads=True, serial_barriers=barriers)
+        options = Options(serial_backend="mosaic", fused_grads=True, serial_barriers=serial,
+                          grads_barriers=grads)
         jax.eval_shape(jax.grad(functools.partial(loss, options=options)), x["q"])
-        assert seen == [want, want], barriers
-    with pytest.raises(ValueError, match="serial_barriers must be 'auto' or 'manual'"):
-        Options(serial_barriers="none")
+        assert seen == [("state_fwd", serial == "auto"), ("state_bwd", serial == "auto"),
+                        ("grads", grads == "auto")], (serial, grads)
+    for name in ("serial_barriers", "grads_barriers"):
+        with pytest.raises(ValueError, match=f"{name} must be 'auto' or 'manual'"):
+            Options(**{name: "none"})
 
 
 def test_row_vectors(rand):
