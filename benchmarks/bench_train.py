@@ -10,6 +10,7 @@ tokens per data-parallel device by default; 2 warm-up steps, then the median ste
         [--osgm-variant 2/1/16/8/scalar/p4/cpauto]  # OSGM kernel options (bench_osgm's strings)
         [--layers N] [--impl pallas|chunked]  # a memory probe: the peak of an N-block step
         [--profile DIR]  # 3 more steps traced: device time by kernel, the device's idle gaps
+        [--hlo DIR]  # the compiled steps' HLO, to read the profile's fusion names against
 
 Rows are plain [b, T] sequences as in the anchors' runs; ``--packed`` passes each row's document
 boundaries (one document a row) so the step takes the packed-documents path of a text corpus
@@ -110,7 +111,7 @@ class RunSpec:
 
 
 def train_run(name, config, run: RunSpec, seq_len, *, remat, scan_layers, packed, lr_warmup, seed,
-              profile=None):
+              profile=None, hlo=None):
     """Trains a fresh ``config`` model (the same initial weights on any mesh) for ``run.steps``
     steps of ``random_rows`` batches (with ``packed``, each row one document of a packed batch).
     Returns the median step time of the steps after ``WARMUP``, tokens/s in all and per device,
@@ -146,6 +147,10 @@ def train_run(name, config, run: RunSpec, seq_len, *, remat, scan_layers, packed
     step = make_train_step(graphdef, tx, shardings, remat=remat,
                            scan_layers=scan_layers).lower(params, opt_state, b).compile()
     compile_s = time.perf_counter() - t0
+    if hlo:  # the optimised HLO, to read the profile's fusion names against
+        os.makedirs(os.path.dirname(hlo) or ".", exist_ok=True)
+        with open(hlo, "w") as f:
+            f.write(step.as_text())
     progress(f"{name} {run.label}: compiled in {compile_s:.1f} s")
     tokens = run.rows * seq_len
     every = max(1, round(run.steps / 10))
@@ -270,6 +275,8 @@ def parse_args(argv=None):
                     help="the ops' impl (default: the preset's)")
     ap.add_argument("--osgm-variant", type=osgm_variant,
                     help="the OSGM kernels' options, as bench_osgm's variant strings")
+    ap.add_argument("--hlo", metavar="DIR", help="write each run's compiled step (optimised HLO "
+                    "text) to DIR/<preconditioner>_<run>.hlo.txt")
     ap.add_argument("--profile", metavar="DIR",
                     help=f"trace {PROFILE_STEPS} more steps of each run into DIR/<model> and print "
                          "their device time by kernel and the device's idle gaps")
@@ -318,7 +325,9 @@ def main():
             results = [train_run(name, config, r, a.seq_len, remat=a.remat,
                                  scan_layers=a.scan_layers, packed=a.packed,
                                  lr_warmup=a.lr_warmup, seed=a.seed,
-                                 profile=a.profile and os.path.join(a.profile, p)) for r in runs]
+                                 profile=a.profile and os.path.join(a.profile, p),
+                                 hlo=a.hlo and os.path.join(a.hlo, f"{p}_{r.kind}.hlo.txt"))
+                       for r in runs]
             print_model(name, runs, results, a.losses)
 
 
