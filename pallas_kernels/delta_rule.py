@@ -143,7 +143,7 @@ class Options:
     ``wy_in_serial`` (forwards -2 % / -5 %, fwd+bwd -3 % / -5 % for DeltaNet / GDN in run 81,
     one call: near the run-to-run noise, but all four in one direction), else "triton";
     "mosaic" without ``wy_in_serial``: ValueError. ``serial_barriers``: with ``wy_in_serial``,
-    "auto" (Pallas puts a warpgroup barrier before and after each shared-memory store: 25 a chunk
+    "auto" (Pallas puts a warpgroup barrier before and after each shared-memory store: 27 a chunk
     step, ``benchmarks/mosaic_barriers.py``) or "manual" (the passes synchronise only where a
     thread reads what another wrote or a TMA store still reads: ``state_wy_mosaic``); "auto"
     until the device checks have run "manual". ``grads_barriers``: the same choice for
