@@ -220,10 +220,10 @@ def time_op(label, f, x, reps):
 
 def traced_kernels(f, x, reps, trace_dir):
     """kernel_times' table of ``reps`` calls of the compiled ``f`` traced into ``trace_dir``."""
-    from benchmarks.kernel_times import kernel_table
+    from benchmarks.kernel_times import kernel_table, trace_events
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         jax.block_until_ready([f(x) for _ in range(reps)])
-    return kernel_table(trace_dir, top=12, steps=reps)
+    return kernel_table(trace_events(trace_dir), top=12, steps=reps)
 
 
 def breakdown(core, x, reps, options):

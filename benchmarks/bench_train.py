@@ -54,7 +54,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from benchmarks.bench_osgm import variant as osgm_variant
-from benchmarks.kernel_times import idle_table, kernel_table
+from benchmarks.kernel_times import idle_table, kernel_table, trace_events
 from pallas_kernels.osgm_precond import default_options
 from precond_linattn.models import LanguageModel, count_params, preset
 from train.build import flops_per_token
@@ -175,7 +175,8 @@ def train_run(name, config, run: RunSpec, seq_len, *, remat, scan_layers, packed
             queued_ms = (time.perf_counter() - t0) / PROFILE_STEPS * 1e3
         print(f"{name} {run.label}: device time by kernel, a step ({PROFILE_STEPS} traced, queued "
               f"without waiting: {queued_ms:.1f} ms a step)", flush=True)
-        tables = kernel_table(profile, steps=PROFILE_STEPS) + idle_table(profile, steps=PROFILE_STEPS)
+        events = trace_events(profile)
+        tables = kernel_table(events, steps=PROFILE_STEPS) + idle_table(events, steps=PROFILE_STEPS)
         print("\n".join(tables), flush=True)
     t = statistics.median(times[WARMUP:])
     stats = [d.memory_stats() for d in mesh.devices.flat]

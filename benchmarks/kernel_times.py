@@ -38,10 +38,9 @@ def _names(events, kind):
             if e.get("ph") == "M" and e.get("name") == f"{kind}_name"}
 
 
-def kernel_events(path, with_start=False):
-    """(name, µs) of every complete event on the device's streams (with ``with_start``: (name, µs,
-    start µs)); without a device process, of the host's XLA threads (thread names starting
-    "tf_XLA")."""
+def kernel_events(path):
+    """(name, µs, start µs) of every complete event on the device's streams; without a device
+    process, of the host's XLA threads (thread names starting "tf_XLA")."""
     with gzip.open(path) as f:
         data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
@@ -51,20 +50,27 @@ def kernel_events(path, with_start=False):
         keep = lambda e: e["pid"] in gpus and threads.get(e.get("tid"), "").startswith("Stream")  # noqa: E731
     else:
         keep = lambda e: threads.get(e.get("tid"), "").startswith("tf_XLA")  # noqa: E731
-    return [(e["name"], float(e["dur"])) + ((float(e["ts"]),) if with_start else ())
+    return [(e["name"], float(e["dur"]), float(e["ts"]))
             for e in events if e.get("ph") == "X" and keep(e)]
 
 
-def kernel_table(trace_dir, top=25, steps=1):
-    """Lines of a table: per name, calls and ms per step and % of the total, largest first,
-    the rest summed in one line, then the total."""
+def trace_events(trace_dir):
+    """``kernel_events`` of the newest trace under ``trace_dir`` (read once for both tables);
+    ValueError if it holds none."""
+    events = kernel_events(newest_trace(trace_dir))
+    if not sum(us for _, us, _ in events):
+        raise ValueError(f"the trace under {trace_dir!r} holds no kernel events")
+    return events
+
+
+def kernel_table(events, top=25, steps=1):
+    """Lines of a table of ``trace_events``: per name, calls and ms per step and % of the total,
+    largest first, the rest summed in one line, then the total."""
     totals, calls = collections.Counter(), collections.Counter()
-    for name, us in kernel_events(newest_trace(trace_dir)):
+    for name, us, _ in events:
         totals[name] += us
         calls[name] += 1
     whole = sum(totals.values())
-    if not whole:
-        raise ValueError(f"the trace under {trace_dir!r} holds no kernel events")
     lines = [f"{'calls':>6s} {'ms/step':>8s} {'%':>5s}  kernel"]
     ranked = totals.most_common()
     row = lambda n, us, what: f"{n:6s} {us / 1e3 / steps:8.3f} {100 * us / whole:5.1f}  {what}"  # noqa: E731
@@ -76,12 +82,11 @@ def kernel_table(trace_dir, top=25, steps=1):
     return lines
 
 
-def idle_table(trace_dir, top=10, steps=1):
-    """Lines: the device's idle ms per step inside the traced window (no event on any stream),
-    then the ``top`` (kernel before -> kernel after) pairs by the idle time between them."""
-    events = sorted(kernel_events(newest_trace(trace_dir), with_start=True), key=lambda e: e[2])
-    if not events:
-        raise ValueError(f"the trace under {trace_dir!r} holds no kernel events")
+def idle_table(events, top=10, steps=1):
+    """Lines of ``trace_events``: the device's idle ms per step inside the traced window (no
+    event on any stream), then the ``top`` (kernel before -> kernel after) pairs by the idle
+    time between them."""
+    events = sorted(events, key=lambda e: e[2])
     gaps, calls = collections.Counter(), collections.Counter()
     last_name, busy_until = events[0][0], events[0][2] + events[0][1]
     for name, us, start in events[1:]:
@@ -107,9 +112,10 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=1, help="calls the trace holds (per-step times)")
     ap.add_argument("--idle", action="store_true", help="also the device's idle time and its gaps")
     a = ap.parse_args(argv)
-    print("\n".join(kernel_table(a.trace_dir, a.top, a.steps)))
+    events = trace_events(a.trace_dir)
+    print("\n".join(kernel_table(events, a.top, a.steps)))
     if a.idle:
-        print("\n".join(idle_table(a.trace_dir, a.top, a.steps)))
+        print("\n".join(idle_table(events, a.top, a.steps)))
 
 
 if __name__ == "__main__":

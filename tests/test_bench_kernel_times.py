@@ -28,7 +28,7 @@ def test_sums_the_device_streams_by_kernel(tmp_path):
     events = meta + [x("gemm", 3000, 7), x("gemm", 1000, 7), x("scan", 2000, 7), x("tiny", 1000, 7),
                      x("gemm", 50000, 8), x("host", 90000, 9, pid=2)]
     write_trace(tmp_path / "plugins" / "profile" / "run", events)
-    lines = kernel_times.kernel_table(str(tmp_path), top=2, steps=2)
+    lines = kernel_times.kernel_table(kernel_times.trace_events(str(tmp_path)), top=2, steps=2)
     assert lines[1].split() == ["1.0", "2.000", "57.1", "gemm"]
     assert lines[2].split() == ["0.5", "1.000", "28.6", "scan"]
     assert lines[3].split() == ["0.500", "14.3", "(1", "others)"]
@@ -42,16 +42,16 @@ def test_reads_a_real_host_trace(tmp_path):
     f(x).block_until_ready()
     with jax.profiler.trace(str(tmp_path), create_perfetto_trace=True):
         f(x).block_until_ready()
-    lines = kernel_times.kernel_table(str(tmp_path))
+    lines = kernel_times.kernel_table(kernel_times.trace_events(str(tmp_path)))
     assert lines[-1].split()[-1] == "total" and float(lines[-1].split()[0]) > 0
 
 
 def test_missing_or_empty_traces_raise(tmp_path):
     with pytest.raises(FileNotFoundError, match="no perfetto_trace.json.gz"):
-        kernel_times.kernel_table(str(tmp_path))
+        kernel_times.trace_events(str(tmp_path))
     write_trace(tmp_path / "t", [])
     with pytest.raises(ValueError, match="holds no kernel events"):
-        kernel_times.kernel_table(str(tmp_path))
+        kernel_times.trace_events(str(tmp_path))
 
 
 def test_idle_table_sums_the_gaps_between_busy_streams(tmp_path):
@@ -64,7 +64,7 @@ def test_idle_table_sums_the_gaps_between_busy_streams(tmp_path):
     events = meta + [x("a", 0, 100), x("copy", 50, 100, tid=8), x("b", 400, 100), x("c", 420, 10, tid=8),
                      x("a", 700, 100), x("b", 1100, 100)]
     write_trace(tmp_path / "t", events)
-    lines = kernel_times.idle_table(str(tmp_path), top=5, steps=2)
+    lines = kernel_times.idle_table(kernel_times.trace_events(str(tmp_path)), top=5, steps=2)
     assert lines[0].startswith("idle 0.375 ms/step of a 0.600 ms window (62.5 %)")
     assert [line.split() for line in lines[2:]] == [["0.5", "0.150", "a", "->", "b"],
                                                     ["0.5", "0.125", "copy", "->", "b"],
