@@ -111,16 +111,21 @@ def walk(n_tiles, reverse, issue, in_bar, start_bar, state, start, end, run_tile
     plgpu.wait_smem_to_gmem(0)
 
 
+def _stage(ref, h, doc, bar, stage):
+    """Document ``doc``'s row of ``ref`` [N, H, 128] by TMA into ``stage`` [128], waited for (a
+    TMA destination is 128-byte aligned, a row of the padded tiles is not: run 94 failed with
+    CUDA_ERROR_MISALIGNED_ADDRESS, so rows go through the stage and then each thread)."""
+    plgpu.copy_gmem_to_smem(ref.at[doc.astype(jnp.int32), h], stage, bar)
+    plgpu.barrier_wait(bar)
+
+
 def restart(x, ref, h, doc, flag, bar, stage):
     """x (one coordinate a thread), or where ``flag`` is set document ``doc``'s row of ``ref``
-    [N, H, 128]: by TMA into ``stage`` [128], then each thread at its coordinate (a TMA
-    destination is 128-byte aligned, a row of the padded tiles is not: run 94 failed with
-    CUDA_ERROR_MISALIGNED_ADDRESS). Documents are rare: the copy and its barriers sit under a
+    [N, H, 128] (``_stage``). Documents are rare: the copy and its barriers sit under a
     branch."""
     @pl.when(flag != 0)
     def _():
-        plgpu.copy_gmem_to_smem(ref.at[doc.astype(jnp.int32), h], stage, bar)
-        plgpu.barrier_wait(bar)
+        _stage(ref, h, doc, bar, stage)
 
     x = jnp.where(flag_mask(flag), row(stage), x)
 
@@ -133,11 +138,15 @@ def restart(x, ref, h, doc, flag, bar, stage):
 
 def restart_rows(ref, h, doc, flag, rows, bar, stage):
     """Row t of ``rows`` [TILE, 128] = document ``doc[t]``'s row of ``ref`` [N, H, 128] for
-    every token t whose ``flag`` is set (``restart``), the other rows unchanged."""
+    every token t whose ``flag`` is set (``_stage``), the other rows untouched."""
     plgpu.commit_smem()  # the rows' last readers are done before they are written
 
     def token(t, _):
-        rows.at[t][...] = restart(row(rows.at[t]), ref, h, doc[t], flag[t], bar, stage)
+        @pl.when(flag[t] != 0)
+        def _():
+            _stage(ref, h, doc[t], bar, stage)
+            rows.at[t][...] = row(stage)
+            plgpu.commit_smem()  # every thread has read the stage before the next copy
 
     lax.fori_loop(0, TILE, token, None)
 
