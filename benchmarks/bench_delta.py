@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import precond_linattn as pla
+from benchmarks.kernel_times import kernel_table, trace_events
 from pallas_kernels.delta_rule import Options, delta_rule_pallas
 from precond_linattn.layers.init import a_log_init, dt_bias_init
 
@@ -220,7 +221,6 @@ def time_op(label, f, x, reps):
 
 def traced_kernels(f, x, reps, trace_dir):
     """kernel_times' table of ``reps`` calls of the compiled ``f`` traced into ``trace_dir``."""
-    from benchmarks.kernel_times import kernel_table, trace_events
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         jax.block_until_ready([f(x) for _ in range(reps)])
     return kernel_table(trace_events(trace_dir), top=12, steps=reps)

@@ -142,8 +142,8 @@ def train_run(name, config, run: RunSpec, seq_len, *, remat, scan_layers, packed
         return device_batch(rows, run.micro_batches, shardings.batch)
 
     b = batch(0)
-    t0 = time.perf_counter()
     params, opt_state = shardings.leaves(params, opt_state)  # the step's form (train.step)
+    t0 = time.perf_counter()
     step = make_train_step(graphdef, tx, shardings, remat=remat,
                            scan_layers=scan_layers).lower(params, opt_state, b).compile()
     compile_s = time.perf_counter() - t0
