@@ -310,9 +310,7 @@ def variant(v):
     ``Options.fused_grads`` True / False; gw1:
     ``Options.grads_warpgroups`` = 1; wyP / waP: ``Options.wy_precision`` /
     ``wy_apply_precision`` = P; wis: ``Options.wy_in_serial``; invm:
-    ``Options.inverse_backend`` = "mosaic"; mb / gb: ``Options.serial_barriers`` /
-    ``grads_barriers`` = "manual").
-    Unnamed options keep their defaults."""
+    ``Options.inverse_backend`` = "mosaic"). Unnamed options keep their defaults."""
     f = v.split("/")
     flags = [t for t in f[3:] if not t.isdigit()]
     block_k = [int(t[1:]) for t in flags if t[0] == "k" and t[1:].isdigit()]
@@ -351,9 +349,7 @@ def variant(v):
                    wy_precision=wy_dots[0] if wy_dots else None,
                    wy_apply_precision=apply_dots[0] if apply_dots else None,
                    wy_in_serial=True if "wis" in flags else None,
-                   inverse_backend="mosaic" if "invm" in flags else None,
-                   serial_barriers="manual" if "mb" in flags else "auto",
-                   grads_barriers="manual" if "gb" in flags else "auto")
+                   inverse_backend="mosaic" if "invm" in flags else None)
 
 
 def variant_tag(opt):
@@ -379,9 +375,7 @@ def variant_tag(opt):
             + (f"/wy{opt.wy_precision}" if opt.wy_precision else "")
             + (f"/wa{opt.wy_apply_precision}" if opt.wy_apply_precision else "")
             + ("/wis" if opt.wy_in_serial else "")
-            + ("/invm" if opt.inverse_backend == "mosaic" else "")
-            + ("/mb" if opt.serial_barriers == "manual" else "")
-            + ("/gb" if opt.grads_barriers == "manual" else ""))
+            + ("/invm" if opt.inverse_backend == "mosaic" else ""))
 
 
 def jla_ops():

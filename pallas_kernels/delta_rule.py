@@ -142,13 +142,7 @@ class Options:
     hi / lo passes a merge product: at least as accurate); None: "mosaic" with
     ``wy_in_serial`` (forwards -2 % / -5 %, fwd+bwd -3 % / -5 % for DeltaNet / GDN in run 81,
     one call: near the run-to-run noise, but all four in one direction), else "triton";
-    "mosaic" without ``wy_in_serial``: ValueError. ``serial_barriers``: with ``wy_in_serial``,
-    "auto" (Pallas puts a warpgroup barrier before and after each shared-memory store: 27 a chunk
-    step, ``benchmarks/mosaic_barriers.py``) or "manual" (the passes synchronise only where a
-    thread reads what another wrote or a TMA store still reads: ``state_wy_mosaic``); "auto"
-    until the device checks have run "manual". ``grads_barriers``: the same choice for
-    ``grads_mosaic``'s kernel (61 barriers a CTA with "auto"; "manual": its ``commit_smem``
-    hand-offs alone)."""
+    "mosaic" without ``wy_in_serial``: ValueError."""
 
     precision: str | None = None
     parallel_precision: str | None = None
@@ -176,17 +170,11 @@ class Options:
     wy_in_serial: bool | None = None  # fused_grads: the state passes apply T (no W, U, K̃', Q')
     inverse_backend: str | None = None  # wy_in_serial: "triton" | "mosaic" wy_inverse
     wy_apply_precision: str | None = None  # split: that forward's W and U dots
-    serial_barriers: str = "auto"  # wy_in_serial: "auto" | "manual" warpgroup barriers
-    grads_barriers: str = "auto"  # fused_grads: "auto" | "manual" warpgroup barriers
 
     def __post_init__(self):
         if self.inverse_backend not in (None, "triton", "mosaic"):
             raise ValueError("Options.inverse_backend must be None, 'triton' or 'mosaic', got "
                              f"{self.inverse_backend!r}")
-        for name in ("serial_barriers", "grads_barriers"):
-            if getattr(self, name) not in ("auto", "manual"):
-                raise ValueError(f"Options.{name} must be 'auto' or 'manual', got "
-                                 f"{getattr(self, name)!r}")
         if self.grads_warpgroups not in (1, 2):
             raise ValueError(f"Options.grads_warpgroups must be 1 or 2, got "
                              f"{self.grads_warpgroups!r}")
@@ -516,8 +504,7 @@ def _serial_wy_forward(cfg, ins, wy, init, doc, first, last, store):
         cfg, state_wy_mosaic.state_fwd, args, axes,
         (_STATE_AXES["mosaic"], "b h t v")[:2 * store] + ("n h k v", "b t h v"), mosaic=True,
         scale=cfg.scale, out_dtype=v.dtype, num_docs=cfg.num_docs,
-        interpret=cfg.dots.interpret, store=store,
-        auto_barriers=cfg.options.serial_barriers == "auto")
+        interpret=cfg.dots.interpret, store=store)
     return (o, final, *saved)
 
 
@@ -582,8 +569,7 @@ def _fused_bwd(cfg, res, cts):
         axes = _ROWS | dict(_WY_IN, A="b h t v", do="b t h v", dfinal="n h k v", **_FLAGS)
         dU, dstates, dinit = _kernel_call(cfg, state_wy_mosaic.state_bwd, args, axes, out_axes,
                                           mosaic=True, scale=cfg.scale,
-                                          interpret=cfg.dots.interpret,
-                                          auto_barriers=o.serial_barriers == "auto")
+                                          interpret=cfg.dots.interpret)
     else:
         if wy is None:
             wy, extra = _wy(cfg, ins)
@@ -598,8 +584,7 @@ def _fused_bwd(cfg, res, cts):
     *grads, dG = _kernel_call(cfg, chunk_grads_fused, args, axes,
                               tuple(axes[n] for n in ("q", "k", "kw", "v", "beta", "gamma")),
                               mosaic=True, scale=cfg.scale, interpret=cfg.dots.interpret,
-                              warpgroups=cfg.options.grads_warpgroups,
-                              auto_barriers=cfg.options.grads_barriers == "auto")
+                              warpgroups=cfg.options.grads_warpgroups)
     dg = None if to_dg is None else to_dg(dG)[0]  # dg_t = Σ_{i >= t} dG_i within the chunk
     return (*match_types((*grads, dg, None if init is None else dinit), (*ins, init)),
             None, None, None)

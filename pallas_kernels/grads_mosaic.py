@@ -73,18 +73,14 @@ def check_shapes(*, chunk, K, V, dtype):
 
 
 def chunk_grads_fused(q, k, kw, v, do, T, beta, gamma, R, dR, states, dstates, *, scale,
-                      interpret, warpgroups=1, auto_barriers=True):
+                      interpret, warpgroups=1):
     """dq, dk, dk̃ [B, Tp, H, K], dv [B, Tp, H, V] (bf16), dβ and dG [B, Tp, H] float32
     (module docstring). q, k, kw [B, Tp, H, K], v, do [B, Tp, H, V] bf16; T
     [B, H, Tp, C] (any float dtype: cast to bf16); beta [B, Tp, H]; gamma [B, Tp, H] (the
     in-chunk cumsum of the log decays; zeros without a decay); R, dR [B, H, Tp, V] bf16; states,
     dstates [B, H, NC, V, K] bf16 (transposed: ``state_mosaic``'s chunk-start states and
     chunk-end cotangents). ``warpgroups``: 1, every step in one warpgroup, or 2, the two
-    chains below in a warpgroup each (each its own 255 registers; the second waits for G_K).
-    ``auto_barriers``: as ``state_mosaic.kernel``'s; without them the kernel's own hand-offs
-    suffice (``commit_smem`` after every store another thread or a wgmma or TMA reads, and
-    mbarriers between the warpgroups; a buffer rewritten in place is rewritten in the layout it
-    was read in, each thread at the elements it read, after the wgmmas that read it waited)."""
+    chains below in a warpgroup each (each its own 255 registers; the second waits for G_K)."""
     B, Tp, H, K = q.shape
     V, nc = v.shape[-1], Tp // C
     check_shapes(chunk=Tp // states.shape[2], K=K, V=V, dtype=q.dtype)
@@ -272,7 +268,6 @@ def chunk_grads_fused(q, k, kw, v, do, T, beta, gamma, R, dR, states, dstates, *
 
     dq, dk, dkw, dv, db, dg = kernel(
         body, name="chunk_grads_mosaic", out_type=out_type, scratch=scratch, grid=(B, H, nc),
-        interpret=interpret, grid_names=("b", "h", "c"), warpgroups=warpgroups,
-        auto_barriers=auto_barriers)(*args)
+        interpret=interpret, grid_names=("b", "h", "c"), warpgroups=warpgroups)(*args)
     back = functools.partial(jnp.moveaxis, source=1, destination=2)  # [B, H, Tp] -> [B, Tp, H]
     return dq, dk, dkw, dv, back(db), back(dg)

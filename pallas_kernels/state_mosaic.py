@@ -255,7 +255,6 @@ def _doc_state_out(value, ref, doc, h, v0, buf, cond):
     @pl.when(cond != 0)
     def _():
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # buf's previous store was read
-        plgpu.commit_smem()  # (one thread waited: the others wait for it here)
         buf[...] = value
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(buf, ref.at[doc, h, pl.ds(v0, BV)])
@@ -374,7 +373,6 @@ def store_cotangents(ds_lo, dr_lo, bufs, refs, position, c, *, pending):
     stores are still being read (those of the buffers' previous chunk are not)."""
     (ds_buf, du_buf), (dstates_ref, dU_ref), (b, h, v0) = bufs, refs, position
     plgpu.wait_smem_to_gmem(pending, wait_read_only=True)
-    plgpu.commit_smem()  # (one thread waited: the others wait for it here)
     ds_buf[...] = ds_lo
     du_buf.T[...] = dr_lo
     plgpu.commit_smem()
@@ -455,9 +453,9 @@ def state_bwd(W, kw, gc, A, G, dfinal, doc, first, last, *, interpret, products=
                          interpret, args)
 
 
-def backward_call(body, name, out_type, scratch, grid, interpret, args, auto_barriers=True):
+def backward_call(body, name, out_type, scratch, grid, interpret, args):
     """A backward pass's kernel call: dU, dS_C and the document states' cotangents dS_0
-    [N, H, K, V] (untransposed); ``auto_barriers`` as ``kernel``'s."""
+    [N, H, K, V] (untransposed)."""
     dU, dstates, dinit = kernel(body, name=name, out_type=out_type, scratch=scratch, grid=grid,
-                                 interpret=interpret, auto_barriers=auto_barriers)(*args)
+                                 interpret=interpret)(*args)
     return dU, dstates, _doc_states(dinit)

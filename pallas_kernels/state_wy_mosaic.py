@@ -26,14 +26,6 @@ accumulators float32, as in ``state_mosaic``. The stored results are those of
 loaded once a chunk into its own buffer (Mosaic's layout inference fails on one buffer loaded
 twice, benchmarks/NOTES.md session 14). Dense rows or chunk-aligned documents (the flags of
 ``state_mosaic``); no sequence pieces.
-
-Without automatic barriers (``auto_barriers=False``, ``delta_rule.Options.serial_barriers =
-"manual"``) the passes synchronise the warpgroup only where it is needed: tiles that TMA wrote
-are read after their mbarrier (every thread waits on it), the slot a prefetch refills after a
-barrier (``_loop``), the results a TMA store reads after a barrier that follows their stores
-(``commit_smem``), and a buffer a TMA store may still be reading is rewritten only after the one
-thread that waited for the store has passed a barrier. No shared memory is written by threads
-and read by other threads otherwise: every product reads registers or TMA-written tiles.
 """
 
 import jax.numpy as jnp
@@ -69,7 +61,7 @@ def _issue(c, slot, bar, position, pairs, vec_ref, vec_bufs):
 
 
 def state_fwd(T, k, kw, v, q, P, vecs, gc, initial_state, doc, first, last, *, scale, out_dtype,
-              num_docs, interpret, store=True, auto_barriers=True):
+              num_docs, interpret, store=True):
     """Forward pass from T, P [B, H, Tp, C] (bf16, ``wy_inverse``), the inputs k, k̃, q
     [B, Tp, H, K] and v [B, Tp, H, V] (bf16), ``vecs`` (rows β, βΓ, Γ, Γ_C/Γ [B, H, 4, Tp]
     float32) and Γ_C [B, H, NC, K]:
@@ -77,8 +69,7 @@ def state_fwd(T, k, kw, v, q, P, vecs, gc, initial_state, doc, first, last, *, s
     V], both bf16 (the backward's; a forward alone needs neither), then the final states [N,
     H, K, V] float32 and o = scale (Q' S + P R) [B, Tp, H, V] in ``out_dtype`` (module
     docstring). ``initial_state``: None or [N, H, K, V]; ``num_docs``: N, or None for one
-    document per batch row. ``auto_barriers``: as ``state_mosaic.kernel``'s (module
-    docstring)."""
+    document per batch row."""
     B, H, Tp, _ = T.shape
     K, V, nc = k.shape[-1], v.shape[-1], Tp // C
     check_shapes(chunk=Tp // gc.shape[2], K=K, V=V)
@@ -130,7 +121,6 @@ def state_fwd(T, k, kw, v, q, P, vecs, gc, initial_state, doc, first, last, *, s
             r_t = matmul([(y_lo, t.at[slot].T)], (BV, C), None, interpret)  # Rᵀ = Yᵀ Tᵀ
             r_lo = r_t.astype(BF16)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's stores were read
-            plgpu.commit_smem()  # (one thread waited: the others wait for it here)
             if store:
                 s_out[...] = s_lo
                 r_out.T[...] = r_lo
@@ -154,18 +144,16 @@ def state_fwd(T, k, kw, v, q, P, vecs, gc, initial_state, doc, first, last, *, s
         _loop(nc, False, issue, in_bar, step, K)
 
     outs = list(kernel(body, name="state_fwd_wy_mosaic", out_type=tuple(out_type),
-                        scratch=scratch, grid=(B, H, V // BV), interpret=interpret,
-                        auto_barriers=auto_barriers)(*args))
+                        scratch=scratch, grid=(B, H, V // BV), interpret=interpret)(*args))
     outs[2 * store] = _doc_states(outs[2 * store])
     return outs
 
 
-def state_bwd(T, k, kw, q, vecs, gc, A, do, dfinal, doc, first, last, *, scale, interpret,
-              auto_barriers=True):
+def state_bwd(T, k, kw, q, vecs, gc, A, do, dfinal, doc, first, last, *, scale, interpret):
     """Backward pass: dU = dR [B, H, Tp, V] and the chunk-end cotangents dS_C [B, H, NC, V, K]
     (transposed), both bf16; dS_0 [N, H, K, V] float32 (module docstring). T, k, k̃, q, vecs,
-    Γ_C, ``auto_barriers`` as for ``state_fwd``; A = scale Pᵀ dO [B, H, Tp, V] bf16; dO [B,
-    Tp, H, V] 16-bit; dfinal [N, H, K, V]."""
+    Γ_C as for ``state_fwd``; A = scale Pᵀ dO [B, H, Tp, V] bf16; dO [B, Tp, H, V] 16-bit;
+    dfinal [N, H, K, V]."""
     B, H, Tp, _ = T.shape
     K, V, nc, N = k.shape[-1], A.shape[-1], Tp // C, dfinal.shape[0]
     check_shapes(chunk=Tp // gc.shape[2], K=K, V=V)
@@ -219,4 +207,4 @@ def state_bwd(T, k, kw, q, vecs, gc, A, do, dfinal, doc, first, last, *, scale, 
         _loop(nc, True, issue, in_bar, step, K)
 
     return backward_call(body, "state_bwd_wy_mosaic", out_type, scratch, (B, H, V // BV),
-                         interpret, args, auto_barriers)
+                         interpret, args)

@@ -2,21 +2,19 @@
 ``state_mosaic``'s passes fed with the WY tensors of the same T (interpret mode), and their
 lowering for CUDA."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import mosaic_barriers
 from pallas_kernels import delta_rule, inverse_mosaic, state_mosaic, state_wy_mosaic
 from pallas_kernels.delta_rule import Options, delta_rule_pallas
 from pallas_kernels.state_wy_mosaic import BETA, BETA_GAMMA, GAMMA, TAIL
 from pallas_kernels.triton_common import Dots
 from pallas_kernels.wy_triton import wy_inverse
 from precond_linattn.chunked.delta import decay_sums
-from conftest import (assert_repeats_bitwise, assert_vmap_matches_loop)
+from conftest import (assert_repeats_bitwise, assert_vmap_matches_loop,
+                      mosaic_kernels_lowered_for_cuda)
 from test_pallas_precision import (assert_within_fla_bars, kernel_runs, packed_documents_runs, rel_rms)
 
 B, H, NC, C, V = 2, 2, 3, 64, 128
@@ -72,12 +70,11 @@ def assert_close(got, want, names):
 @pytest.mark.parametrize("K", [128])  # K = 64: the op tests (K = 40 padded)
 def test_forward_pass_matches_the_wy_pass(rand, K):
     """Chunk states, R, final document states (from initial ones) and outputs as
-    ``state_mosaic.state_fwd`` gives from W, U, K̃', Q' of the same T (with the manual
-    barriers: the interpreter runs the program alike either way)."""
+    ``state_mosaic.state_fwd`` gives from W, U, K̃', Q' of the same T."""
     x = inputs(rand, K)
     init = rand.normal(3, H, K, V)
     got = state_wy_mosaic.state_fwd(*list(x.values())[:8], init, *FLAGS, scale=SCALE, out_dtype=BF16,
-                                    num_docs=3, interpret=True, auto_barriers=False)
+                                    num_docs=3, interpret=True)
     W, U, kwt, qd = wy_tensors(x)
     want = state_mosaic.state_fwd(W, U, kwt, x["gc"], init, *FLAGS, num_docs=3, interpret=True,
                                   output=(qd, x["P"], SCALE, BF16))
@@ -87,31 +84,22 @@ def test_forward_pass_matches_the_wy_pass(rand, K):
 @pytest.mark.parametrize("K", [128])  # K = 64: the op tests (K = 40 padded)
 def test_backward_pass_matches_the_wy_pass(rand, K):
     """dR, the chunk-end cotangents and dS_0 as ``state_mosaic.state_bwd`` gives from W, K̃',
-    Q' of the same T (its G formed in the pass from dO, as here; manual barriers)."""
+    Q' of the same T (its G formed in the pass from dO, as here)."""
     x = inputs(rand, K)
     A = rand.normal(B, H, TP, V, dtype=BF16)
     do = rand.normal(B, TP, H, V, dtype=BF16)
     dfinal = rand.normal(3, H, K, V)
     got = state_wy_mosaic.state_bwd(x["T"], x["k"], x["kw"], x["q"], x["vecs"], x["gc"], A, do,
-                                    dfinal, *FLAGS, scale=SCALE, interpret=True, auto_barriers=False)
+                                    dfinal, *FLAGS, scale=SCALE, interpret=True)
     W, _, kwt, qd = wy_tensors(x)
     want = state_mosaic.state_bwd(W, kwt, x["gc"], A, None, dfinal, *FLAGS, interpret=True,
                                   products=(qd, do, SCALE))
     assert_close(got, want, ("dR", "dS_C", "dS_0"))
 
 
-def chunk_loop_barriers(fn, args):
-    """The ``bar.sync`` count inside the chunk loop of the one Mosaic kernel ``fn`` lowers to
-    for CUDA (``benchmarks.mosaic_barriers``)."""
-    (text,) = mosaic_barriers.modules(fn, args).values()
-    return mosaic_barriers.barriers(text)[1]
-
-
 def test_passes_lower_for_cuda():
     """Both passes (the forward with and without its stores) through Mosaic GPU's own passes
-    (layout inference) at K = V = 128; with the manual barriers, 7 (forward) and 9 (backward)
-    barriers a chunk step, four of them only under a document boundary's branch, against
-    Pallas's automatic 27."""
+    (layout inference) at K = V = 128."""
     K = 128
     s = jax.ShapeDtypeStruct
     tok = lambda d: s((B, TP, H, d), BF16)  # noqa: E731
@@ -119,49 +107,17 @@ def test_passes_lower_for_cuda():
     common = dict(T=rows(C), k=tok(K), kw=tok(K))
     flags = tuple(s(f.shape, jnp.int32) for f in FLAGS)
     vecs, gc = s((B, H, 4, TP), F32), s((B, H, NC, K), F32)
-    for store, auto, want in ((True, False, 7), (False, True, None)):
-        fwd = lambda T, k, kw, v, q, P, vecs, gc, *fl, store=store, auto=auto: (  # noqa: E731
-            state_wy_mosaic.state_fwd(T, k, kw, v, q, P, vecs, gc, None, *fl, scale=SCALE,
-                                      out_dtype=BF16, num_docs=None, interpret=False, store=store,
-                                      auto_barriers=auto))
-        n = chunk_loop_barriers(fwd, (*common.values(), tok(V), tok(K), rows(C), vecs, gc, *flags))
-        assert n == want if want else n > 20, (store, auto, n)
+    for store in (True, False):
+        fwd = lambda T, k, kw, v, q, P, vecs, gc, *fl, store=store: state_wy_mosaic.state_fwd(  # noqa: E731
+            T, k, kw, v, q, P, vecs, gc, None, *fl, scale=SCALE, out_dtype=BF16, num_docs=None,
+            interpret=False, store=store)
+        assert mosaic_kernels_lowered_for_cuda(
+            fwd, (*common.values(), tok(V), tok(K), rows(C), vecs, gc, *flags)) == 1
     bwd = lambda T, k, kw, q, vecs, gc, A, do, df, *fl: state_wy_mosaic.state_bwd(  # noqa: E731
-        T, k, kw, q, vecs, gc, A, do, df, *fl, scale=SCALE, interpret=False, auto_barriers=False)
-    assert chunk_loop_barriers(bwd, (*common.values(), tok(K), vecs, gc, rows(V), tok(V),
-                                     s((B, H, K, V), F32), *flags)) == 9
-
-
-def test_barrier_options_reach_their_kernels(rand, monkeypatch):
-    """``Options.serial_barriers`` / ``grads_barriers``: "manual" runs both state passes / the
-    chunk gradients without Pallas's barriers, "auto" (the default) with them; anything else is
-    refused by name."""
-    seen = []
-
-    def recorded(real, kernel):
-        return lambda *a, **kw: seen.append((kernel, kw["auto_barriers"])) or real(*a, **kw)
-
-    for name in ("state_fwd", "state_bwd"):
-        monkeypatch.setattr(state_wy_mosaic, name, recorded(getattr(state_wy_mosaic, name), name))
-    monkeypatch.setattr(delta_rule, "chunk_grads_fused", recorded(delta_rule.chunk_grads_fused,
-                                                                  "grads"))
-    x = rand.delta_inputs(1, 64, 1, 64, 64, decay="scalar", dtype=BF16)
-
-    def loss(q, options):
-        o, _ = delta_rule_pallas(q, x["k"], x["write_key"], x["v"], x["beta"], x["log_decay"],
-                                 0.125, None, None, 64, options)
-        return jnp.sum(o.astype(F32))
-
-    for serial, grads in (("manual", "auto"), ("auto", "manual")):
-        seen.clear()
-        options = Options(serial_backend="mosaic", fused_grads=True, serial_barriers=serial,
-                          grads_barriers=grads)
-        jax.eval_shape(jax.grad(functools.partial(loss, options=options)), x["q"])
-        assert seen == [("state_fwd", serial == "auto"), ("state_bwd", serial == "auto"),
-                        ("grads", grads == "auto")], (serial, grads)
-    for name in ("serial_barriers", "grads_barriers"):
-        with pytest.raises(ValueError, match=f"{name} must be 'auto' or 'manual'"):
-            Options(**{name: "none"})
+        T, k, kw, q, vecs, gc, A, do, df, *fl, scale=SCALE, interpret=False)
+    assert mosaic_kernels_lowered_for_cuda(
+        bwd, (*common.values(), tok(K), vecs, gc, rows(V), tok(V), s((B, H, K, V), F32),
+              *flags)) == 1
 
 
 def test_row_vectors(rand):
