@@ -62,6 +62,7 @@ from train.optim import make_optimizer, osdn_recipe
 from train.partitioning import annotate
 from train.sharding import drop_mesh_axis, init_sharded, logical_sharding, make_mesh, state_shardings
 from train.step import StepShardings, device_batch, make_train_step
+from train.xla_flags import set_command_buffers
 
 WARMUP = 2  # untimed steps after compilation
 PROFILE_STEPS = 3  # the steps --profile traces after a run's timed ones
@@ -281,7 +282,11 @@ def parse_args(argv=None):
     ap.add_argument("--profile", metavar="DIR",
                     help=f"trace {PROFILE_STEPS} more steps of each run into DIR/<model> and print "
                          "their device time by kernel and the device's idle gaps")
+    ap.add_argument("--command-buffers", action="store_true",
+                    help="keep XLA's command buffers (CUDA graphs) on, as `python -m train "
+                         "--command-buffers` does (off by default, as in the training CLI)")
     a = ap.parse_args(argv)
+    set_command_buffers(a.command_buffers)  # before the mesh checks below start the backend
     a.mesh = [tuple(m) for m in a.mesh or [(1, 1, 1)]]
     a.compare_mesh = tuple(a.compare_mesh) if a.compare_mesh else None
     if min(a.batch, a.seq_len, a.steps, a.compare_steps, 1 if a.layers is None else a.layers) < 1:
@@ -313,6 +318,7 @@ def main():
                for p in a.preconditioners}
     runs = plan(a)
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {a.compute_dtype} compute, "
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}, "
           f"remat={a.remat}, scan_layers={a.scan_layers}, packed={a.packed}, osgm options "
           f"{a.osgm_variant or 'default'}, {a.seq_len} tokens "
           f"a row, lr warm-up {a.lr_warmup} steps; meshes (data, fsdp, tensor); rows/dev: rows per "
