@@ -37,7 +37,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import atk_mosaic, rows_mosaic
 from pallas_kernels.atk_triton import AUX, CENTER, DECAY, DOC, FIRST, GAIN, LAST, atk_bwd, atk_fwd
-from pallas_kernels.partition import match_types, sharded_call
+from pallas_kernels.partition import lowered_once, match_types, sharded_call
 from pallas_kernels.token_pieces import auto_pieces, chain, rows, unrows
 from pallas_kernels.triton_common import (
     MAX_HEAD_DIM, aux_rows, doc_columns, interpret_default, pad_last, pow2_dim, vary_alike)
@@ -172,6 +172,7 @@ def _scan_bwd(cfg, res, cts):
 
 
 _scan.defvjp(_scan_fwd, _scan_bwd)
+_scan = lowered_once(_scan)
 
 
 def _mosaic_call(cfg, kernel, args, in_axes, out_axes):
@@ -227,6 +228,7 @@ def _mosaic_scan_bwd(cfg, res, cts):
 
 
 _mosaic_scan.defvjp(_mosaic_scan_fwd, _mosaic_scan_bwd)
+_mosaic_scan = lowered_once(_mosaic_scan)
 
 
 def atk_pallas(k, log_decay, gain, center, x, eps, initial_state, cu_seqlens, chunk_size,

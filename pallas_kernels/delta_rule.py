@@ -45,7 +45,7 @@ from pallas_kernels.grads_mosaic import chunk_grads_fused
 from pallas_kernels.delta_fwd_triton import delta_fwd
 from pallas_kernels import (grads_mosaic, inverse_mosaic, sequence_split, state_mosaic,
                             state_wy_mosaic)
-from pallas_kernels.partition import match_types, sharded_call
+from pallas_kernels.partition import lowered_once, match_types, sharded_call
 from pallas_kernels.state_bwd_triton import dout_products, split_backward
 from pallas_kernels.state_fwd_triton import split_forward
 from pallas_kernels.triton_common import (
@@ -605,6 +605,7 @@ def _core_bwd(cfg, res, cts):
 
 
 _core.defvjp(_core_fwd, _core_bwd)
+_core = lowered_once(_core)
 
 
 def resolve(options: Options, *, sixteen_bit: bool, mosaic_fits: bool = False,

@@ -32,7 +32,7 @@ from pallas_kernels import osgm_mosaic, rows_mosaic
 from pallas_kernels.osgm_sweep_triton import (
     G, INV_N, U_BWD, W, osgm_sweep, osgm_sweep_bwd, osgm_sweep_compose, osgm_sweep_compose_bwd)
 from pallas_kernels.osgm_triton import AUX, BETA, DOC, FIRST, LAST, RET, osgm_bwd, osgm_fwd
-from pallas_kernels.partition import match_types, sharded_call
+from pallas_kernels.partition import lowered_once, match_types, sharded_call
 from pallas_kernels.token_pieces import auto_pieces, rows, unrows
 from pallas_kernels.triton_common import (
     MAX_HEAD_DIM, TraceDefaults, aux_rows, doc_columns, interpret_default, pad_last, pow2_dim,
@@ -403,6 +403,7 @@ def _picard_backward(cfg, k, aux, d, dkw, dfinal):
 
 
 _scan.defvjp(_scan_fwd, _scan_bwd)
+_scan = lowered_once(_scan)
 
 
 def _pieces(options, programs, T, packed):

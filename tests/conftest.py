@@ -71,6 +71,21 @@ def rand(request):
     return Rand(zlib.crc32(request.node.nodeid.encode()))
 
 
+@pytest.fixture(autouse=True)
+def _traces_see_patches(request):
+    """A test that monkeypatches starts and ends with ``jax.clear_caches()``: ``jit`` caches
+    traces by function, static arguments and shapes, not by the module functions they called,
+    and the ops' kernels are traced under ``partition.lowered_once``'s ``jit``. Without it a
+    patch (a counter, a poisoned kernel) is skipped when an earlier test traced the same op
+    and shapes, and a trace made under a patch is reused after it."""
+    patched = "monkeypatch" in request.fixturenames
+    if patched:
+        jax.clear_caches()
+    yield
+    if patched:
+        jax.clear_caches()
+
+
 def packed_cu_seqlens(lengths):
     return jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
 

@@ -156,8 +156,9 @@ def test_unsupported_calls_raise():
 def test_sequence_pieces(monkeypatch, decay, pieces, initial):
     """Dense rows cut into pieces (T = 37 padded to whole 4-token blocks in every piece): the
     pass from zero, the chain of piece states (forward, and backward from the last piece down)
-    and the full pass give the reference's k̃, final state and gradients. The chain ran once
-    each way; packed documents are never split."""
+    and the full pass give the reference's k̃, final state and gradients. The chain was traced
+    once backwards and twice forwards (in the op's own jaxpr, which ``partition.lowered_once``'s
+    jit traces, and in its VJP's forward); packed documents are never split."""
     from pallas_kernels import atk_precond
     chains = []
     real = atk_precond._chain
@@ -168,12 +169,12 @@ def test_sequence_pieces(monkeypatch, decay, pieces, initial):
     names = NAMES if initial else NAMES[:-1]
     assert_runs_match(run("pallas", inp, initial=initial, options=options),
                       run("reference", inp, initial=initial), 1e-5, names)
-    assert sorted(chains) == [False, True]
+    assert sorted(chains) == [False, False, True]
     cu = jnp.asarray([0, 9, 37], jnp.int32)
     inp1 = make_inputs(9, b=1, n_init=2, decay=decay)
     assert_runs_match(run("pallas", inp1, cu_seqlens=cu, options=options),
                       run("reference", inp1, cu_seqlens=cu), 1e-5)
-    assert len(chains) == 2
+    assert len(chains) == 3
 
 
 def test_auto_pieces_and_bad_pieces():
