@@ -201,9 +201,7 @@ def decode_step(q, k, v, beta, state, *, log_decay=None, write_key=None, osgm=No
       (o [B, H, V] in v's dtype, S_new [B, H, K, V] float32, d_new [B, H, K] float32 or None).
     """
     decay = _check(q, k, v, beta, state, log_decay, write_key, osgm)
-    B, H, K = q.shape
-    V = v.shape[-1]
-    scale = K ** -0.5 if scale is None else scale
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     check_scale("scale", scale)
     hyper = None if osgm is None else (
         *(_static(f"osgm.{n}", getattr(osgm, n)) for n in ("eta", "d_min", "d_max")), osgm.beta_aware,
@@ -211,6 +209,19 @@ def decode_step(q, k, v, beta, state, *, log_decay=None, write_key=None, osgm=No
     launch = _LAUNCH.current if launch is None else launch
     if not isinstance(launch, Launch):
         raise ValueError(f"launch must be a decode_step.Launch or None, got {launch!r}")
+    d, retention = (None, None) if osgm is None else (osgm.d, osgm.retention)
+    return _step(q, k, v, beta, state, log_decay, write_key, d, retention, decay=decay,
+                 hyper=hyper, scale=_static("scale", scale), launch=launch,
+                 interpret=interpret_default() if interpret is None else interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("decay", "hyper", "scale", "launch", "interpret"))
+def _step(q, k, v, beta, state, log_decay, write_key, d, retention, *, decay, hyper, scale, launch,
+          interpret):
+    """``decode_step`` on checked arguments (``d``, ``retention``: ``OSGMStep``'s arrays, None
+    without OSGM; ``hyper``: its numbers). A ``jit``, so that a decoding loop over many layers
+    lowers the kernel once for all of them (as ``partition.lowered_once`` does for the ops)."""
+    K, V = q.shape[-1], v.shape[-1]
     Kp, Vp = pow2_dim(K), pow2_dim(V)
     padded = Kp != K or Vp != V
     if padded:
@@ -221,14 +232,12 @@ def decode_step(q, k, v, beta, state, *, log_decay=None, write_key=None, osgm=No
         inputs["log_decay"] = (pad_last(log_decay, Kp), "key" if decay == "vector" else "scalar")
     if write_key is not None:
         inputs["write_key"] = (pad_last(write_key, Kp), "key")
-    if osgm is not None:
-        inputs["d"] = (pad_last(osgm.d, Kp), "key")
-        if osgm.retention is not None:
-            inputs["retention"] = (osgm.retention, "scalar")
-    kernel = functools.partial(_kernel, names=tuple(inputs), decay=decay, hyper=hyper,
-                               scale=_static("scale", scale))
-    o, S, d = _call(kernel, inputs, min(launch.block_v, Vp), launch.num_warps,
-                    interpret_default() if interpret is None else interpret)
+    if d is not None:
+        inputs["d"] = (pad_last(d, Kp), "key")
+        if retention is not None:
+            inputs["retention"] = (retention, "scalar")
+    kernel = functools.partial(_kernel, names=tuple(inputs), decay=decay, hyper=hyper, scale=scale)
+    o, S, d = _call(kernel, inputs, min(launch.block_v, Vp), launch.num_warps, interpret)
     if padded:
         o, S, d = o[..., :V], S[:, :, :K, :V], None if d is None else d[..., :K]
     return o, S, d
