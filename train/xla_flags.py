@@ -17,9 +17,9 @@ COMMAND_BUFFER = "--xla_gpu_enable_command_buffer"
 
 
 def with_command_buffers(flags: str, enabled: bool) -> str:
-    """``flags`` (an ``XLA_FLAGS`` string) with ``--xla_gpu_enable_command_buffer=`` (no command
-    buffer kinds: none) appended when ``enabled`` is false, unless ``flags`` sets that flag
-    already (the user's own choice wins)."""
+    """``flags`` (an ``XLA_FLAGS`` string) with ``--xla_gpu_enable_command_buffer=`` (an empty
+    list of command buffer kinds) appended when ``enabled`` is false, unless ``flags`` sets that
+    flag already (the user's own choice wins)."""
     if enabled or any(f.split("=")[0] == COMMAND_BUFFER for f in flags.split()):
         return flags
     return f"{flags} {COMMAND_BUFFER}=".strip()
