@@ -167,8 +167,8 @@ def _scan_bwd(cfg, res, cts):
     dk, daux, dinit = out[0], out[1], out[-1]
     B, T, H, _ = k.shape
     daux = jnp.sum(daux.reshape(B, T, H, -1, AUX), axis=3)
-    dg = None if g is None else out[2].astype(g.dtype)
-    return match_types((dk.astype(k.dtype), daux, dg, dinit), (k, aux, g, init))
+    dg = None if g is None else out[2]
+    return match_types((dk, daux, dg, dinit), (k, aux, g, init))
 
 
 _scan.defvjp(_scan_fwd, _scan_bwd)

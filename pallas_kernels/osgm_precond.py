@@ -362,13 +362,13 @@ def _scan_bwd(cfg, res, cts):
     k, aux, d, init = res  # (with the Mosaic kernels, their residuals in place of every d_t)
     if _mosaic_runs(cfg, k):
         dk, daux, dinit = _mosaic_backward(cfg, k, aux, d, init, *cts)
-        return match_types((dk.astype(k.dtype), daux, dinit), (k, aux, init))
+        return match_types((dk, daux, dinit), (k, aux, init))
     settled = ()
     if cfg.options.picard_iters:  # the token loop only where the sweeps did not settle
         grads, ok = _picard_backward(cfg, k, aux, d, *cts)
         settled = (ok, *grads)
     dk, daux, dinit = _token_backward(cfg, k, aux, d, *cts, settled=settled)
-    return match_types((dk.astype(k.dtype), daux, dinit), (k, aux, init))
+    return match_types((dk, daux, dinit), (k, aux, init))
 
 
 _SEQ = ["b t h k", "b t h a", "b t h k", "b t h k", "n h k"]  # k, aux, d, dk̃, dfinal

@@ -72,9 +72,11 @@ def _explicit_call(mesh, fn, args, in_axes, out_axes, free):
 
 
 def match_types(cts, primals):
-    """Cotangents resharded to their primals' shardings on a mesh with ``Explicit`` axes, where a
-    ``custom_vjp`` backward must return exactly the primals' types (a kernel's cotangent follows
-    the operands' kept axes); unchanged on other meshes."""
+    """Cotangents in their primals' dtypes (a kernel may give float32 for a bf16 input, which
+    ``custom_vjp`` lets through and the cotangent sum of an input used twice then refuses), and
+    on a mesh with ``Explicit`` axes resharded to their primals' shardings (a kernel's cotangent
+    follows the operands' kept axes), as a ``custom_vjp`` backward must return them."""
+    cts = tuple(None if c is None else c.astype(p.dtype) for c, p in zip(cts, primals))
     if not jax.sharding.get_abstract_mesh().explicit_axes:
         return cts
     return tuple(None if c is None else jax.sharding.reshard(c, jax.typeof(p).sharding.spec)
