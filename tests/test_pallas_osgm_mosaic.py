@@ -53,10 +53,9 @@ def test_sub_ulp_updates_on_the_bound_stay_clipped(monkeypatch):
     """Coordinates on the bounds (d_1 = d_min, d_max or 1) under a tiny η, no retention: most
     updates move d by less than half its float32 spacing at d_max (1.2e-7), so the reference's
     r d + u s rounds back onto the bound, d stays there (3 in 4 of the d_max coordinates, never
-    moved) and the clip's derivative is 0. The
-    kernels follow the reference's rounding: within 2e-5 of it, gradients too (a sweep in
-    finer coordinates, which keeps such updates, lets λ through these coordinates: ∂d_1 off by
-    ~1e-2, session 21's v4)."""
+    moved) and the clip's derivative is 0. The kernels follow the reference's rounding: within
+    2e-5 of it, gradients too (sweeps in finer coordinates, which keep such updates, let λ
+    through these coordinates: ∂β off by 0.3, session 21's v4)."""
     x = make_inputs(5, t=130, k_dim=128, init="bounds")
     eta = 1e-8
     triton_loops_poisoned(monkeypatch)
