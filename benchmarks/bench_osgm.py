@@ -16,8 +16,9 @@ phase 1 alone with each variant's kernels (APF), forward and forward+backward (g
 k, β, r); ``baselines``: the chunked form and the Picard form in XLA (APF), the default
 kernels and the chunked form without APF (the chunked rows take ~40 s); ``osdn``: the whole
 OSDN op (phase 1 + the Pallas delta core with k̃) against the core alone with k̃ = k. Every
-variant but the first is also checked (paper APF fp32 and clip cases) after the timings;
-``variant-checks`` (instead of ``checks``): those checks of every variant, not the defaults'.
+variant but the first is also checked (all four cases) after the timings;
+``variant-checks`` (instead of ``checks``): those checks (bf16 included) of every variant, not the
+defaults'.
 Prints JSON lines and one table; records go to benchmarks/RESULTS.md.
 """
 
@@ -218,7 +219,7 @@ def main():
         timings.append(guarded(f"time {label}", lambda label=label, f=f: time_op(label, f, x, a.reps)))
     checked = 0 if "variant-checks" in sections else 1 if "checks" in sections else len(names)
     for v, o in zip(names[checked:], variants[checked:]):
-        checks((0, 2, 3), o, f" [{v}]")
+        checks(range(len(cases)), o, f" [{v}]")
 
     print(f"\n{'check':42s} {'ok':>5s} {'err_kw':>9s} {'err_final':>9s} {'err_grad':>9s}")
     for r in filter(None, results):
