@@ -71,10 +71,11 @@ class Options:
     ``mosaic_loops`` (the default since RESULTS run 93): both directions on the Mosaic GPU
     kernels of ``osgm_mosaic`` (Picard sweeps inside 64-token tiles, one coordinate a thread,
     the coupling by row sums; under differentiation the residuals are per-token rows and one
-    state a tile instead of every d_t) where they run (K padded to 128, ``picard_iters`` 0, or
-    None at enough rows: ``picard_by_shape``), else the Triton ones. Run 93, APF phase 1 at
-    8x2048x8x128 bf16, fwd / fwd+bwd (synchronous calls): 0.373 / 0.919 ms against the Triton
-    loops' 0.604 / 1.292; at 1x2048x8x128 the Triton sweeps beat both (run 118)."""
+    state a tile instead of every d_t) where they run (K padded to 128, ``picard_iters`` 0 or
+    None), else the Triton ones. Run 93, APF phase 1 at 8x2048x8x128 bf16, fwd / fwd+bwd
+    (synchronous calls): 0.373 / 0.919 ms against the Triton loops' 0.604 / 1.292, and at
+    1x2048x8x128 0.405 / 0.770 against 0.730 / 1.571 (the Triton sweeps of run 64: 0.459
+    fwd+bwd)."""
 
     prefetch: int = 2
     num_warps: int = 1
@@ -114,26 +115,23 @@ _DEFAULT = TraceDefaults("default_options", Options, Options())  # of calls that
 # RESULTS run 64 (v5.1, B = 1): fwd+bwd 0.459 ms against 0.618 with early exit after up to 4,
 # forward kernels 99.6 µs in 21 launches against 122.6 in 33, and no host round trip; the
 # paper's 340M settings settle in 3 (run 63's early exit stopped there).
-# With the Mosaic kernels (one CTA a row, latency-bound, flat in B until the SMs are full) the
-# sweeps win only at fewer rows: RESULTS run 118, APF phase 1 at 1x2048x8x128 bf16 (8 rows,
-# a prefill), pipelined: fwd / fwd+bwd 0.121 / 0.194 ms against the Mosaic kernels' 0.175 /
-# 0.446; at 8x2048x8x128 (64 rows) the Mosaic kernels' 0.146 / 0.43 against ~0.67 / 1.31.
+# The Mosaic kernels keep few rows too: at 1x2048x8x128 the sweeps took phase 1 alone from
+# 0.175 / 0.446 to 0.121 / 0.194 ms (RESULTS run 118, bench inputs), but the OSDN-340M prefill
+# from 14.3 to 19.5 ms (run 119; not yet separated: the likely cause is rows that do not
+# settle in 3 sweeps, which the token loops then finish).
 PICARD_ITERS = 3
 PICARD_BELOW_PROGRAMS = 32
-MOSAIC_PICARD_BELOW_PROGRAMS = 16
 PICARD_MIN_T = 1024
 
 
 def picard_by_shape(options: Options, *, B: int, H: int, T: int, K: int, packed: bool) -> Options:
-    """``options`` with ``picard_iters`` None resolved: PICARD_ITERS where the rows are dense,
-    T >= PICARD_MIN_T and B · H (the kernels' programs) below MOSAIC_PICARD_BELOW_PROGRAMS where
-    the Mosaic kernels would take the call (``mosaic_loops``, K padded to 128), else below
-    PICARD_BELOW_PROGRAMS (the token loops' one-warp programs); else 0."""
+    """``options`` with ``picard_iters`` None resolved: 0 where the Mosaic kernels take the call
+    (``mosaic_loops``, K padded to 128), else PICARD_ITERS where the rows are dense,
+    B · H < PICARD_BELOW_PROGRAMS (the token loops' programs) and T >= PICARD_MIN_T, else 0."""
     if options.picard_iters is not None:
         return options
     mosaic = options.mosaic_loops and osgm_mosaic.runs(K=K)
-    below = MOSAIC_PICARD_BELOW_PROGRAMS if mosaic else PICARD_BELOW_PROGRAMS
-    few = not packed and B * H < below and T >= PICARD_MIN_T
+    few = not mosaic and not packed and B * H < PICARD_BELOW_PROGRAMS and T >= PICARD_MIN_T
     return dataclasses.replace(options, picard_iters=PICARD_ITERS if few else 0)
 
 
