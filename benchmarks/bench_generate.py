@@ -1,6 +1,10 @@
 """Inference throughput (SPEC section 7): batch 1, a 2048-token prompt prefilled, then 128 greedy
 tokens, the whole loop in one ``jax.jit``; 2 warm-ups, median of 5 runs;
-tokens/s = (2048 + 128) / (t_prefill + t_decode). Prefill alone is timed the same way.
+tokens/s = (2048 + 128) / (t_prefill + t_decode). Prefill alone is timed the same way. Every row
+is compiled first, then the rows are timed in turn for ``--rounds`` rounds (the device's speed
+drifts by several % between minutes: RESULTS runs 118-120 read DeltaNet's decode at 233-246 ms);
+a row's figures are its medians over the rounds, and "vs host" the median of each round's ratio
+to its host's row, with the rounds' range.
 
     python benchmarks/bench_generate.py [--presets deltanet-340m] [--preconditioners none osgm]
     python benchmarks/bench_generate.py --tiny     # a small model, a quick check on a CPU
@@ -54,20 +58,29 @@ def model_for(name, preconditioner, fused_decode="auto", tiny=False):
     return LanguageModel(dataclasses.replace(config, layer=layer), rngs=nnx.Rngs(0))
 
 
-def bench(name, preconditioner, prompt_len, new_tokens, tiny, fused_decode="auto"):
+def timed(name, preconditioner, prompt_len, new_tokens, tiny, fused_decode="auto"):
+    """(the row's fixed facts, a function that times it once: (prefill s, whole loop s)); both
+    programs compiled here."""
     model = model_for(name, preconditioner, fused_decode, tiny)
     config = model.config
     prompt = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (1, prompt_len)),
                          jnp.int32)
     graphdef, state = nnx.split(model)
     prefill = jax.jit(lambda s, p: nnx.merge(graphdef, s).prefill(p)[0])
-    t_prefill = median_seconds(lambda: prefill(state, prompt))
-    t_total = median_seconds(lambda: generate(model, prompt, new_tokens))
+    jax.block_until_ready((prefill(state, prompt), generate(model, prompt, new_tokens)))
     suffix = "" if fused_decode == "auto" else f"/fused-{fused_decode}"
-    return dict(model=f"{name}/{preconditioner}{suffix}", fused_decode=fused_decode,
-                params=count_params(config),
-                state_mib=decode_state_bytes(config).total / 2**20, prefill_ms=1e3 * t_prefill,
-                decode_ms=1e3 * (t_total - t_prefill), tok_s=(prompt_len + new_tokens) / t_total)
+    facts = dict(model=f"{name}/{preconditioner}{suffix}", fused_decode=fused_decode,
+                 params=count_params(config), state_mib=decode_state_bytes(config).total / 2**20)
+    return facts, lambda: (median_seconds(lambda: prefill(state, prompt)),
+                           median_seconds(lambda: generate(model, prompt, new_tokens)))
+
+
+def summary(facts, times, tokens):
+    """A row from its rounds' (prefill s, whole loop s): medians over the rounds."""
+    prefill = statistics.median(t[0] for t in times)
+    total = statistics.median(t[1] for t in times)
+    return dict(facts, prefill_ms=1e3 * prefill, decode_ms=1e3 * (total - prefill),
+                tok_s=tokens / total, rounds=[round(tokens / t[1]) for t in times])
 
 
 def main():
@@ -82,24 +95,34 @@ def main():
     ap.add_argument("--fused-decode", nargs="+", choices=FUSED_DECODE, default=["auto"],
                     help="LayerConfig.fused_decode of each row: the layer's default (auto), one "
                          "Pallas kernel a decode step (on) or the two ops (off)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="times each row is timed, the rows in turn (>= 1)")
     a = ap.parse_args()
+    if a.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {a.rounds}")
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, osgm options "
           f"{a.osgm_variant or 'default'}")
-    rows = []
+    tokens = a.prompt + a.new_tokens
     with default_options(a.osgm_variant):
-        for n in a.presets:
-            for p, f in itertools.product(a.preconditioners, a.fused_decode):
-                rows.append(bench(n, p, a.prompt, a.new_tokens, a.tiny, f))
-                print(json.dumps(rows[-1]), flush=True)  # each row as it is done: a cut call keeps the rest
+        rows = [timed(n, p, a.prompt, a.new_tokens, a.tiny, f) for n in a.presets
+                for p, f in itertools.product(a.preconditioners, a.fused_decode)]
+        times = [[] for _ in rows]
+        for k in range(a.rounds):
+            for (facts, time_once), t in zip(rows, times):
+                t.append(time_once())
+                print(json.dumps(dict(round=k, model=facts["model"], prefill_ms=1e3 * t[-1][0],
+                                      tok_s=tokens / t[-1][1])), flush=True)  # a cut call keeps these
+    rows = [summary(facts, t, tokens) for (facts, _), t in zip(rows, times)]
     host_of = lambda r: (r["model"].split("/")[0], r["fused_decode"])  # noqa: E731
-    base = {host_of(r): r["tok_s"] for r in rows if r["model"].split("/")[1] == "none"}
+    base = {host_of(r): r["rounds"] for r in rows if r["model"].split("/")[1] == "none"}
     print(f"{'model':28s} {'params':>8s} {'state MiB':>9s} {'prefill ms':>10s} {'decode ms':>9s} "
-          f"{'tok/s':>8s} {'x paper':>7s} {'vs host':>7s}")
+          f"{'tok/s':>8s} {'x paper':>7s} {'vs host':>7s} {'range':>13s}")
     for r in rows:
         host = base.get(host_of(r))
+        ratios = [x / h for x, h in zip(r["rounds"], host)] if host else [float("nan")]
         print(f"{r['model']:28s} {r['params'] / 1e6:7.1f}M {r['state_mib']:9.2f} {r['prefill_ms']:10.1f} "
               f"{r['decode_ms']:9.1f} {r['tok_s']:8.0f} {r['tok_s'] / PAPER_DELTANET_340M:7.2f} "
-              f"{(r['tok_s'] / host if host else float('nan')):7.3f}")
+              f"{statistics.median(ratios):7.3f} {min(ratios):6.3f}-{max(ratios):.3f}")
 
 
 if __name__ == "__main__":
