@@ -117,8 +117,8 @@ _DEFAULT = TraceDefaults("default_options", Options, Options())  # of calls that
 # paper's 340M settings settle in 3 (run 63's early exit stopped there).
 # The Mosaic kernels keep few rows too: at 1x2048x8x128 the sweeps took phase 1 alone from
 # 0.175 / 0.446 to 0.121 / 0.194 ms (RESULTS run 118, bench inputs), but the OSDN-340M prefill
-# from 14.3 to 19.5 ms (run 119; not yet separated: the likely cause is rows that do not
-# settle in 3 sweeps, which the token loops then finish).
+# from 14.3 to 19.5 ms (run 119): that prefill's rows (OSDN, no retention) settle in 4 sweeps
+# (``osgm_picard_steps`` on the CPU, every layer), so after 3 the token loops ran them all.
 PICARD_ITERS = 3
 PICARD_BELOW_PROGRAMS = 32
 PICARD_MIN_T = 1024
