@@ -33,6 +33,7 @@ rows are copied into the tile's row buffer before the sweeps, which read them th
 interpret mode (``plgpu.InterpretGPUParams``) the same program runs on the CPU.
 """
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -151,23 +152,28 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
 
         def run_tile(i, slot, d0):
             k_tile, u_t = k.at[slot], u.at[slot]
-            square_rows(k_tile, S, interpret)
-            starts.at[slot][...] = d0
-            if packed:
-                restart_rows(init_ref, h, doc.at[slot], first.at[slot], D, start_bar, stage)
-            plgpu.commit_smem()
-            s = tile(S, interpret)
-            w_row, g_row = plgpu.load(w.at[slot], layout=ROWS), plgpu.load(g.at[slot], layout=ROWS)
-            guess = jnp.sum(s * bcast_cols(plgpu.load(starts.at[slot], layout=COLS), s.shape),
-                            axis=1)
+            with jax.named_scope("squares"):
+                square_rows(k_tile, S, interpret)
+                starts.at[slot][...] = d0
+                if packed:
+                    restart_rows(init_ref, h, doc.at[slot], first.at[slot], D, start_bar, stage)
+                plgpu.commit_smem()
+            with jax.named_scope("guess"):
+                s = tile(S, interpret)
+                w_row = plgpu.load(w.at[slot], layout=ROWS)
+                g_row = plgpu.load(g.at[slot], layout=ROWS)
+                guess = jnp.sum(s * bcast_cols(plgpu.load(starts.at[slot], layout=COLS), s.shape),
+                                axis=1)
 
             def step(a_t):
-                u_t[...] = w_row * (1.0 - g_row * a_t)
-                plgpu.commit_smem()
-                d = _forward_sweep(d0, lambda t: row(S.at[t]), u_t, r.at[slot], D, bounds, interpret,
-                                   first.at[slot] if packed else None)
-                plgpu.commit_smem()
-                return row_sums(D, s, interpret), d
+                with jax.named_scope("sweep"):
+                    u_t[...] = w_row * (1.0 - g_row * a_t)
+                    plgpu.commit_smem()
+                    d = _forward_sweep(d0, lambda t: row(S.at[t]), u_t, r.at[slot], D, bounds,
+                                       interpret, first.at[slot] if packed else None)
+                    plgpu.commit_smem()
+                with jax.named_scope("row_sums"):
+                    return row_sums(D, s, interpret), d
 
             a_t, d = _settle(step, guess, d0)
             a.at[slot][...] = a_t
@@ -176,7 +182,8 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
                 out.at[slot, t][...] = (values[0] * values[1]).astype(k.dtype)
                 return carry
 
-            tokens(lambda t: (row(D.at[t]), row(k_tile.at[t])), emit, None, interpret)
+            with jax.named_scope("emit"):
+                tokens(lambda t: (row(D.at[t]), row(k_tile.at[t])), emit, None, interpret)
             if packed:  # each document ending here: its state after its last token
                 def ends(t, _):
                     value = _clip(_affine(r[slot, t], row(D.at[t]), u_t[t], row(S.at[t])),
@@ -298,13 +305,15 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
             tokens(load, step, None, interpret)
 
         def run_tile(i, slot, lam0):
-            if squares:
-                square_rows(k.at[slot], S, interpret)
-            if packed:
-                restart_rows(init_ref, h, doc.at[slot], first.at[slot], D, start_bar, stage)
-            _forward_sweep(plgpu.load(st.at[slot], layout=VEC), lambda t: s_row(t, slot),
-                           u.at[slot], r.at[slot], D, bounds, interpret,
-                           first.at[slot] if packed else None)
+            with jax.named_scope("squares"):
+                if squares:
+                    square_rows(k.at[slot], S, interpret)
+                if packed:
+                    restart_rows(init_ref, h, doc.at[slot], first.at[slot], D, start_bar, stage)
+            with jax.named_scope("recompute"):
+                _forward_sweep(plgpu.load(st.at[slot], layout=VEC), lambda t: s_row(t, slot),
+                               u.at[slot], r.at[slot], D, bounds, interpret,
+                               first.at[slot] if packed else None)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # M's ∂k of the last tile was sent
             # (the others wait for this thread at the barrier before M is written)
             if packed:  # μ at each document's last token, from its dfinal row
@@ -319,15 +328,18 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
             gw_row = plgpu.load(gw.at[slot], layout=ROWS)
 
             def step(gam_t):
-                c[...] = -gam_t * gw_row
-                plgpu.commit_smem()
-                lam = reverse_sweep(lam0, slot)
-                plgpu.commit_smem()
-                return row_sums(M, s, interpret), lam
+                with jax.named_scope("sweep"):
+                    c[...] = -gam_t * gw_row
+                    plgpu.commit_smem()
+                    lam = reverse_sweep(lam0, slot)
+                    plgpu.commit_smem()
+                with jax.named_scope("row_sums"):
+                    return row_sums(M, s, interpret), lam
 
             gam_t, lam = _settle(step, plgpu.layout_cast(jnp.zeros((TILE,), F32), ROWS), lam0)
             gam.at[slot][...] = gam_t
-            dr.at[slot][...] = jnp.sum(tile(M, interpret) * tile(D, interpret), axis=1)
+            with jax.named_scope("dr"):
+                dr.at[slot][...] = jnp.sum(tile(M, interpret) * tile(D, interpret), axis=1)
             if packed:  # each document starting here: the λ before its first token
                 def starts_(t, _):
                     lam_t = r[slot, t] * row(M.at[t]) + source(t, slot)
@@ -335,7 +347,8 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
                                  first[slot, t], doc_buf)
                 lax.fori_loop(0, TILE, starts_, None)
             plgpu.commit_smem()  # γ in shared memory for every thread
-            gradient_rows(slot)
+            with jax.named_scope("gradients"):
+                gradient_rows(slot)
             return lam
 
         def store_tile(i, slot):

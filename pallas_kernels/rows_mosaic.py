@@ -13,6 +13,7 @@ document id, first and last flags) and restart the carry from a document's state
 
 import functools
 
+import jax
 import jax.experimental.mosaic.gpu as mgpu
 import jax.numpy as jnp
 from jax import lax
@@ -89,17 +90,20 @@ def walk(n_tiles, reverse, issue, in_bar, start_bar, state, start, end, run_tile
 
     def body(j, carry):
         i, slot = at(j), lax.rem(j, 2)
-        plgpu.barrier_wait(in_bar.at[slot])
+        with jax.named_scope("wait_in"):
+            plgpu.barrier_wait(in_bar.at[slot])
 
         @pl.when(j + 1 < n_tiles)
         def _next():
             issue(at(j + 1), 1 - slot)
 
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the slot's last outputs were sent
-        plgpu.commit_smem()  # (one thread waited: the others wait for it here)
+        with jax.named_scope("wait_out"):
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the slot's last outputs were sent
+            plgpu.commit_smem()  # (one thread waited: the others wait for it here)
         carry = run_tile(i, slot, carry)
-        plgpu.commit_smem()
-        store_tile(i, slot)
+        with jax.named_scope("store"):
+            plgpu.commit_smem()
+            store_tile(i, slot)
         return carry
 
     carry = lax.fori_loop(0, n_tiles, body, plgpu.load(state, layout=VEC))

@@ -28,6 +28,7 @@ accumulation: the CPU tests check everything else (indexing, TMA copies, barrier
 flags); the wgmma path is checked on the device by benchmarks/bench_delta.py.
 """
 
+import contextlib
 import functools
 
 import jax
@@ -146,15 +147,36 @@ def _doc_states(x):
     return jnp.swapaxes(x, -1, -2).astype(F32)
 
 
+# (directory, ranges) while ``profiled`` is active: the kernels built then record the regions of
+# their ``jax.named_scope``s (Mosaic GPU's profiler, ``benchmarks/profile_mosaic.py``)
+_PROFILE: list = [None]
+
+
+@contextlib.contextmanager
+def profiled(directory: str, ranges: int = 4096):
+    """Kernels lowered inside record each ``jax.named_scope`` region's start and end per
+    warpgroup (at most ``ranges`` a warpgroup, later ones dropped) into a Perfetto trace in
+    ``directory`` after each call (GPU only; interpret mode ignores it)."""
+    _PROFILE[0] = (directory, ranges)
+    try:
+        yield
+    finally:
+        _PROFILE[0] = None
+
+
 def kernel(body, *, name, out_type, scratch, grid, interpret, grid_names=("b", "h", "v"),
            warpgroups=1, auto_barriers=True):
     """``plgpu.kernel`` as every Mosaic kernel of this package calls it: approximate exp and
     division, the interpreter on a CPU (``interpret``), ``warpgroups`` named "wg" when two.
     ``auto_barriers=False``: Pallas inserts no warpgroup barrier around shared-memory loads and
     stores (it puts one before and one after each store otherwise); the body synchronises its
-    threads itself (``plgpu.commit_smem``) wherever one reads what another wrote."""
+    threads itself (``plgpu.commit_smem``) wherever one reads what another wrote. Inside
+    ``profiled`` (and not ``interpret``) the profiler records the body's named scopes."""
     threads = dict(num_threads=warpgroups, thread_name="wg") if warpgroups > 1 else {}
-    params = plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=not auto_barriers)
+    profile = {} if interpret or _PROFILE[0] is None else dict(
+        profile_dir=_PROFILE[0][0], profile_space=_PROFILE[0][1], profile_bounds_check=True)
+    params = plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=not auto_barriers,
+                                  **profile)
     return plgpu.kernel(
         body, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=grid_names,
         compiler_params=params, **threads,

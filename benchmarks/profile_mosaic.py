@@ -1,0 +1,104 @@
+"""Where the OSGM Mosaic kernels spend a tile: Mosaic GPU's profiler on ``osgm_fwd`` and
+``osgm_bwd`` (``state_mosaic.profiled``), each region a ``jax.named_scope`` of the kernels
+(the forward's ``squares``, ``guess``, ``sweep``, ``row_sums``, ``emit``; the backward's
+``squares``, ``recompute``, ``sweep``, ``row_sums``, ``dr``, ``gradients``; the tile loop's
+``wait_in``, ``wait_out``, ``store``). A GPU run, not a CPU one:
+
+    PYTHONPATH=. python benchmarks/profile_mosaic.py [--shape 8 2048 8 128] [--dir DIR]
+
+For each kernel: per CTA (one warpgroup each), the mean over CTAs of each region's count and
+total µs, its mean µs an occurrence, and its share of the CTA's span (first to last event);
+the rest of the span is code outside every region. The profiler's own cost (~12 cycles an
+event, subtracted by its dump) and its global-timer reads make the kernels somewhat slower
+than unprofiled. The traces (Perfetto JSON, one a call) stay in DIR.
+"""
+
+import argparse
+import collections
+import glob
+import json
+import os
+import tempfile
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.bench_osgm import make_inputs, phase1
+from pallas_kernels import state_mosaic
+
+
+def region_times(events):
+    """{warpgroup trace id: ({region: [durations µs]}, span µs)} from a trace's events (the
+    ``traceEvents`` of Mosaic GPU's profiler dump: "B" / "E" pairs, ``ts`` in µs, nested
+    regions closed in order)."""
+    open_, out = collections.defaultdict(list), {}
+    for e in events:
+        tid = e["tid"]
+        regions, first, last = out.get(tid, (collections.defaultdict(list), e["ts"], e["ts"]))
+        if e["ph"] == "B":
+            open_[tid].append(e)
+        else:
+            begin = open_[tid].pop()
+            if begin["name"] != e["name"]:
+                raise ValueError(f"trace {tid}: {e['name']!r} closes {begin['name']!r}")
+            regions[e["name"]].append(e["ts"] - begin["ts"])
+        out[tid] = (regions, min(first, e["ts"]), max(last, e["ts"]))
+    return {tid: (regions, last - first) for tid, (regions, first, last) in out.items()}
+
+
+def summary(per_cta):
+    """Rows (region, count a CTA, µs a CTA, µs an occurrence, share of the span) averaged over
+    the CTAs of ``region_times``' result, longest first, and the mean span µs."""
+    n = len(per_cta)
+    span = sum(s for _, s in per_cta.values()) / n
+    names = {name for regions, _ in per_cta.values() for name in regions}
+    rows = []
+    for name in names:
+        count = sum(len(r.get(name, ())) for r, _ in per_cta.values()) / n
+        total = sum(sum(r.get(name, ())) for r, _ in per_cta.values()) / n
+        rows.append((name, count, total, total / count if count else 0.0, total / span))
+    return sorted(rows, key=lambda r: -r[2]), span
+
+
+def kernel_of(regions):
+    """Which kernel a trace is: the backward has ``gradients``, the forward ``emit``."""
+    return "osgm_bwd" if "gradients" in regions else "osgm_fwd" if "emit" in regions else "?"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", type=int, nargs=4, default=[8, 2048, 8, 128])
+    ap.add_argument("--dir", default=None, help="where the traces go (default: a new temporary one)")
+    a = ap.parse_args()
+    directory = a.dir or tempfile.mkdtemp(prefix="osgm_profile_")
+    os.makedirs(directory, exist_ok=True)
+    B, T, H, K = a.shape
+    x, key = make_inputs(jax.random.PRNGKey(0), B, T, H, K, jnp.bfloat16)
+    f = phase1("pallas")
+
+    def loss(k, beta, r):
+        kw, final = f({**x, "k": k, "beta": beta, "r": r})
+        return jnp.sum(kw.astype(jnp.float32) ** 2) + jnp.sum(final)
+
+    with state_mosaic.profiled(directory):
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        for _ in range(2):  # the second call's traces are the warm ones
+            before = set(glob.glob(os.path.join(directory, "*.json")))
+            jax.block_until_ready(grad(x["k"], x["beta"], x["r"]))
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, APF bf16 "
+          f"{'x'.join(map(str, a.shape))}, traces in {directory}")
+    for path in sorted(set(glob.glob(os.path.join(directory, "*.json"))) - before):
+        with open(path) as fh:
+            per_cta = region_times(json.load(fh)["traceEvents"])
+        rows, span = summary(per_cta)
+        name = kernel_of({n for r, _ in per_cta.values() for n in r})
+        print(f"\n{name}: {len(per_cta)} CTAs, span {span:.1f} µs a CTA")
+        print(f"{'region':12s} {'count':>7s} {'µs a CTA':>9s} {'µs each':>8s} {'share':>6s}")
+        for region, count, total, each, share in rows:
+            print(f"{region:12s} {count:7.1f} {total:9.1f} {each:8.3f} {share:6.1%}")
+        rest = 1.0 - sum(r[4] for r in rows)
+        print(f"{'(outside)':12s} {'':7s} {rest * span:9.1f} {'':8s} {rest:6.1%}")
+
+
+if __name__ == "__main__":
+    main()
