@@ -80,7 +80,8 @@ def main():
         kw, final = f({**x, "k": k, "beta": beta, "r": r})
         return jnp.sum(kw.astype(jnp.float32) ** 2) + jnp.sum(final)
 
-    with state_mosaic.profiled(directory):
+    # ~10 ranges a forward tile, ~13 a backward one at the bench's ~2.2 / ~3.1 sweeps a tile
+    with state_mosaic.profiled(directory, ranges=24 * -(-T // 64)):
         grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
         for _ in range(2):  # the second call's traces are the warm ones
             before = set(glob.glob(os.path.join(directory, "*.json")))
