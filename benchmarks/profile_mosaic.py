@@ -5,12 +5,15 @@
 ``wait_in``, ``wait_out``, ``store``). A GPU run, not a CPU one:
 
     PYTHONPATH=. python benchmarks/profile_mosaic.py [--shape 8 2048 8 128] [--dir DIR]
+        [--retention apf,none]
 
-For each kernel: per CTA (one warpgroup each), the mean over CTAs of each region's count and
-total µs, its mean µs an occurrence, and its share of the CTA's span (first to last event);
-the rest of the span is code outside every region. The profiler's own cost (~12 cycles an
-event, subtracted by its dump) and its global-timer reads make the kernels somewhat slower
-than unprofiled. The traces (Perfetto JSON, one a call) stay in DIR.
+bench_osgm's inputs (unit keys, β = σ(x), η = 0.003) with APF retention σ(x + 6) ("apf") and
+without ("none": OSDN's default, whose tiles may take more sweeps). For each kernel: per CTA
+(one warpgroup each), the mean over CTAs of each region's count and total µs, its mean µs an
+occurrence, and its share of the CTA's span (first to last event); the rest of the span is
+code outside every region. The profiler's own cost (~12 cycles an event, subtracted by its
+dump) and its global-timer reads make the kernels somewhat slower than unprofiled. The traces
+(Perfetto JSON, one a call) stay in DIR.
 """
 
 import argparse
@@ -69,13 +72,28 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", type=int, nargs=4, default=[8, 2048, 8, 128])
     ap.add_argument("--dir", default=None, help="where the traces go (default: a new temporary one)")
+    ap.add_argument("--retention", default="apf,none", help="apf, none or both (comma-separated)")
     a = ap.parse_args()
+    cases = a.retention.split(",")
+    if not cases or set(cases) - {"apf", "none"}:
+        ap.error(f"--retention takes apf, none or both, got {a.retention!r}")
     directory = a.dir or tempfile.mkdtemp(prefix="osgm_profile_")
     os.makedirs(directory, exist_ok=True)
     B, T, H, K = a.shape
-    x, key = make_inputs(jax.random.PRNGKey(0), B, T, H, K, jnp.bfloat16)
-    f = phase1("pallas")
+    x, _ = make_inputs(jax.random.PRNGKey(0), B, T, H, K, jnp.bfloat16)
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, bf16 "
+          f"{'x'.join(map(str, a.shape))}, traces in {directory}")
+    for case in cases:
+        found = traces(x, phase1("pallas", apf=case == "apf"), directory, T)
+        if not found:
+            print(f"{case}: no traces (the profiler runs on a GPU only, not in interpret mode)")
+        for name, per_cta in found:
+            print_table(f"{name} ({case})", per_cta)
 
+
+def traces(x, f, directory, T):
+    """(kernel, ``region_times``) of each Mosaic kernel in one warm gradient of ``f``'s
+    outputs with respect to k, β and r, profiled into ``directory``."""
     def loss(k, beta, r):
         kw, final = f({**x, "k": k, "beta": beta, "r": r})
         return jnp.sum(kw.astype(jnp.float32) ** 2) + jnp.sum(final)
@@ -86,19 +104,23 @@ def main():
         for _ in range(2):  # the second call's traces are the warm ones
             before = set(glob.glob(os.path.join(directory, "*.json")))
             jax.block_until_ready(grad(x["k"], x["beta"], x["r"]))
-    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, APF bf16 "
-          f"{'x'.join(map(str, a.shape))}, traces in {directory}")
+    out = []
     for path in sorted(set(glob.glob(os.path.join(directory, "*.json"))) - before):
         with open(path) as fh:
             per_cta = region_times(json.load(fh)["traceEvents"])
-        rows, span = summary(per_cta)
-        name = kernel_of({n for r, _ in per_cta.values() for n in r})
-        print(f"\n{name}: {len(per_cta)} CTAs, span {span:.1f} µs a CTA")
-        print(f"{'region':12s} {'count':>7s} {'µs a CTA':>9s} {'µs each':>8s} {'share':>6s}")
-        for region, count, total, each, share in rows:
-            print(f"{region:12s} {count:7.1f} {total:9.1f} {each:8.3f} {share:6.1%}")
-        rest = 1.0 - sum(r[4] for r in rows)
-        print(f"{'(outside)':12s} {'':7s} {rest * span:9.1f} {'':8s} {rest:6.1%}")
+        out.append((kernel_of({n for r, _ in per_cta.values() for n in r}), per_cta))
+    return out
+
+
+def print_table(title, per_cta):
+    """``summary``'s rows of one kernel's trace as a table."""
+    rows, span = summary(per_cta)
+    print(f"\n{title}: {len(per_cta)} CTAs, span {span:.1f} µs a CTA")
+    print(f"{'region':12s} {'count':>7s} {'µs a CTA':>9s} {'µs each':>8s} {'share':>6s}")
+    for region, count, total, each, share in rows:
+        print(f"{region:12s} {count:7.1f} {total:9.1f} {each:8.3f} {share:6.1%}")
+    rest = 1.0 - sum(r[4] for r in rows)
+    print(f"{'(outside)':12s} {'':7s} {rest * span:9.1f} {'':8s} {rest:6.1%}")
 
 
 if __name__ == "__main__":
