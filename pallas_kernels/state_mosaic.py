@@ -28,8 +28,8 @@ accumulation: the CPU tests check everything else (indexing, TMA copies, barrier
 flags); the wgmma path is checked on the device by benchmarks/bench_delta.py.
 """
 
-import contextlib
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.triton_common import out_struct
+from pallas_kernels.triton_common import TraceDefaults, out_struct
 
 C = 64  # chunk
 BV = 64  # V tile of one CTA
@@ -147,22 +147,22 @@ def _doc_states(x):
     return jnp.swapaxes(x, -1, -2).astype(F32)
 
 
-# (directory, ranges) while ``profiled`` is active: the kernels built then record the regions of
-# their ``jax.named_scope``s (Mosaic GPU's profiler, ``benchmarks/profile_mosaic.py``)
-_PROFILE: list = [None]
+class Profile(NamedTuple):
+    """Mosaic GPU's profiler settings: traces into ``directory``, ``ranges`` a warpgroup."""
+    directory: str
+    ranges: int
 
 
-@contextlib.contextmanager
+# the kernels built inside ``profiled`` record the regions of their ``jax.named_scope``s
+_PROFILE = TraceDefaults("profiled", Profile, None)
+
+
 def profiled(directory: str, ranges: int = 512):
     """Kernels lowered inside record each ``jax.named_scope`` region's start and end per
     warpgroup (at most ``ranges`` a warpgroup, later ones dropped) into a Perfetto trace in
     ``directory`` after each call (GPU only; interpret mode ignores it). The events wait in
     shared memory, 16 bytes a range a warpgroup, on top of the kernel's own."""
-    _PROFILE[0] = (directory, ranges)
-    try:
-        yield
-    finally:
-        _PROFILE[0] = None
+    return _PROFILE.use(Profile(directory, ranges))
 
 
 def kernel(body, *, name, out_type, scratch, grid, interpret, grid_names=("b", "h", "v"),
@@ -174,8 +174,9 @@ def kernel(body, *, name, out_type, scratch, grid, interpret, grid_names=("b", "
     threads itself (``plgpu.commit_smem``) wherever one reads what another wrote. Inside
     ``profiled`` (and not ``interpret``) the profiler records the body's named scopes."""
     threads = dict(num_threads=warpgroups, thread_name="wg") if warpgroups > 1 else {}
-    profile = {} if interpret or _PROFILE[0] is None else dict(
-        profile_dir=_PROFILE[0][0], profile_space=_PROFILE[0][1], profile_bounds_check=True)
+    p = None if interpret else _PROFILE.current
+    profile = {} if p is None else dict(profile_dir=p.directory, profile_space=p.ranges,
+                                        profile_bounds_check=True)
     params = plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=not auto_barriers,
                                   **profile)
     return plgpu.kernel(
