@@ -34,19 +34,20 @@ def region_times(events):
     """{warpgroup trace id: ({region: [durations µs]}, span µs)} from a trace's events (the
     ``traceEvents`` of Mosaic GPU's profiler dump: "B" / "E" pairs, ``ts`` in µs, nested
     regions closed in order)."""
-    open_, out = collections.defaultdict(list), {}
+    open_ = collections.defaultdict(list)
+    regions = collections.defaultdict(lambda: collections.defaultdict(list))
+    stamps = collections.defaultdict(list)
     for e in events:
         tid = e["tid"]
-        regions, first, last = out.get(tid, (collections.defaultdict(list), e["ts"], e["ts"]))
+        stamps[tid].append(e["ts"])
         if e["ph"] == "B":
             open_[tid].append(e)
-        else:
-            begin = open_[tid].pop()
-            if begin["name"] != e["name"]:
-                raise ValueError(f"trace {tid}: {e['name']!r} closes {begin['name']!r}")
-            regions[e["name"]].append(e["ts"] - begin["ts"])
-        out[tid] = (regions, min(first, e["ts"]), max(last, e["ts"]))
-    return {tid: (regions, last - first) for tid, (regions, first, last) in out.items()}
+            continue
+        begin = open_[tid].pop()
+        if begin["name"] != e["name"]:
+            raise ValueError(f"trace {tid}: {e['name']!r} closes {begin['name']!r}")
+        regions[tid][e["name"]].append(e["ts"] - begin["ts"])
+    return {tid: (regions[tid], max(ts) - min(ts)) for tid, ts in stamps.items()}
 
 
 def summary(per_cta):
@@ -99,11 +100,12 @@ def traces(x, f, directory, T):
         return jnp.sum(kw.astype(jnp.float32) ** 2) + jnp.sum(final)
 
     # ~10 ranges a forward tile, ~13 a backward one at the bench's ~2.2 / ~3.1 sweeps a tile
+    args = (x["k"], x["beta"], x["r"])
     with state_mosaic.profiled(directory, ranges=24 * -(-T // 64)):
         grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-        for _ in range(2):  # the second call's traces are the warm ones
-            before = set(glob.glob(os.path.join(directory, "*.json")))
-            jax.block_until_ready(grad(x["k"], x["beta"], x["r"]))
+        jax.block_until_ready(grad(*args))  # compiles and warms; its traces are left out
+        before = set(glob.glob(os.path.join(directory, "*.json")))
+        jax.block_until_ready(grad(*args))
     out = []
     for path in sorted(set(glob.glob(os.path.join(directory, "*.json"))) - before):
         with open(path) as fh:
