@@ -80,7 +80,7 @@ def summary(facts, times, tokens):
     prefill = statistics.median(t[0] for t in times)
     total = statistics.median(t[1] for t in times)
     return dict(facts, prefill_ms=1e3 * prefill, decode_ms=1e3 * (total - prefill),
-                tok_s=tokens / total, rounds=[round(tokens / t[1]) for t in times])
+                tok_s=tokens / total, rounds=[tokens / t[1] for t in times])
 
 
 def main():
