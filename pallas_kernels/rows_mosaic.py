@@ -36,7 +36,11 @@ GROUP = 8  # tokens whose shared-memory loads are issued together, ahead of thei
 def rows_layout(rows, docs, Tp, ones):
     """Per-token rows [B, T, H] each (then, if ``docs``, its three rows: each token's document
     id and first / last flags [B, T]) as [B, H, n, Tp] float32, padded with zeros (no document
-    flags) but row ``ones`` with ones."""
+    flags) but row ``ones`` with ones. The rows are materialised [B, T, H] first: left to
+    XLA, a row with a reduction over K (n̄ = |k|² in w) fuses into the transposing stack, each
+    thread then reducing a token's K values with 2 KB between neighbours (0.070 ms at
+    8x2048x8x128 on the H200, run 122, against ~0.015 for the reduction and the stack apart)."""
+    rows = lax.optimization_barrier(tuple(rows))
     B, T, H = rows[0].shape
     rows = list(rows) + ([] if docs is None else [jnp.broadcast_to(
         x.astype(F32)[..., None], (B, T, H)) for x in docs])

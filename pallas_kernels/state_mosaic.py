@@ -160,7 +160,9 @@ _PROFILE = TraceDefaults("profiled", Profile, None)
 def profiled(directory: str, ranges: int = 512):
     """Kernels lowered inside record each ``jax.named_scope`` region's start and end per
     warpgroup (at most ``ranges`` a warpgroup, later ones dropped) into a Perfetto trace in
-    ``directory`` after each call (GPU only; interpret mode ignores it). The events wait in
+    ``directory``, one file a lowered kernel (named at lowering) holding its first execution's
+    events: later executions find the file there and are not kept (GPU only; interpret mode
+    ignores it). The events wait in
     shared memory, 16 bytes a range a warpgroup, on top of the kernel's own."""
     return _PROFILE.use(Profile(directory, ranges))
 
