@@ -10,7 +10,8 @@ Checks (fresh random inputs; device memory filled with NaN before each run): pal
 token-by-token reference, k̃, final d and the gradients of k, β, r and d_1 for a random
 cotangent, relative RMS error with the bars of bench_delta (bf16 6e-3 outputs, 8e-3 gradients;
 fp32 1e-4): the paper's setting (η = 0.003, APF retention σ(x + 6)) in fp32 and bf16, and a
-clip-active one (η = 1, beta-free, skewed keys) in fp32, and the same two for the Picard form
+clip-active one (η = 1, beta-free, skewed keys) in fp32, packed documents in fp32 and bf16,
+and the first two for the Picard form
 (``chunked.osgm_picard``, with its iteration count). Timings (bf16, median after warm-up):
 phase 1 alone with each variant's kernels (APF), forward and forward+backward (gradients of
 k, β, r); ``baselines``: the chunked form and the Picard form in XLA (APF), the default
@@ -79,12 +80,12 @@ def packed(x, key):
 
 def variant(text):
     """``Options`` from "prefetch/num_warps[/unroll[/bwd_unroll]][/scalar][/pN[/bkM][/fixed]
-    [/cpN|/cpauto]][/mosaic]" (e.g. "4/1", "2/1/4/scalar", "2/1/16/8": the forward 16 tokens an
+    [/cpN|/cpauto]][/mosaic[/wg2]]" (e.g. "4/1", "2/1/4/scalar", "2/1/16/8": the forward 16 tokens an
     iteration, the backward 8; "2/1/8/p8/bk32": phase 1 by at most 8 Picard sweeps each way over
     blocks of 32 coordinates; "fixed": exactly N sweeps, no early exit; "cp8" / "cpauto": each
     sweep over 8 / ``auto_pieces`` sequence pieces, ``Options.picard_pieces``, auto when not
     named, "cp1": unsplit; "mosaic": both directions on the Mosaic GPU kernels of ``osgm_mosaic``,
-    ``Options.mosaic_loops``). Without "pN" the token loops (not ``picard_iters=None``'s choice by
+    ``Options.mosaic_loops``; "wg2": their forward on two warpgroups, ``mosaic_warpgroups``). Without "pN" the token loops (not ``picard_iters=None``'s choice by
     shape: a variant names its kernels)."""
     parts = text.split("/")
     flags = [t for t in parts if not t.isdigit()]
@@ -94,17 +95,17 @@ def variant(text):
     pieces = [None if t == "cpauto" else int(t[2:]) for t in flags
               if t == "cpauto" or (t[:2] == "cp" and t[2:].isdigit())]
     known = (len(picard) + len(block) + len(pieces) + flags.count("scalar")
-             + flags.count("fixed") + flags.count("mosaic"))
+             + flags.count("fixed") + flags.count("mosaic") + flags.count("wg2"))
     if (not 2 <= len(numbers) <= 4 or known != len(flags)
             or parts[:len(numbers)] != numbers):
         raise ValueError("--variants entries are prefetch/num_warps[/unroll[/bwd_unroll]]"
-                         f"[/scalar][/pN[/bkM][/fixed][/cpN|/cpauto]][/mosaic], got {text!r}")
+                         f"[/scalar][/pN[/bkM][/fixed][/cpN|/cpauto]][/mosaic[/wg2]], got {text!r}")
     numbers = list(map(int, numbers))
     return Options(*numbers[:3], scalar_aux="scalar" in flags,
                    bwd_unroll=numbers[3] if len(numbers) == 4 else None,
                    picard_iters=picard[0] if picard else 0,
                    picard_early_exit=bool(picard) and "fixed" not in flags,
-                   mosaic_loops="mosaic" in flags,
+                   mosaic_loops="mosaic" in flags, mosaic_warpgroups=2 if "wg2" in flags else 1,
                    **({"picard_block_k": block[0]} if block else {}),
                    **({"picard_pieces": pieces[0]} if pieces else {}))
 
@@ -168,7 +169,8 @@ def main():
     variants = [variant(v) for v in names]
     cases = [("paper APF fp32", jnp.float32, {}), ("paper APF bf16", jnp.bfloat16, {}),
              ("clip eta=1 beta-free fp32", jnp.float32, dict(eta=1.0, beta_aware=False)),
-             ("packed APF fp32", jnp.float32, dict(packed=True))]
+             ("packed APF fp32", jnp.float32, dict(packed=True)),
+             ("packed APF bf16", jnp.bfloat16, dict(packed=True))]
 
     def checks(which, options=None, label="", impl="pallas"):
         """The checks ``cases[n]`` for n in ``which`` of ``impl`` (``options``' kernels; None:

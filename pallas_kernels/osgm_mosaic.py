@@ -41,7 +41,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.rows_mosaic import (
     F32, K_THREADS, KP, TILE, VEC, check_shape, cta_kernel, doc_scratch, document_out, flag_mask,
     issue, padded, restart_rows, row, row_sums, rows_layout, send, square_rows, tile, tokens,
-    walk)
+    walk, walk_pair)
 from pallas_kernels.state_mosaic import COLS, ROWS, bcast_cols
 from pallas_kernels.triton_common import out_struct
 
@@ -119,14 +119,24 @@ def _forward_sweep(d0, s_row, u, r, D, bounds, interpret, first=None):
     return tokens(load, step, d0, interpret)
 
 
-def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residuals=False):
+def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residuals=False,
+             warpgroups=1):
     """k [B, Tp, H, 128] (Tp a multiple of TILE), coefs [B, H, 3 (+ 3 if ``packed``), Tp]
     (``coefficient_rows``), initial_state [N, H, 128] float32 (N = B, or the documents);
     bounds (d_min, d_max). Returns k̃ [B, Tp, H, 128] in k's dtype and the final d [N, H, 128]
     float32; with ``residuals`` also the rows (u_t, a_t) [B, H, 2, Tp] and the state entering
-    each tile [B, Tp / TILE, H, 128] float32 (``osgm_bwd``'s inputs)."""
+    each tile [B, Tp / TILE, H, 128] float32 (``osgm_bwd``'s inputs). ``warpgroups`` 2 (16-bit
+    keys): the sweeps' warpgroup does only the chain (the guess, the sweeps, the row sums) while
+    a second one forms S of the next tile and k̃ of the last (``rows_mosaic.walk_pair``; two S
+    and D tiles)."""
     B, Tp, H, K = k.shape
     check_shape("osgm_mosaic.osgm_fwd", K, Tp)
+    if warpgroups not in (1, 2):
+        raise ValueError(f"warpgroups must be 1 or 2, got {warpgroups!r}")
+    if warpgroups == 2 and k.dtype.itemsize > 2:
+        raise ValueError(f"warpgroups=2 takes 16-bit keys (float32 ones leave no shared memory "
+                         f"for two S and D tiles), got {k.dtype}")
+    slots = warpgroups  # S and D: one per tile in flight
     ins = (k, coefs, initial_state)
     out_type = (out_struct((B, Tp, H, K), k.dtype, *ins),
                 out_struct(initial_state.shape, F32, *ins))
@@ -135,31 +145,35 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
                      out_struct((B, Tp // TILE, H, K), F32, *ins))
     vec = plgpu.SMEM((2, TILE), F32)
     scratch = dict(k=plgpu.SMEM((2, TILE, K), k.dtype), w=vec, g=vec, r=vec, u=vec, a=vec,
-                   out=plgpu.SMEM((2, TILE, K), k.dtype), D=plgpu.SMEM((TILE, KP), F32),
-                   S=plgpu.SMEM((TILE, KP), F32), starts=plgpu.SMEM((2, K), F32),
+                   out=plgpu.SMEM((2, TILE, K), k.dtype), D=plgpu.SMEM((slots, TILE, KP), F32),
+                   S=plgpu.SMEM((slots, TILE, KP), F32), starts=plgpu.SMEM((2, K), F32),
                    **doc_scratch(packed, vec))
     rows = range(6 if packed else 3)
 
     def body(k_ref, c_ref, init_ref, out_ref, final_ref, *res_refs, k, w, g, r, u, a, out, D,
              S, starts, state, start_bar, in_bar, doc_buf, stage, doc=None, first=None,
-             last=None):
+             last=None, ready=None, done=None):
         b, h = lax.axis_index("b"), lax.axis_index("h")
         bufs = (w, g, r) + ((doc, first, last) if packed else ())
-        D, S = padded(D), padded(S)
+
+        def tile_of(ref, slot):  # the [TILE, 128] S or D of the tile in ``slot``
+            return padded(ref.at[slot if slots == 2 else 0])
 
         def issue_tile(i, slot):
             issue((b, h), i, slot, in_bar, [(k_ref, k)], rows, c_ref, bufs)
 
-        def run_tile(i, slot, d0):
-            k_tile, u_t = k.at[slot], u.at[slot]
+        def form(i, slot):  # s_t = k_t ⊙ k_t of the tile's tokens into S
             with jax.named_scope("squares"):
-                square_rows(k_tile, S, interpret)
-                starts.at[slot][...] = d0
-                if packed:
-                    restart_rows(init_ref, h, doc.at[slot], first.at[slot], D, start_bar, stage)
-                plgpu.commit_smem()
+                square_rows(k.at[slot], tile_of(S, slot), interpret)
+
+        def chain(i, slot, d0):
+            D_, S_, u_t = tile_of(D, slot), tile_of(S, slot), u.at[slot]
+            starts.at[slot][...] = d0
+            if packed:
+                restart_rows(init_ref, h, doc.at[slot], first.at[slot], D_, start_bar, stage)
+            plgpu.commit_smem()
             with jax.named_scope("guess"):
-                s = tile(S, interpret)
+                s = tile(S_, interpret)
                 w_row = plgpu.load(w.at[slot], layout=ROWS)
                 g_row = plgpu.load(g.at[slot], layout=ROWS)
                 guess = jnp.sum(s * bcast_cols(plgpu.load(starts.at[slot], layout=COLS), s.shape),
@@ -169,29 +183,32 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
                 with jax.named_scope("sweep"):
                     u_t[...] = w_row * (1.0 - g_row * a_t)
                     plgpu.commit_smem()
-                    d = _forward_sweep(d0, lambda t: row(S.at[t]), u_t, r.at[slot], D, bounds,
+                    d = _forward_sweep(d0, lambda t: row(S_.at[t]), u_t, r.at[slot], D_, bounds,
                                        interpret, first.at[slot] if packed else None)
                     plgpu.commit_smem()
                 with jax.named_scope("row_sums"):
-                    return row_sums(D, s, interpret), d
+                    return row_sums(D_, s, interpret), d
 
             a_t, d = _settle(step, guess, d0)
             a.at[slot][...] = a_t
-
-            def emit(t, values, carry):  # k̃_t = d_t ⊙ k_t, by rows (each thread its own D, k)
-                out.at[slot, t][...] = (values[0] * values[1]).astype(k.dtype)
-                return carry
-
-            with jax.named_scope("emit"):
-                tokens(lambda t: (row(D.at[t]), row(k_tile.at[t])), emit, None, interpret)
             if packed:  # each document ending here: its state after its last token
                 def ends(t, _):
-                    value = _clip(_affine(r[slot, t], row(D.at[t]), u_t[t], row(S.at[t])),
+                    value = _clip(_affine(r[slot, t], row(D_.at[t]), u_t[t], row(S_.at[t])),
                                   *bounds)
                     document_out(value, final_ref, h, doc[slot, t].astype(jnp.int32),
                                  last[slot, t], doc_buf)
                 lax.fori_loop(0, TILE, ends, None)
             return d
+
+        def emit(i, slot):  # k̃_t = d_t ⊙ k_t, by rows (each thread its own D, k)
+            D_, k_tile = tile_of(D, slot), k.at[slot]
+
+            def step(t, values, carry):
+                out.at[slot, t][...] = (values[0] * values[1]).astype(k.dtype)
+                return carry
+
+            with jax.named_scope("emit"):
+                tokens(lambda t: (row(D_.at[t]), row(k_tile.at[t])), step, None, interpret)
 
         def store_tile(i, slot):
             rows_ref, starts_ref = res_refs if residuals else (None, None)
@@ -199,11 +216,30 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
                  (u.at[slot], a.at[slot]) if residuals else (),
                  [(starts.at[slot], starts_ref)] if residuals else ())
 
-        walk(Tp // TILE, False, issue_tile, in_bar, start_bar, state,
-             init_ref.at[0 if packed else b, h], None if packed else final_ref.at[b, h],
-             run_tile, store_tile)
+        start = init_ref.at[0 if packed else b, h]
+        end = None if packed else final_ref.at[b, h]
+        if warpgroups == 1:
+            def run_tile(i, slot, d0):
+                form(i, slot)
+                d = chain(i, slot, d0)
+                emit(i, slot)
+                return d
 
-    return cta_kernel(body, "osgm_fwd_mosaic", out_type, scratch, B, H, interpret, ins, len(rows) + 1)
+            walk(Tp // TILE, False, issue_tile, in_bar, start_bar, state, start, end, run_tile,
+                 store_tile)
+            return
+
+        def finish(i, slot):
+            emit(i, slot)
+            with jax.named_scope("store"):
+                plgpu.commit_smem()
+                store_tile(i, slot)
+
+        walk_pair(Tp // TILE, issue_tile, in_bar, ready, done, start_bar, state, start, end,
+                  form, chain, finish)
+
+    return cta_kernel(body, "osgm_fwd_mosaic", out_type, scratch, B, H, interpret, ins,
+                      len(rows) + 1, warpgroups)
 
 
 def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=False):

@@ -75,7 +75,9 @@ class Options:
     None), else the Triton ones. Run 93, APF phase 1 at 8x2048x8x128 bf16, fwd / fwd+bwd
     (synchronous calls): 0.373 / 0.919 ms against the Triton loops' 0.604 / 1.292, and at
     1x2048x8x128 0.405 / 0.770 against 0.730 / 1.571 (the Triton sweeps of run 64: 0.459
-    fwd+bwd)."""
+    fwd+bwd). ``mosaic_warpgroups``: the Mosaic forward's warpgroups a CTA, 1 or 2
+    (``osgm_mosaic.osgm_fwd``: with 2, S and k̃ formed off the sweeps' warpgroup; 16-bit keys
+    only, float32 ones take 1)."""
 
     prefetch: int = 2
     num_warps: int = 1
@@ -87,6 +89,7 @@ class Options:
     picard_early_exit: bool = False
     picard_pieces: int | None = None
     mosaic_loops: bool = True
+    mosaic_warpgroups: int = 1
 
     def __post_init__(self):
         n = self.picard_iters
@@ -100,6 +103,9 @@ class Options:
         p = self.picard_pieces
         if p is not None and (not isinstance(p, int) or isinstance(p, bool) or p < 1):
             raise ValueError(f"Options.picard_pieces must be None or an int >= 1, got {p!r}")
+        if self.mosaic_warpgroups not in (1, 2) or isinstance(self.mosaic_warpgroups, bool):
+            raise ValueError(f"Options.mosaic_warpgroups must be 1 or 2, got "
+                             f"{self.mosaic_warpgroups!r}")
         for name in ("scalar_aux", "picard_early_exit", "mosaic_loops"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Options.{name} must be a bool, got {getattr(self, name)!r}")
@@ -213,7 +219,9 @@ def _mosaic_forward(cfg, k, aux, init, residuals=False):
     Tp = rows_mosaic.padded_length(T)
     coefs = osgm_mosaic.coefficient_rows(_coefficients(cfg, k, aux), Tp, _documents(cfg, aux))
     out = _mosaic_call(
-        cfg, functools.partial(osgm_mosaic.osgm_fwd, residuals=residuals),
+        cfg, functools.partial(osgm_mosaic.osgm_fwd, residuals=residuals,
+                               warpgroups=cfg.options.mosaic_warpgroups if k.dtype.itemsize == 2
+                               else 1),
         [rows_mosaic.tile_padded(k, Tp), coefs, init], ["b t h k", "b h r t", "n h k"],
         ["b t h k", "n h k"] + (["b h j t", "b i h k"] if residuals else []))
     return (out[0][:, :T], *out[1:])

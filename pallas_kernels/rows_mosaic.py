@@ -119,6 +119,73 @@ def walk(n_tiles, reverse, issue, in_bar, start_bar, state, start, end, run_tile
     plgpu.wait_smem_to_gmem(0)
 
 
+def walk_pair(n_tiles, issue, in_bar, ready, done, start_bar, state, start, end, form, chain,
+              finish):
+    """``walk``'s tile loop split over two warpgroups (tiles in order, slot j % 2): warpgroup 1
+    forms tile j (``form(j, slot)``: the work that needs the tile's inputs only) and signals
+    ``ready[slot]``, then waits for ``done`` of tile j − 1 and finishes it (``finish(j − 1,
+    slot)``: its outputs, sent in one commit group; then the copies of tile j + 1 go into that
+    slot); warpgroup 0 runs the carry's chain, ``chain(j, slot, carry)`` -> carry, as soon as
+    tile j is formed, and signals ``done[slot]``. So tile j's chain overlaps tile j − 1's
+    finishing and tile j + 1's forming. A slot's buffers are reused two tiles later: its inputs
+    once both warpgroups are done with them (``done``), its outputs once their copies have read
+    them (warpgroup 1 waits for its commit groups before it signals ``ready``). The carry
+    enters from the GMEM ref ``start`` and leaves to ``end`` (None: not stored) as ``walk``'s."""
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg == 0)
+    def _chain():
+        plgpu.copy_gmem_to_smem(start, state, start_bar)
+        plgpu.barrier_wait(start_bar)
+
+        def body(j, carry):
+            slot = lax.rem(j, 2)
+            plgpu.barrier_wait(in_bar.at[slot])
+            with jax.named_scope("wait_in"):
+                plgpu.barrier_wait(ready.at[slot])
+            carry = chain(j, slot, carry)
+            plgpu.commit_smem()  # every thread's rows are written before the signal
+            plgpu.barrier_arrive(done.at[slot])
+            return carry
+
+        carry = lax.fori_loop(0, n_tiles, body, plgpu.load(state, layout=VEC))
+        if end is not None:
+            state[...] = carry
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(state, end)
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 1)
+    def _forms_and_finishes():
+        for j in range(min(2, n_tiles)):
+            issue(j, j)
+
+        def body(m, _):
+            @pl.when(m < n_tiles)
+            def _form():
+                slot = lax.rem(m, 2)
+                plgpu.barrier_wait(in_bar.at[slot])
+                with jax.named_scope("wait_out"):
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # tile m − 2's outputs
+                form(m, slot)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(ready.at[slot])
+
+            @pl.when(m > 0)
+            def _finish():
+                slot = lax.rem(m - 1, 2)
+                with jax.named_scope("wait_chain"):
+                    plgpu.barrier_wait(done.at[slot])
+                finish(m - 1, slot)
+
+                @pl.when(m + 1 < n_tiles)
+                def _next():
+                    issue(m + 1, slot)
+
+        lax.fori_loop(0, n_tiles + 1, body, None)
+        plgpu.wait_smem_to_gmem(0)
+
+
 def _stage(ref, h, doc, bar, stage):
     """Document ``doc``'s row of ``ref`` [N, H, 128] by TMA into ``stage`` [128], waited for (a
     TMA destination is 128-byte aligned, a row of the padded tiles is not: run 94 failed with
@@ -175,14 +242,19 @@ def flag_mask(x):
     return plgpu.layout_cast(jnp.broadcast_to(x != 0, (K_THREADS,)), VEC)
 
 
-def cta_kernel(body, name, out_type, scratch, B, H, interpret, args, arrivals):
-    """One CTA a (row, head) with ``scratch`` plus the state buffer, the barriers (two tile
-    slots of ``arrivals`` copies, one for single rows) and a document-state buffer."""
+def cta_kernel(body, name, out_type, scratch, B, H, interpret, args, arrivals, warpgroups=1):
+    """One CTA a (row, head) of ``warpgroups`` warpgroups with ``scratch`` plus the state
+    buffer, the barriers (two tile slots of ``arrivals`` copies, one for single rows) and a
+    document-state buffer; with two, also ``walk_pair``'s ``ready`` and ``done`` (one arrival
+    a slot)."""
     scratch = dict(scratch, state=plgpu.SMEM((K_THREADS,), F32), start_bar=plgpu.Barrier(),
                    in_bar=plgpu.Barrier(num_arrivals=arrivals, num_barriers=2),
                    doc_buf=plgpu.SMEM((K_THREADS,), F32), stage=plgpu.SMEM((K_THREADS,), F32))
+    if warpgroups == 2:
+        scratch.update(ready=plgpu.Barrier(num_barriers=2), done=plgpu.Barrier(num_barriers=2))
     return kernel(body, name=name, out_type=out_type, scratch=scratch, grid=(B, H),
-                  interpret=interpret, grid_names=("b", "h"), auto_barriers=False)(*args)
+                  interpret=interpret, grid_names=("b", "h"), auto_barriers=False,
+                  warpgroups=warpgroups)(*args)
 
 
 def row(ref):
