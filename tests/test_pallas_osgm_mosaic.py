@@ -37,10 +37,12 @@ def triton_loops_poisoned(monkeypatch):
                                                     (True, "inactive", "inside")])
 def test_matches_reference(beta_aware, clip, init, monkeypatch):
     """K = 100 (padded to 128), T = 70 (a partial last tile: padded tokens leave d and λ as
-    they are), two rows, APF retention: forward, final state and the gradients of k, β, r, d_1
-    within 2e-5 of the reference, the clip pinning many coordinates or never reached (initial
-    states outside the box: both bounds clip); the Triton loops never ran."""
-    x = make_inputs(3, t=70, k_dim=100, skewed=clip == "active", init=init)
+    they are), one batch row of two heads (two CTAs; the interpret mode's time goes with
+    CTAs x tiles, so one batch row: the suite's time), APF retention: forward, final state and
+    the gradients of k, β, r, d_1 within 2e-5 of the reference, the clip pinning many
+    coordinates or never reached (initial states outside the box: both bounds clip); the
+    Triton loops never ran."""
+    x = make_inputs(3, b=1, n_init=1, t=70, k_dim=100, skewed=clip == "active", init=init)
     eta = 2.0 if clip == "active" else 0.003
     if clip == "active":
         assert clipped_fraction(x, eta) > 0.2
@@ -52,11 +54,13 @@ def test_matches_reference(beta_aware, clip, init, monkeypatch):
 def test_sub_ulp_updates_on_the_bound_stay_clipped(monkeypatch):
     """Coordinates on the bounds (d_1 = d_min, d_max or 1) under a tiny η, no retention: most
     updates move d by less than half its float32 spacing at d_max (1.2e-7), so the reference's
-    r d + u s rounds back onto the bound, d stays there (3 in 4 of the d_max coordinates, never
+    r d + u s rounds back onto the bound, d stays there (most of the d_max coordinates, never
     moved) and the clip's derivative is 0. The kernels follow the reference's rounding: within
     2e-5 of it, gradients too (sweeps in finer coordinates, which keep such updates, let λ
-    through these coordinates: ∂β off by 0.3, session 21's v4)."""
-    x = make_inputs(5, t=130, k_dim=128, init="bounds")
+    through these coordinates: ∂β off by 0.3, session 21's v4). One batch row of two heads,
+    T = 70: two tiles, so the carried d crosses a tile boundary (the suite's time; was two
+    rows of 130)."""
+    x = make_inputs(5, b=1, n_init=1, t=70, k_dim=128, init="bounds")
     eta = 1e-8
     triton_loops_poisoned(monkeypatch)
     got = run(MOSAIC, x, eta=eta, retention=False)
@@ -67,8 +71,9 @@ def test_sub_ulp_updates_on_the_bound_stay_clipped(monkeypatch):
 
 
 def test_bf16_keys(monkeypatch):
-    """bf16 keys: k̃ = d ⊙ k rounded once, as the Triton loop's (within 2e-6 of it)."""
-    x = make_inputs(4, t=64, k_dim=128, skewed=True, dtype=jnp.bfloat16)
+    """bf16 keys: k̃ = d ⊙ k rounded once, as the Triton loop's (within 2e-6 of it); one batch
+    row of two heads, one tile (the suite's time)."""
+    x = make_inputs(4, b=1, n_init=1, t=64, k_dim=128, skewed=True, dtype=jnp.bfloat16)
     x["initial_state"] = x["initial_state"].astype(jnp.float32)
     want = precondition(Options(picard_iters=0), x, eta=2.0)
     triton_loops_poisoned(monkeypatch)
