@@ -39,7 +39,8 @@ def rows_layout(rows, docs, Tp, ones):
     flags) but row ``ones`` with ones. The rows are materialised [B, T, H] first: left to
     XLA, a row with a reduction over K (n̄ = |k|² in w) fuses into the transposing stack, each
     thread then reducing a token's K values with 2 KB between neighbours (0.070 ms at
-    8x2048x8x128 on the H200, run 122, against ~0.015 for the reduction and the stack apart)."""
+    8x2048x8x128 on the H200, RESULTS run 122; apart, run 123: the reduction 0.011 and the
+    stack too short to list)."""
     rows = lax.optimization_barrier(tuple(rows))
     B, T, H = rows[0].shape
     rows = list(rows) + ([] if docs is None else [jnp.broadcast_to(
