@@ -33,6 +33,8 @@ rows are copied into the tile's row buffer before the sweeps, which read them th
 interpret mode (``plgpu.InterpretGPUParams``) the same program runs on the CPU.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -40,8 +42,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.rows_mosaic import (
     F32, K_THREADS, KP, TILE, VEC, check_shape, cta_kernel, doc_scratch, document_out, flag_mask,
-    issue, padded, restart_rows, row, row_sums, rows_layout, send, square_rows, tile, tokens,
-    walk, walk_pair)
+    issue, padded, restart_rows, row, row_sums, rows_layout, send, slot_tile, square_rows, tile,
+    tokens, walk, walk_pair)
 from pallas_kernels.state_mosaic import COLS, ROWS, bcast_cols
 from pallas_kernels.triton_common import out_struct
 
@@ -68,6 +70,16 @@ def backward_rows(coefs, u, a, eps, Tp, docs=None):
     r = 1 (a padded token passes λ on unchanged); ``docs`` as ``coefficient_rows``'s."""
     _, n, g, w, r = coefs
     return rows_layout([u, r, w * g, jnp.where(n > eps, (1.0 - g * a) * w / n, 0.0)], docs, Tp, RB)
+
+
+def check_warpgroups(warpgroups, *seqs):
+    """ValueError unless ``warpgroups`` is 1, or 2 with 16-bit ``seqs`` (float32 ones leave no
+    shared memory for a second tile of the buffers two warpgroups keep in flight)."""
+    if warpgroups not in (1, 2):
+        raise ValueError(f"warpgroups must be 1 or 2, got {warpgroups!r}")
+    if warpgroups == 2 and any(x.dtype.itemsize > 2 for x in seqs):
+        raise ValueError(f"warpgroups=2 takes 16-bit inputs (no shared memory for two tiles in "
+                         f"flight with float32 ones), got {[str(x.dtype) for x in seqs]}")
 
 
 def _clip(p, d_min, d_max):
@@ -131,12 +143,7 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
     and D tiles)."""
     B, Tp, H, K = k.shape
     check_shape("osgm_mosaic.osgm_fwd", K, Tp)
-    if warpgroups not in (1, 2):
-        raise ValueError(f"warpgroups must be 1 or 2, got {warpgroups!r}")
-    if warpgroups == 2 and k.dtype.itemsize > 2:
-        raise ValueError(f"warpgroups=2 takes 16-bit keys (float32 ones leave no shared memory "
-                         f"for two S and D tiles), got {k.dtype}")
-    slots = warpgroups  # S and D: one per tile in flight
+    check_warpgroups(warpgroups, k)
     ins = (k, coefs, initial_state)
     out_type = (out_struct((B, Tp, H, K), k.dtype, *ins),
                 out_struct(initial_state.shape, F32, *ins))
@@ -145,8 +152,8 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
                      out_struct((B, Tp // TILE, H, K), F32, *ins))
     vec = plgpu.SMEM((2, TILE), F32)
     scratch = dict(k=plgpu.SMEM((2, TILE, K), k.dtype), w=vec, g=vec, r=vec, u=vec, a=vec,
-                   out=plgpu.SMEM((2, TILE, K), k.dtype), D=plgpu.SMEM((slots, TILE, KP), F32),
-                   S=plgpu.SMEM((slots, TILE, KP), F32), starts=plgpu.SMEM((2, K), F32),
+                   out=plgpu.SMEM((2, TILE, K), k.dtype), D=plgpu.SMEM((warpgroups, TILE, KP), F32),
+                   S=plgpu.SMEM((warpgroups, TILE, KP), F32), starts=plgpu.SMEM((2, K), F32),
                    **doc_scratch(packed, vec))
     rows = range(6 if packed else 3)
 
@@ -156,18 +163,15 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
         b, h = lax.axis_index("b"), lax.axis_index("h")
         bufs = (w, g, r) + ((doc, first, last) if packed else ())
 
-        def tile_of(ref, slot):  # the [TILE, 128] S or D of the tile in ``slot``
-            return padded(ref.at[slot if slots == 2 else 0])
-
         def issue_tile(i, slot):
             issue((b, h), i, slot, in_bar, [(k_ref, k)], rows, c_ref, bufs)
 
         def form(i, slot):  # s_t = k_t ⊙ k_t of the tile's tokens into S
             with jax.named_scope("squares"):
-                square_rows(k.at[slot], tile_of(S, slot), interpret)
+                square_rows(k.at[slot], slot_tile(S, slot), interpret)
 
         def chain(i, slot, d0):
-            D_, S_, u_t = tile_of(D, slot), tile_of(S, slot), u.at[slot]
+            D_, S_, u_t = slot_tile(D, slot), slot_tile(S, slot), u.at[slot]
             starts.at[slot][...] = d0
             if packed:
                 restart_rows(init_ref, h, doc.at[slot], first.at[slot], D_, start_bar, stage)
@@ -201,7 +205,7 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
             return d
 
         def emit(i, slot):  # k̃_t = d_t ⊙ k_t, by rows (each thread its own D, k)
-            D_, k_tile = tile_of(D, slot), k.at[slot]
+            D_, k_tile = slot_tile(D, slot), k.at[slot]
 
             def step(t, values, carry):
                 out.at[slot, t][...] = (values[0] * values[1]).astype(k.dtype)
@@ -235,14 +239,15 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
                 plgpu.commit_smem()
                 store_tile(i, slot)
 
-        walk_pair(Tp // TILE, issue_tile, in_bar, ready, done, start_bar, state, start, end,
-                  form, chain, finish)
+        walk_pair(Tp // TILE, False, issue_tile, in_bar, ready, done, start_bar, state, start,
+                  end, form, chain, finish)
 
     return cta_kernel(body, "osgm_fwd_mosaic", out_type, scratch, B, H, interpret, ins,
                       len(rows) + 1, warpgroups)
 
 
-def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=False):
+def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=False,
+             warpgroups=1):
     """The reverse scan by Picard sweeps per tile (tiles in reverse): with λ = ∂L/∂d_{t+1},
     μ = λ ⊙ [d_min < r d + u s < d_max], γ = ⟨μ, s⟩ (the sweeps' coupling),
 
@@ -255,9 +260,13 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
     (``backward_rows``), init (the documents' initial states; read with ``packed`` only) and
     dfinal [N, H, 128]. Padded tokens (k = 0, r = 1) mask λ by [d_min < d < d_max] for the
     final d, as the last real token's clip derivative does already. Returns (∂k [B, Tp, H,
-    128] float32, rows (γ, ∂r) [B, H, 2, Tp] float32, ∂d_1 [N, H, 128])."""
+    128] float32, rows (γ, ∂r) [B, H, 2, Tp] float32, ∂d_1 [N, H, 128]). ``warpgroups`` 2
+    (16-bit k and ∂k̃): the chain's warpgroup recomputes d_t and runs the sweeps while a
+    second one forms ∂r and ∂k of the tile before and sends them (``rows_mosaic.walk_pair``;
+    two D and M tiles, s_t squared where read)."""
     B, Tp, H, K = k.shape
     check_shape("osgm_mosaic.osgm_bwd", K, Tp)
+    check_warpgroups(warpgroups, k, dkw)
     d_min, d_max = bounds
     ins = (k, dkw, coefs, starts, init, dfinal)
     out_type = (out_struct((B, Tp, H, K), F32, *ins), out_struct((B, H, 2, Tp), F32, *ins),
@@ -265,20 +274,22 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
     vec = plgpu.SMEM((2, TILE), F32)
     scratch = dict(k=plgpu.SMEM((2, TILE, K), k.dtype), dkw=plgpu.SMEM((2, TILE, K), dkw.dtype),
                    st=plgpu.SMEM((2, K), F32), u=vec, r=vec, gw=vec, gn=vec,
-                   c=plgpu.SMEM((TILE,), F32), gam=vec, dr=vec, D=plgpu.SMEM((TILE, KP), F32),
-                   M=plgpu.SMEM((TILE, KP), F32), **doc_scratch(packed, vec))
-    squares = k.dtype != F32  # s_t kept in S (float32 keys: no room; squared where read)
+                   c=plgpu.SMEM((TILE,), F32), gam=vec, dr=vec,
+                   D=plgpu.SMEM((warpgroups, TILE, KP), F32),
+                   M=plgpu.SMEM((warpgroups, TILE, KP), F32), **doc_scratch(packed, vec))
+    # s_t kept in S on one warpgroup with 16-bit keys; else no room: squared where read
+    squares = k.dtype != F32 and warpgroups == 1
     if squares:
         scratch["S"] = plgpu.SMEM((TILE, KP), F32)
     rows = range(7 if packed else 4)
 
     def body(k_ref, dkw_ref, c_ref, st_ref, init_ref, dfinal_ref, dk_ref, rows_ref, dinit_ref,
              *, k, dkw, st, u, r, gw, gn, c, gam, dr, D, M, state, start_bar, in_bar,
-             doc_buf, stage, S=None, doc=None, first=None, last=None):
+             doc_buf, stage, S=None, doc=None, first=None, last=None, ready=None, done=None):
         b, h = lax.axis_index("b"), lax.axis_index("h")
         bufs = (u, r, gw, gn) + ((doc, first, last) if packed else ())
-        D, M = padded(D), padded(M)
         S = padded(S) if squares else None
+        D_of, M_of = (functools.partial(slot_tile, x) for x in (D, M))
 
         def s_row(t, slot):
             """s_t = k_t ⊙ k_t (float32)."""
@@ -300,7 +311,7 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
 
         def inside(t, slot):
             """[d_min < r_t d_t + u_t s_t < d_max]: where the clip passes λ at token t."""
-            p = _affine(r[slot, t], row(D.at[t]), u[slot, t], s_row(t, slot))
+            p = _affine(r[slot, t], row(D_of(slot).at[t]), u[slot, t], s_row(t, slot))
             return (p > d_min) & (p < d_max)
 
         def source(t, slot):
@@ -311,6 +322,8 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
             """μ_t into the rows of M (a document's last token: λ from the row there, whose μ
             is written once before the sweeps); λ ← r_t μ_t + ``source``; returns λ before the
             tile."""
+            M = M_of(slot)
+
             def load(t):
                 restart = (flag_mask(last[slot, t]), row(M.at[t])) if packed else None
                 return inside(t, slot), r[slot, t], source(t, slot), restart
@@ -328,6 +341,8 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
         def gradient_rows(slot):
             """∂k_t = 2 k_t ⊙ (u_t μ_t − γ_t w_t g_t d_t − γ_t c_n) + ∂k̃_t ⊙ d_t in place of
             μ_t in M, by rows (the coefficient rows and γ from shared memory)."""
+            D, M = D_of(slot), M_of(slot)
+
             def load(t):
                 return (row(k.at[slot, t]), row(dkw.at[slot, t]), row(M.at[t]), row(D.at[t]),
                         u[slot, t], -gam[slot, t], gw[slot, t], gn[slot, t])
@@ -340,7 +355,8 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
 
             tokens(load, step, None, interpret)
 
-        def run_tile(i, slot, lam0):
+        def chain(i, slot, lam0):
+            D, M = D_of(slot), M_of(slot)
             with jax.named_scope("squares"):
                 if squares:
                     square_rows(k.at[slot], S, interpret)
@@ -350,8 +366,9 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
                 _forward_sweep(plgpu.load(st.at[slot], layout=VEC), lambda t: s_row(t, slot),
                                u.at[slot], r.at[slot], D, bounds, interpret,
                                first.at[slot] if packed else None)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # M's ∂k of the last tile was sent
-            # (the others wait for this thread at the barrier before M is written)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # one warpgroup: M's ∂k of the
+            # last tile was sent (the others wait for this thread at the barrier before M is
+            # written); two: only the documents' states (``walk_pair`` waits for M's copies)
             if packed:  # μ at each document's last token, from its dfinal row
                 restart_rows(dfinal_ref, h, doc.at[slot], last.at[slot], M, start_bar, stage)
 
@@ -374,25 +391,47 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
 
             gam_t, lam = _settle(step, plgpu.layout_cast(jnp.zeros((TILE,), F32), ROWS), lam0)
             gam.at[slot][...] = gam_t
-            with jax.named_scope("dr"):
-                dr.at[slot][...] = jnp.sum(tile(M, interpret) * tile(D, interpret), axis=1)
             if packed:  # each document starting here: the λ before its first token
                 def starts_(t, _):
                     lam_t = r[slot, t] * row(M.at[t]) + source(t, slot)
                     document_out(lam_t, dinit_ref, h, doc[slot, t].astype(jnp.int32),
                                  first[slot, t], doc_buf)
                 lax.fori_loop(0, TILE, starts_, None)
-            plgpu.commit_smem()  # γ in shared memory for every thread
-            with jax.named_scope("gradients"):
-                gradient_rows(slot)
             return lam
 
+        def gradients(i, slot):  # ∂r_t = ⟨μ_t, d_t⟩, then ∂k_t in place of μ_t
+            plgpu.commit_smem()  # γ in shared memory for every thread
+            with jax.named_scope("dr"):
+                dr.at[slot][...] = jnp.sum(tile(M_of(slot), interpret) * tile(D_of(slot), interpret),
+                                           axis=1)
+            with jax.named_scope("gradients"):
+                gradient_rows(slot)
+
         def store_tile(i, slot):
-            send((b, h), i, [], rows_ref, (gam.at[slot], dr.at[slot]), by_rows=[(M, dk_ref)])
+            send((b, h), i, [], rows_ref, (gam.at[slot], dr.at[slot]),
+                 by_rows=[(M_of(slot), dk_ref)])
 
-        walk(Tp // TILE, True, issue_tile, in_bar, start_bar, state,
-             dfinal_ref.at[0 if packed else b, h], None if packed else dinit_ref.at[b, h],
-             run_tile, store_tile)
+        start = dfinal_ref.at[0 if packed else b, h]
+        end = None if packed else dinit_ref.at[b, h]
+        if warpgroups == 1:
+            def run_tile(i, slot, lam0):
+                lam = chain(i, slot, lam0)
+                gradients(i, slot)
+                return lam
 
-    return cta_kernel(body, "osgm_bwd_mosaic", out_type, scratch, B, H, interpret, ins, len(rows) + 3)
+            walk(Tp // TILE, True, issue_tile, in_bar, start_bar, state, start, end, run_tile,
+                 store_tile)
+            return
+
+        def finish(i, slot):
+            gradients(i, slot)
+            with jax.named_scope("store"):
+                plgpu.commit_smem()
+                store_tile(i, slot)
+
+        walk_pair(Tp // TILE, True, issue_tile, in_bar, ready, done, start_bar, state, start,
+                  end, None, chain, finish)
+
+    return cta_kernel(body, "osgm_bwd_mosaic", out_type, scratch, B, H, interpret, ins, len(rows) + 3,
+                      warpgroups)
 

@@ -75,10 +75,11 @@ class Options:
     None), else the Triton ones. Run 93, APF phase 1 at 8x2048x8x128 bf16, fwd / fwd+bwd
     (synchronous calls): 0.373 / 0.919 ms against the Triton loops' 0.604 / 1.292, and at
     1x2048x8x128 0.405 / 0.770 against 0.730 / 1.571 (the Triton sweeps of run 64: 0.459
-    fwd+bwd). ``mosaic_warpgroups``: the Mosaic forward's warpgroups a CTA, 1 or 2
-    (``osgm_mosaic.osgm_fwd``: with 2, the default since RESULTS run 124, S and k̃ are formed
-    off the sweeps' warpgroup; 16-bit keys only, float32 ones take 1): APF phase 1 at
-    8x2048x8x128 bf16, fwd / fwd+bwd 0.208 / 0.494 ms against 0.249 / 0.518 on one."""
+    fwd+bwd). ``mosaic_warpgroups``: the Mosaic kernels' warpgroups a CTA, 1 or 2 (with 2, the
+    default since RESULTS run 124, a second warpgroup forms S and k̃ (forward) and ∂r, ∂k
+    (backward) of neighbouring tiles while the first runs the sweeps; 16-bit keys (and ∂k̃)
+    only, float32 ones take 1): APF phase 1 at 8x2048x8x128 bf16, two in the forward only,
+    fwd / fwd+bwd 0.208 / 0.494 ms against 0.249 / 0.518 on one."""
 
     prefetch: int = 2
     num_warps: int = 1
@@ -199,6 +200,11 @@ def _mosaic_runs(cfg, k):
         K=k.shape[-1])
 
 
+def _warpgroups(cfg, *seqs):
+    """``Options.mosaic_warpgroups`` where the sequences ``seqs`` are 16-bit, else 1."""
+    return cfg.options.mosaic_warpgroups if all(x.dtype.itemsize == 2 for x in seqs) else 1
+
+
 def _mosaic_call(cfg, kernel, args, in_axes, out_axes):
     """A kernel of ``osgm_mosaic`` through ``rows_mosaic.call``."""
     kernel = functools.partial(kernel, bounds=cfg.hyper[1:3], interpret=cfg.interpret,
@@ -221,8 +227,7 @@ def _mosaic_forward(cfg, k, aux, init, residuals=False):
     coefs = osgm_mosaic.coefficient_rows(_coefficients(cfg, k, aux), Tp, _documents(cfg, aux))
     out = _mosaic_call(
         cfg, functools.partial(osgm_mosaic.osgm_fwd, residuals=residuals,
-                               warpgroups=cfg.options.mosaic_warpgroups if k.dtype.itemsize == 2
-                               else 1),
+                               warpgroups=_warpgroups(cfg, k)),
         [rows_mosaic.tile_padded(k, Tp), coefs, init], ["b t h k", "b h r t", "n h k"],
         ["b t h k", "n h k"] + (["b h j t", "b i h k"] if residuals else []))
     return (out[0][:, :T], *out[1:])
@@ -239,7 +244,7 @@ def _mosaic_backward(cfg, k, aux, residuals, init, dkw, dfinal):
     u, a = rows_mosaic.token_rows(fwd_rows, T)
     coefs = osgm_mosaic.backward_rows(per_token, u, a, eps, Tp, _documents(cfg, aux))
     dk, rows, dinit = _mosaic_call(
-        cfg, osgm_mosaic.osgm_bwd,
+        cfg, functools.partial(osgm_mosaic.osgm_bwd, warpgroups=_warpgroups(cfg, k, dkw)),
         [rows_mosaic.tile_padded(k, Tp), rows_mosaic.tile_padded(dkw, Tp), coefs, starts, init,
          dfinal],
         ["b t h k", "b t h k", "b h r t", "b i h k", "n h k", "n h k"],

@@ -120,18 +120,21 @@ def walk(n_tiles, reverse, issue, in_bar, start_bar, state, start, end, run_tile
     plgpu.wait_smem_to_gmem(0)
 
 
-def walk_pair(n_tiles, issue, in_bar, ready, done, start_bar, state, start, end, form, chain,
-              finish):
-    """``walk``'s tile loop split over two warpgroups (tiles in order, slot j % 2): warpgroup 1
-    forms tile j (``form(j, slot)``: the work that needs the tile's inputs only) and signals
-    ``ready[slot]``, then waits for ``done`` of tile j − 1 and finishes it (``finish(j − 1,
-    slot)``: its outputs, sent in one commit group; then the copies of tile j + 1 go into that
-    slot); warpgroup 0 runs the carry's chain, ``chain(j, slot, carry)`` -> carry, as soon as
-    tile j is formed, and signals ``done[slot]``. So tile j's chain overlaps tile j − 1's
-    finishing and tile j + 1's forming. A slot's buffers are reused two tiles later: its inputs
-    once both warpgroups are done with them (``done``), its outputs once their copies have read
-    them (warpgroup 1 waits for its commit groups before it signals ``ready``). The carry
-    enters from the GMEM ref ``start`` and leaves to ``end`` (None: not stored) as ``walk``'s."""
+def walk_pair(n_tiles, reverse, issue, in_bar, ready, done, start_bar, state, start, end, form,
+              chain, finish):
+    """``walk``'s tile loop split over two warpgroups (tiles in order, descending if
+    ``reverse``; the j-th walked in slot j % 2; here "tile j" is the j-th walked): warpgroup 1
+    forms tile j (``form(i, slot)``, i its index: the work that needs the tile's inputs only;
+    None: none) and signals ``ready[slot]``, then waits for ``done`` of tile j − 1 and
+    finishes it (``finish(i, slot)``: its outputs, sent in one commit group; then the copies of
+    tile j + 1 go into that slot); warpgroup 0 runs the carry's chain, ``chain(i, slot,
+    carry)`` -> carry, as soon as tile j is formed, and signals ``done[slot]``. So tile j's
+    chain overlaps tile j − 1's finishing and tile j + 1's forming. A slot's buffers are
+    reused two tiles later: its inputs once both warpgroups are done with them (``done``), its
+    outputs once their copies have read them (warpgroup 1 waits for its commit groups before
+    it signals ``ready``). The carry enters from the GMEM ref ``start`` and leaves to ``end``
+    (None: not stored) as ``walk``'s."""
+    at = (lambda j: n_tiles - 1 - j) if reverse else (lambda j: j)
     wg = lax.axis_index("wg")
 
     @pl.when(wg == 0)
@@ -144,7 +147,7 @@ def walk_pair(n_tiles, issue, in_bar, ready, done, start_bar, state, start, end,
             plgpu.barrier_wait(in_bar.at[slot])
             with jax.named_scope("wait_in"):
                 plgpu.barrier_wait(ready.at[slot])
-            carry = chain(j, slot, carry)
+            carry = chain(at(j), slot, carry)
             plgpu.commit_smem()  # every thread's rows are written before the signal
             plgpu.barrier_arrive(done.at[slot])
             return carry
@@ -159,7 +162,7 @@ def walk_pair(n_tiles, issue, in_bar, ready, done, start_bar, state, start, end,
     @pl.when(wg == 1)
     def _forms_and_finishes():
         for j in range(min(2, n_tiles)):
-            issue(j, j)
+            issue(at(j), j)
 
         def body(m, _):
             @pl.when(m < n_tiles)
@@ -168,7 +171,8 @@ def walk_pair(n_tiles, issue, in_bar, ready, done, start_bar, state, start, end,
                 plgpu.barrier_wait(in_bar.at[slot])
                 with jax.named_scope("wait_out"):
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # tile m − 2's outputs
-                form(m, slot)
+                if form is not None:
+                    form(at(m), slot)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(ready.at[slot])
 
@@ -177,11 +181,11 @@ def walk_pair(n_tiles, issue, in_bar, ready, done, start_bar, state, start, end,
                 slot = lax.rem(m - 1, 2)
                 with jax.named_scope("wait_chain"):
                     plgpu.barrier_wait(done.at[slot])
-                finish(m - 1, slot)
+                finish(at(m - 1), slot)
 
                 @pl.when(m + 1 < n_tiles)
                 def _next():
-                    issue(m + 1, slot)
+                    issue(at(m + 1), slot)
 
         lax.fori_loop(0, n_tiles + 1, body, None)
         plgpu.wait_smem_to_gmem(0)
@@ -266,6 +270,12 @@ def row(ref):
 def padded(ref):
     """The [TILE, 128] view of a [TILE, KP] buffer (``KP``)."""
     return ref.at[:, pl.ds(0, K_THREADS)]
+
+
+def slot_tile(ref, slot):
+    """The [TILE, 128] view of the tile in ``slot`` of a [n, TILE, KP] buffer: one tile a
+    warpgroup's tile in flight (n = 1: always the one)."""
+    return padded(ref.at[slot if ref.shape[0] == 2 else 0])
 
 
 def tokens(load, step, carry, interpret, reverse=False):

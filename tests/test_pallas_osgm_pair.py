@@ -1,8 +1,8 @@
-"""The OSGM Mosaic forward on two warpgroups (``osgm_mosaic.osgm_fwd(warpgroups=2)``,
-``Options.mosaic_warpgroups``; ``rows_mosaic.walk_pair``): the same arithmetic as on one, so the
-same bits (k̃, the final states and the backward's residuals), over enough tiles that a buffer
-slot is reused, with packed documents too: so it is as exact as the one-warpgroup forward,
-which test_pallas_osgm_mosaic checks against the reference. And the lowering for CUDA."""
+"""The OSGM Mosaic kernels on two warpgroups (``osgm_mosaic.osgm_fwd`` / ``osgm_bwd``
+``(warpgroups=2)``, ``Options.mosaic_warpgroups``; ``rows_mosaic.walk_pair``): the same
+arithmetic as on one, so the same bits, over enough tiles that a buffer slot is reused, with
+packed documents too: so they are as exact as the one-warpgroup kernels, which
+test_pallas_osgm_mosaic checks against the reference. And their lowering for CUDA."""
 
 import functools
 
@@ -18,11 +18,11 @@ from test_pallas_osgm import make_inputs
 
 
 def kernel_inputs(seed, *, b, t, packed=False):
-    """(k [b, t, 2, 128] bf16, coefficient rows, initial states) with the clip active (η = 2,
+    """(k [b, t, 1, 128] bf16, coefficient rows, initial states) with the clip active (η = 2,
     skewed keys) and, when ``packed``, documents of 3, 100 and t − 103 tokens in each row
     (boundaries inside the first and second tiles; initial states per document)."""
-    x = make_inputs(seed, b=b, t=t, k_dim=128, n_init=3 * b if packed else b, skewed=True,
-                    dtype=jnp.bfloat16)
+    x = one_head(make_inputs(seed, b=b, t=t, k_dim=128, n_init=3 * b if packed else b,
+                             skewed=True, dtype=jnp.bfloat16))
     f32 = {n: x[n].astype(jnp.float32) for n in ("k", "beta", "retention")}
     coefs = coefficients(f32["k"], f32["beta"], f32["retention"], 2.0, True, 1e-6)
     docs = None
@@ -38,31 +38,60 @@ def kernel_inputs(seed, *, b, t, packed=False):
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_two_warpgroups_give_the_same_bits(packed):
-    """Three tiles (slot 0's S, D, k̃ and input buffers reused once): k̃, the final states
-    and the backward's residuals (u_t, a_t, the states entering the tiles) bit for bit
-    those of one warpgroup, with the clip active; with packed documents (a boundary inside a
-    tile, one spanning three) each document's final state too."""
-    args = kernel_inputs(11, b=1, t=192, packed=packed)
-    fwd = functools.partial(osgm_mosaic.osgm_fwd, bounds=(0.5, 2.0), interpret=True,
-                            packed=packed, residuals=True)
-    one, two = fwd(*args, warpgroups=1), fwd(*args, warpgroups=2)
+    """Three tiles (slot 0's buffers reused once), the clip active: the forward's k̃, final
+    states and residuals (u_t, a_t, the states entering the tiles), and the backward's ∂k, γ,
+    ∂r and ∂d_1 from them, bit for bit those of one warpgroup; with packed documents (a
+    boundary inside a tile, one spanning three) each document's states too."""
+    k, rows, init = kernel_inputs(11, b=1, t=192, packed=packed)
+    static = dict(bounds=(0.5, 2.0), interpret=True, packed=packed)
+    fwd = functools.partial(osgm_mosaic.osgm_fwd, residuals=True, **static)
+    one, two = fwd(k, rows, init, warpgroups=1), fwd(k, rows, init, warpgroups=2)
     assert float(jnp.mean((one[1] == 0.5) | (one[1] == 2.0))) > 0.1  # the clip pins some
-    for a, b in zip(one, two):
+    assert_same_bits(one, two)
+    x = one_head(make_inputs(12, b=1, t=192, k_dim=128, n_init=init.shape[0],
+                             dtype=jnp.bfloat16))
+    u, a = (jnp.moveaxis(one[2][:, :, j], 1, 2) for j in range(2))
+    coefs = coefficients(k.astype(jnp.float32), rows[:, :, 1].swapaxes(1, 2),
+                         rows[:, :, 2].swapaxes(1, 2), 2.0, True, 1e-6)
+    b_rows = osgm_mosaic.backward_rows(coefs, u, a, 1e-6, 192, docs_of(rows) if packed else None)
+    args = (k, x["k"], b_rows, one[3], init, x["initial_state"])  # ∂k̃ bf16, dfinal
+    bwd = functools.partial(osgm_mosaic.osgm_bwd, **static)
+    assert_same_bits(bwd(*args, warpgroups=1), bwd(*args, warpgroups=2))
+
+
+def one_head(x):
+    """``make_inputs``' arrays cut to their first head (interpret time goes with the CTAs)."""
+    return {n: v[..., :1, :] if v.ndim == 4 or n == "initial_state" else v[..., :1]
+            for n, v in x.items()}
+
+
+def docs_of(rows):
+    """The document rows (ids, first and last flags) [B, T] of forward coefficient rows."""
+    return tuple(rows[:, 0, j] for j in (3, 4, 5))
+
+
+def assert_same_bits(one, two):
+    for a, b in zip(one, two, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
         assert jnp.array_equal(a, b)
 
 
 def test_lowers_for_cuda():
-    """Through Mosaic GPU's passes with packed documents and residuals, three tiles: one
-    kernel, no warpgroup barrier inside a token loop (the chain's tokens at depth 3)."""
+    """Both kernels through Mosaic GPU's passes with packed documents (and the forward's
+    residuals), three tiles: one kernel each, no warpgroup barrier inside a token loop (the
+    chain's tokens at depth 3)."""
     s = jax.ShapeDtypeStruct
-    args = (s((2, 192, 2, 128), jnp.bfloat16), s((2, 2, 6, 192), jnp.float32),
-            s((5, 2, 128), jnp.float32))
-    fwd = lambda k, c, i: osgm_mosaic.osgm_fwd(k, c, i, bounds=(0.5, 2.0), interpret=False,  # noqa: E731
-                                               packed=True, residuals=True, warpgroups=2)
-    found = modules(fwd, args)
-    assert list(found) == ["osgm_fwd_mosaic"]
-    assert max(barriers(found["osgm_fwd_mosaic"])) == 2
+    seq, state = s((2, 192, 2, 128), jnp.bfloat16), s((5, 2, 128), jnp.float32)
+    static = dict(bounds=(0.5, 2.0), interpret=False, packed=True, warpgroups=2)
+    fwd = functools.partial(osgm_mosaic.osgm_fwd, residuals=True, **static)
+    bwd = functools.partial(osgm_mosaic.osgm_bwd, **static)
+    for fn, args, name in [
+            (fwd, (seq, s((2, 2, 6, 192), jnp.float32), state), "osgm_fwd_mosaic"),
+            (bwd, (seq, seq, s((2, 2, 7, 192), jnp.float32), s((2, 3, 2, 128), jnp.float32),
+                   state, state), "osgm_bwd_mosaic")]:
+        found = modules(fn, args)
+        assert list(found) == [name]
+        assert max(barriers(found[name])) == 2
 
 
 def test_bad_warpgroups_raise():
@@ -70,7 +99,7 @@ def test_bad_warpgroups_raise():
         Options(mosaic_warpgroups=3)
     k = jnp.zeros((1, 64, 1, 128), jnp.float32)
     for warpgroups, dtype, match in [(4, jnp.bfloat16, "warpgroups must be 1 or 2"),
-                                     (2, jnp.float32, "takes 16-bit keys")]:
+                                     (2, jnp.float32, "takes 16-bit inputs")]:
         with pytest.raises(ValueError, match=match):
             osgm_mosaic.osgm_fwd(k.astype(dtype), jnp.zeros((1, 1, 3, 64)),
                                  jnp.ones((1, 1, 128)), bounds=(0.5, 2.0), interpret=True,
