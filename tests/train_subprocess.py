@@ -23,6 +23,7 @@ from train.build import data_spec
 from train.config import (DataSpec, ExperimentConfig, LoggingConfig, MeshConfig, ModelSpec,
                           OptimConfig, RunConfig)
 from train.data import build_dataset
+from train import loop
 from train.loop import build, train
 from train.step import device_batch
 
@@ -88,17 +89,33 @@ def check_hlo(setup, cfg):
         assert len(shape) <= 2 or shape[-1] <= setup.mesh.shape["tensor"], f"activation all-gather {shape}"
 
 
+def checked_build(checked):
+    """``train.loop.build`` that runs ``check_shardings`` and ``check_hlo`` on the setup it
+    returns (the one ``train`` then trains with: its step compiled once, for the HLO and the
+    steps alike; the suite's time) and appends the config to ``checked``."""
+    def build_and_check(cfg, *, devices=None):
+        setup = build(cfg, devices=devices)
+        assert dict(setup.mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+        check_shardings(setup)
+        check_hlo(setup, cfg)
+        checked.append(cfg)
+        return setup
+    return build_and_check
+
+
 def main():
     devices = jax.devices()
     assert len(devices) == 8
     quiet = Console(file=io.StringIO())
     for preconditioner, backbone in (("osgm", "deltanet"), ("atk", "gdn")):
         cfg = config(preconditioner, backbone, (2, 2, 2))
-        setup = build(cfg)
-        assert dict(setup.mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
-        check_shardings(setup)
-        check_hlo(setup, cfg)
-        sharded = train(cfg, console=quiet).losses
+        checked = []
+        loop.build = checked_build(checked)
+        try:
+            sharded = train(cfg, console=quiet).losses
+        finally:
+            loop.build = build
+        assert checked == [cfg]  # the sharded run's own setup passed the checks
         single = train(config(preconditioner, backbone, (1, 1, 1)), devices=devices[:1], console=quiet).losses
         assert sorted(sharded) == [1, 2, 3]
         np.testing.assert_allclose([sharded[s] for s in (1, 2, 3)], [single[s] for s in (1, 2, 3)], rtol=1e-6)
