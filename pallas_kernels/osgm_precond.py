@@ -76,10 +76,11 @@ class Options:
     (synchronous calls): 0.373 / 0.919 ms against the Triton loops' 0.604 / 1.292, and at
     1x2048x8x128 0.405 / 0.770 against 0.730 / 1.571 (the Triton sweeps of run 64: 0.459
     fwd+bwd). ``mosaic_warpgroups``: the Mosaic kernels' warpgroups a CTA, 1 or 2 (with 2, the
-    default since RESULTS run 124, a second warpgroup forms S and k̃ (forward) and ∂r, ∂k
+    default since RESULTS runs 124-125, a second warpgroup forms S and k̃ (forward) and ∂r, ∂k
     (backward) of neighbouring tiles while the first runs the sweeps; 16-bit keys (and ∂k̃)
-    only, float32 ones take 1): APF phase 1 at 8x2048x8x128 bf16, two in the forward only,
-    fwd / fwd+bwd 0.208 / 0.494 ms against 0.249 / 0.518 on one."""
+    only, float32 ones take 1): APF phase 1 at 8x2048x8x128 bf16, fwd / fwd+bwd 0.215 / 0.454
+    ms against 0.249 / 0.517 on one (RESULTS run 125; kernels 0.110 / 0.229 ms against 0.136
+    / 0.266)."""
 
     prefetch: int = 2
     num_warps: int = 1
