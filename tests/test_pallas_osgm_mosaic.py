@@ -84,6 +84,7 @@ def test_bf16_keys(monkeypatch):
         assert float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))) <= 2e-6
 
 
+@pytest.mark.heavy
 def test_packed_documents(monkeypatch):
     """Documents of 5, 1 (first and last token at once), 58 and 6 tokens in one row of 70 (a
     boundary inside each tile, a partial last tile), the clip active: forward, each
@@ -97,6 +98,7 @@ def test_packed_documents(monkeypatch):
     assert_runs_match(run(MOSAIC, x, **kw), run("reference", x, **kw), 2e-5, grads)
 
 
+@pytest.mark.heavy
 def test_vmapped_packed_rows(monkeypatch):
     """Rows of packed documents under ``jax.vmap`` (as the train step runs them): each row's
     gradients equal its own call's (the paper's η: the sweeps settle in a few)."""
