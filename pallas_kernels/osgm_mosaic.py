@@ -261,9 +261,9 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
     dfinal [N, H, 128]. Padded tokens (k = 0, r = 1) mask λ by [d_min < d < d_max] for the
     final d, as the last real token's clip derivative does already. Returns (∂k [B, Tp, H,
     128] float32, rows (γ, ∂r) [B, H, 2, Tp] float32, ∂d_1 [N, H, 128]). ``warpgroups`` 2
-    (16-bit k and ∂k̃): the chain's warpgroup recomputes d_t and runs the sweeps while a
-    second one forms ∂r and ∂k of the tile before and sends them (``rows_mosaic.walk_pair``;
-    two D and M tiles, s_t squared where read)."""
+    (16-bit k and ∂k̃): the chain's warpgroup runs only the reverse sweeps while a second one
+    recomputes d_t for the tile walked next and forms ∂r and ∂k of the tile walked before and
+    sends them (``rows_mosaic.walk_pair``; two D and M tiles, s_t squared where read)."""
     B, Tp, H, K = k.shape
     check_shape("osgm_mosaic.osgm_bwd", K, Tp)
     check_warpgroups(warpgroups, k, dkw)
@@ -281,11 +281,14 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
     squares = k.dtype != F32 and warpgroups == 1
     if squares:
         scratch["S"] = plgpu.SMEM((TILE, KP), F32)
+    if packed and warpgroups == 2:  # the second warpgroup's own restart rows
+        scratch.update(form_bar=plgpu.Barrier(), form_stage=plgpu.SMEM((K,), F32))
     rows = range(7 if packed else 4)
 
     def body(k_ref, dkw_ref, c_ref, st_ref, init_ref, dfinal_ref, dk_ref, rows_ref, dinit_ref,
              *, k, dkw, st, u, r, gw, gn, c, gam, dr, D, M, state, start_bar, in_bar,
-             doc_buf, stage, S=None, doc=None, first=None, last=None, ready=None, done=None):
+             doc_buf, stage, S=None, doc=None, first=None, last=None, ready=None, done=None,
+             form_bar=None, form_stage=None):
         b, h = lax.axis_index("b"), lax.axis_index("h")
         bufs = (u, r, gw, gn) + ((doc, first, last) if packed else ())
         S = padded(S) if squares else None
@@ -355,17 +358,21 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
 
             tokens(load, step, None, interpret)
 
-        def chain(i, slot, lam0):
-            D, M = D_of(slot), M_of(slot)
+        def form(i, slot):  # the tile's d_t into D, by one forward sweep
+            D = D_of(slot)
             with jax.named_scope("squares"):
                 if squares:
                     square_rows(k.at[slot], S, interpret)
                 if packed:
-                    restart_rows(init_ref, h, doc.at[slot], first.at[slot], D, start_bar, stage)
+                    bar, buf = (start_bar, stage) if warpgroups == 1 else (form_bar, form_stage)
+                    restart_rows(init_ref, h, doc.at[slot], first.at[slot], D, bar, buf)
             with jax.named_scope("recompute"):
                 _forward_sweep(plgpu.load(st.at[slot], layout=VEC), lambda t: s_row(t, slot),
                                u.at[slot], r.at[slot], D, bounds, interpret,
                                first.at[slot] if packed else None)
+
+        def chain(i, slot, lam0):
+            M = M_of(slot)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # one warpgroup: M's ∂k of the
             # last tile was sent (the others wait for this thread at the barrier before M is
             # written); two: only the documents' states (``walk_pair`` waits for M's copies)
@@ -415,6 +422,7 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
         end = None if packed else dinit_ref.at[b, h]
         if warpgroups == 1:
             def run_tile(i, slot, lam0):
+                form(i, slot)
                 lam = chain(i, slot, lam0)
                 gradients(i, slot)
                 return lam
@@ -430,7 +438,7 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
                 store_tile(i, slot)
 
         walk_pair(Tp // TILE, True, issue_tile, in_bar, ready, done, start_bar, state, start,
-                  end, None, chain, finish)
+                  end, form, chain, finish)
 
     return cta_kernel(body, "osgm_bwd_mosaic", out_type, scratch, B, H, interpret, ins, len(rows) + 3,
                       warpgroups)
