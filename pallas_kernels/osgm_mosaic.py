@@ -43,7 +43,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.rows_mosaic import (
     F32, K_THREADS, KP, TILE, VEC, check_shape, cta_kernel, doc_scratch, document_out, flag_mask,
     issue, padded, restart_rows, row, row_sums, rows_layout, send, slot_tile, square_rows, tile,
-    tokens, walk, walk_pair)
+    tokens, walk_tiles)
 from pallas_kernels.state_mosaic import COLS, ROWS, bcast_cols
 from pallas_kernels.triton_common import out_struct
 
@@ -220,27 +220,9 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
                  (u.at[slot], a.at[slot]) if residuals else (),
                  [(starts.at[slot], starts_ref)] if residuals else ())
 
-        start = init_ref.at[0 if packed else b, h]
-        end = None if packed else final_ref.at[b, h]
-        if warpgroups == 1:
-            def run_tile(i, slot, d0):
-                form(i, slot)
-                d = chain(i, slot, d0)
-                emit(i, slot)
-                return d
-
-            walk(Tp // TILE, False, issue_tile, in_bar, start_bar, state, start, end, run_tile,
-                 store_tile)
-            return
-
-        def finish(i, slot):
-            emit(i, slot)
-            with jax.named_scope("store"):
-                plgpu.commit_smem()
-                store_tile(i, slot)
-
-        walk_pair(Tp // TILE, False, issue_tile, in_bar, ready, done, start_bar, state, start,
-                  end, form, chain, finish)
+        walk_tiles(warpgroups, Tp // TILE, False, issue_tile, in_bar, (ready, done), start_bar,
+                   state, init_ref.at[0 if packed else b, h],
+                   None if packed else final_ref.at[b, h], form, chain, emit, store_tile)
 
     return cta_kernel(body, "osgm_fwd_mosaic", out_type, scratch, B, H, interpret, ins,
                       len(rows) + 1, warpgroups)
@@ -418,27 +400,9 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
             send((b, h), i, [], rows_ref, (gam.at[slot], dr.at[slot]),
                  by_rows=[(M_of(slot), dk_ref)])
 
-        start = dfinal_ref.at[0 if packed else b, h]
-        end = None if packed else dinit_ref.at[b, h]
-        if warpgroups == 1:
-            def run_tile(i, slot, lam0):
-                form(i, slot)
-                lam = chain(i, slot, lam0)
-                gradients(i, slot)
-                return lam
-
-            walk(Tp // TILE, True, issue_tile, in_bar, start_bar, state, start, end, run_tile,
-                 store_tile)
-            return
-
-        def finish(i, slot):
-            gradients(i, slot)
-            with jax.named_scope("store"):
-                plgpu.commit_smem()
-                store_tile(i, slot)
-
-        walk_pair(Tp // TILE, True, issue_tile, in_bar, ready, done, start_bar, state, start,
-                  end, form, chain, finish)
+        walk_tiles(warpgroups, Tp // TILE, True, issue_tile, in_bar, (ready, done), start_bar,
+                   state, dfinal_ref.at[0 if packed else b, h],
+                   None if packed else dinit_ref.at[b, h], form, chain, gradients, store_tile)
 
     return cta_kernel(body, "osgm_bwd_mosaic", out_type, scratch, B, H, interpret, ins, len(rows) + 3,
                       warpgroups)

@@ -191,6 +191,31 @@ def walk_pair(n_tiles, reverse, issue, in_bar, ready, done, start_bar, state, st
         plgpu.wait_smem_to_gmem(0)
 
 
+def walk_tiles(warpgroups, n_tiles, reverse, issue, in_bar, pair_bars, start_bar, state, start,
+               end, form, chain, outputs, store_tile):
+    """A kernel's tile loop on one warpgroup (``walk``: ``form``, ``chain`` and ``outputs`` of
+    each tile in turn) or on two (``walk_pair``, its barriers ``pair_bars`` = (ready, done):
+    the chain on one, the forming and the outputs, then ``store_tile``, on the other)."""
+    if warpgroups == 1:
+        def run_tile(i, slot, carry):
+            form(i, slot)
+            carry = chain(i, slot, carry)
+            outputs(i, slot)
+            return carry
+
+        walk(n_tiles, reverse, issue, in_bar, start_bar, state, start, end, run_tile, store_tile)
+        return
+
+    def finish(i, slot):
+        outputs(i, slot)
+        with jax.named_scope("store"):
+            plgpu.commit_smem()
+            store_tile(i, slot)
+
+    walk_pair(n_tiles, reverse, issue, in_bar, *pair_bars, start_bar, state, start, end, form,
+              chain, finish)
+
+
 def _stage(ref, h, doc, bar, stage):
     """Document ``doc``'s row of ``ref`` [N, H, 128] by TMA into ``stage`` [128], waited for (a
     TMA destination is 128-byte aligned, a row of the padded tiles is not: run 94 failed with
