@@ -100,8 +100,8 @@ def traces(x, f, directory, T, warm):
     outputs with respect to k, β and r, profiled into a new subdirectory of ``directory``.
     A profiled kernel names its trace file when it is lowered and keeps only its first
     execution's (a later one finds the file there): so the profiled gradient is compiled
-    first, the GPU warmed by ``warm`` calls of the unprofiled one, then the profiled one runs
-    once."""
+    first (``profiled`` clears JAX's caches around it, so its kernels are lowered anew), the
+    GPU warmed by ``warm`` calls of the unprofiled one, then the profiled one runs once."""
     def loss(k, beta, r):
         kw, final = f({**x, "k": k, "beta": beta, "r": r})
         return jnp.sum(kw.astype(jnp.float32) ** 2) + jnp.sum(final)

@@ -28,6 +28,7 @@ accumulation: the CPU tests check everything else (indexing, TMA copies, barrier
 flags); the wgmma path is checked on the device by benchmarks/bench_delta.py.
 """
 
+import contextlib
 import functools
 from typing import NamedTuple
 
@@ -157,14 +158,22 @@ class Profile(NamedTuple):
 _PROFILE = TraceDefaults("profiled", Profile, None)
 
 
+@contextlib.contextmanager
 def profiled(directory: str, ranges: int = 512):
     """Kernels lowered inside record each ``jax.named_scope`` region's start and end per
     warpgroup (at most ``ranges`` a warpgroup, later ones dropped) into a Perfetto trace in
     ``directory``, one file a lowered kernel (named at lowering) holding its first execution's
     events: later executions find the file there and are not kept (GPU only; interpret mode
-    ignores it). The events wait in
-    shared memory, 16 bytes a range a warpgroup, on top of the kernel's own."""
-    return _PROFILE.use(Profile(directory, ranges))
+    ignores it). The events wait in shared memory, 16 bytes a range a warpgroup, on top of the
+    kernel's own. JAX's caches are cleared on entry and on exit: a lowering cached outside (an
+    op's kernels are lowered once a program, ``partition.lowered_once``) would not record, and
+    one made inside would record outside."""
+    jax.clear_caches()
+    try:
+        with _PROFILE.use(Profile(directory, ranges)):
+            yield
+    finally:
+        jax.clear_caches()
 
 
 def kernel(body, *, name, out_type, scratch, grid, interpret, grid_names=("b", "h", "v"),

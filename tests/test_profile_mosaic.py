@@ -49,8 +49,10 @@ def test_region_times_refuses_crossed_regions():
 
 def test_profiled_sets_the_compiler_params(monkeypatch):
     """Inside ``profiled`` a GPU kernel gets the profiler's directory and space (bounds
-    checked); outside it and in interpret mode none."""
-    seen = []
+    checked); outside it and in interpret mode none. JAX's caches are cleared as it opens and
+    closes (a cached lowering would not follow the switch)."""
+    seen, cleared = [], []
+    monkeypatch.setattr(state_mosaic.jax, "clear_caches", lambda: cleared.append(len(seen)))
 
     def fake_kernel(body, *, compiler_params, **kw):
         seen.append(compiler_params)
@@ -66,3 +68,4 @@ def test_profiled_sets_the_compiler_params(monkeypatch):
         "/tmp/traces", 77, True)
     assert [p.profile_space for p in seen[1:]] == [0, 0]
     assert all(isinstance(p, plgpu.CompilerParams) for p in seen)
+    assert cleared == [0, 2]
