@@ -2,9 +2,11 @@
 and reverse (``osgm_bwd``), by Picard iteration inside tiles of 64 tokens.
 
 The coordinates of d interact only through the scalar a_t = ⟨d_t, s_t⟩ (s = k ⊙ k): given
-a_t, each coordinate is its own clipped affine recurrence. One CTA a (batch row, head), one
-warpgroup, each of its 128 threads one coordinate; per tile of ``TILE`` tokens, from the exact
-state d_0 entering it and the per-token w = η g / n̄, g (β or 1), r from XLA:
+a_t, each coordinate is its own clipped affine recurrence. One CTA a (batch row, head), whose
+sweeps' warpgroup gives each of its 128 threads one coordinate (with 16-bit inputs a second
+warpgroup does the per-tile work off that chain, ``warpgroups``); per tile of ``TILE``
+tokens, from the exact state d_0 entering it and the per-token w = η g / n̄, g (β or 1), r
+from XLA:
 
     a_t ← ⟨d_0, s_t⟩                                           (the first guess)
     repeat:  u_t = w_t (1 − g_t a_t)

@@ -1,6 +1,8 @@
 """What the per-coordinate Mosaic GPU kernels share (``osgm_mosaic``, ``atk_mosaic``): one CTA a
 (batch row, head), one warpgroup whose 128 threads each hold one coordinate of the carried state,
-tiles of ``TILE`` tokens arriving by TMA (double-buffered) and leaving by TMA.
+tiles of ``TILE`` tokens arriving by TMA (double-buffered) and leaving by TMA (``walk``); or two
+warpgroups, the carry's chain on one and the per-tile work around it on the other
+(``walk_pair``).
 
 Per-token passes run by rows, thread j at its own coordinate of a [TILE, 128] shared-memory
 tile, which meets no bank conflict and needs no barrier; the loads of ``GROUP`` tokens go out
@@ -124,8 +126,8 @@ def walk_pair(n_tiles, reverse, issue, in_bar, ready, done, start_bar, state, st
               chain, finish):
     """``walk``'s tile loop split over two warpgroups (tiles in order, descending if
     ``reverse``; the j-th walked in slot j % 2; here "tile j" is the j-th walked): warpgroup 1
-    forms tile j (``form(i, slot)``, i its index: the work that needs the tile's inputs only;
-    None: none) and signals ``ready[slot]``, then waits for ``done`` of tile j − 1 and
+    forms tile j (``form(i, slot)``, i its index: the work that needs the tile's inputs only)
+    and signals ``ready[slot]``, then waits for ``done`` of tile j − 1 and
     finishes it (``finish(i, slot)``: its outputs, sent in one commit group; then the copies of
     tile j + 1 go into that slot); warpgroup 0 runs the carry's chain, ``chain(i, slot,
     carry)`` -> carry, as soon as tile j is formed, and signals ``done[slot]``. So tile j's
@@ -171,8 +173,7 @@ def walk_pair(n_tiles, reverse, issue, in_bar, ready, done, start_bar, state, st
                 plgpu.barrier_wait(in_bar.at[slot])
                 with jax.named_scope("wait_out"):
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # tile m − 2's outputs
-                if form is not None:
-                    form(at(m), slot)
+                form(at(m), slot)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(ready.at[slot])
 
