@@ -11,10 +11,11 @@ bench_osgm's inputs (unit keys, β = σ(x), η = 0.003) with APF retention σ(x 
 without ("none": OSDN's default, whose tiles may take more sweeps). For each kernel: per CTA
 (one warpgroup each), the mean over CTAs of each region's count and total µs, its mean µs an
 occurrence, and its share of the CTA's span (first to last event); the rest of the span is
-code outside every region. The profiler's own cost (~12 cycles an event, subtracted by its
-dump) and its global-timer reads make the kernels somewhat slower than unprofiled. The traces
-(Perfetto JSON, one a kernel) stay in DIR. Run 122's traces were the cold first call's
-(spans ~2x the kernels' warm times): now the GPU is warmed before the profiled call.
+code outside every region. The profiler's own cost is large: runs 122 and 123 read the
+forward's span as 268.6 µs a CTA, cold and warm alike, against the unprofiled kernel's 0.136
+ms, i.e. ~190 ns an event (~22 events a tile), so short regions' shares are inflated: read
+them as an ordering, not as costs (``probe_sweeps.py``'s fixed-sweep ablations measure
+costs). The traces (Perfetto JSON, one a kernel) stay in DIR.
 """
 
 import argparse
