@@ -74,12 +74,17 @@ def backward_rows(coefs, u, a, eps, Tp, docs=None):
     return rows_layout([u, r, w * g, jnp.where(n > eps, (1.0 - g * a) * w / n, 0.0)], docs, Tp, RB)
 
 
+def pair_fits(*seqs):
+    """Whether two warpgroups fit with these sequence inputs: 16-bit ones (float32 ones leave
+    no shared memory for a second tile of the buffers two warpgroups keep in flight)."""
+    return all(x.dtype.itemsize <= 2 for x in seqs)
+
+
 def check_warpgroups(warpgroups, *seqs):
-    """ValueError unless ``warpgroups`` is 1, or 2 with 16-bit ``seqs`` (float32 ones leave no
-    shared memory for a second tile of the buffers two warpgroups keep in flight)."""
+    """ValueError unless ``warpgroups`` is 1, or 2 where ``pair_fits(*seqs)``."""
     if warpgroups not in (1, 2):
         raise ValueError(f"warpgroups must be 1 or 2, got {warpgroups!r}")
-    if warpgroups == 2 and any(x.dtype.itemsize > 2 for x in seqs):
+    if warpgroups == 2 and not pair_fits(*seqs):
         raise ValueError(f"warpgroups=2 takes 16-bit inputs (no shared memory for two tiles in "
                          f"flight with float32 ones), got {[str(x.dtype) for x in seqs]}")
 
@@ -357,9 +362,9 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
 
         def chain(i, slot, lam0):
             M = M_of(slot)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # one warpgroup: M's ∂k of the
-            # last tile was sent (the others wait for this thread at the barrier before M is
-            # written); two: only the documents' states (``walk_pair`` waits for M's copies)
+            if warpgroups == 1:  # M's ∂k of the last tile was sent (the others wait for this
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # thread at the barrier
+                # before M is written; with two, M's copies are the other warpgroup's)
             if packed:  # μ at each document's last token, from its dfinal row
                 restart_rows(dfinal_ref, h, doc.at[slot], last.at[slot], M, start_bar, stage)
 
