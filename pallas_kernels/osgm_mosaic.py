@@ -252,14 +252,18 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
     128] float32, rows (γ, ∂r) [B, H, 2, Tp] float32, ∂d_1 [N, H, 128]). ``warpgroups`` 2
     (16-bit k and ∂k̃): the chain's warpgroup runs only the reverse sweeps while a second one
     recomputes d_t for the tile walked next and forms ∂r and ∂k of the tile walked before and
-    sends them (``rows_mosaic.walk_pair``; two D and M tiles, s_t squared where read)."""
+    sends them (``rows_mosaic.walk_pair``; two D and M tiles, s_t squared where read); ∂k
+    then comes in k's dtype (the float32 values rounded once; ∂k̃ in the same dtype), written
+    over ∂k̃'s tile and sent as one copy."""
     B, Tp, H, K = k.shape
     check_shape("osgm_mosaic.osgm_bwd", K, Tp)
     check_warpgroups(warpgroups, k, dkw)
     d_min, d_max = bounds
     ins = (k, dkw, coefs, starts, init, dfinal)
-    out_type = (out_struct((B, Tp, H, K), F32, *ins), out_struct((B, H, 2, Tp), F32, *ins),
-                out_struct(dfinal.shape, F32, *ins))
+    # ∂k in k's dtype in place of ∂k̃ (a dense tile: one copy), else float32 in M, by rows
+    staged = warpgroups == 2 and dkw.dtype == k.dtype
+    out_type = (out_struct((B, Tp, H, K), k.dtype if staged else F32, *ins),
+                out_struct((B, H, 2, Tp), F32, *ins), out_struct(dfinal.shape, F32, *ins))
     vec = plgpu.SMEM((2, TILE), F32)
     scratch = dict(k=plgpu.SMEM((2, TILE, K), k.dtype), dkw=plgpu.SMEM((2, TILE, K), dkw.dtype),
                    st=plgpu.SMEM((2, K), F32), u=vec, r=vec, gw=vec, gn=vec,
@@ -332,8 +336,10 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
 
         def gradient_rows(slot):
             """∂k_t = 2 k_t ⊙ (u_t μ_t − γ_t w_t g_t d_t − γ_t c_n) + ∂k̃_t ⊙ d_t in place of
-            μ_t in M, by rows (the coefficient rows and γ from shared memory)."""
+            μ_t in M, or (``staged``) rounded to k's dtype in place of ∂k̃_t, by rows (the
+            coefficient rows and γ from shared memory)."""
             D, M = D_of(slot), M_of(slot)
+            out = dkw.at[slot] if staged else M
 
             def load(t):
                 return (row(k.at[slot, t]), row(dkw.at[slot, t]), row(M.at[t]), row(D.at[t]),
@@ -342,7 +348,7 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
             def step(t, values, carry):
                 k_t, dkw_t, mu, d, u_t, neg_gam, gw_t, gn_t = values
                 ds = u_t * mu + (neg_gam * gw_t) * d + neg_gam * gn_t
-                M.at[t][...] = 2.0 * k_t * ds + dkw_t * d
+                out.at[t][...] = (2.0 * k_t * ds + dkw_t * d).astype(out.dtype)
                 return carry
 
             tokens(load, step, None, interpret)
@@ -404,8 +410,8 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
                 gradient_rows(slot)
 
         def store_tile(i, slot):
-            send((b, h), i, [], rows_ref, (gam.at[slot], dr.at[slot]),
-                 by_rows=[(M_of(slot), dk_ref)])
+            send((b, h), i, [(dkw.at[slot], dk_ref)] if staged else [], rows_ref,
+                 (gam.at[slot], dr.at[slot]), by_rows=[] if staged else [(M_of(slot), dk_ref)])
 
         walk_tiles(warpgroups, Tp // TILE, True, issue_tile, in_bar, (ready, done), start_bar,
                    state, dfinal_ref.at[0 if packed else b, h],

@@ -127,15 +127,15 @@ def walk_pair(n_tiles, reverse, issue, in_bar, ready, done, start_bar, state, st
     """``walk``'s tile loop split over two warpgroups (tiles in order, descending if
     ``reverse``; the j-th walked in slot j % 2; here "tile j" is the j-th walked): warpgroup 1
     forms tile j (``form(i, slot)``, i its index: the work that needs the tile's inputs only)
-    and signals ``ready[slot]``, then waits for ``done`` of tile j − 1 and
-    finishes it (``finish(i, slot)``: its outputs, sent in one commit group; then the copies of
-    tile j + 1 go into that slot); warpgroup 0 runs the carry's chain, ``chain(i, slot,
-    carry)`` -> carry, as soon as tile j is formed, and signals ``done[slot]``. So tile j's
-    chain overlaps tile j − 1's finishing and tile j + 1's forming. A slot's buffers are
-    reused two tiles later: its inputs once both warpgroups are done with them (``done``), its
-    outputs once their copies have read them (warpgroup 1 waits for its commit groups before
-    it signals ``ready``). The carry enters from the GMEM ref ``start`` and leaves to ``end``
-    (None: not stored) as ``walk``'s."""
+    and signals ``ready[slot]``, then waits for ``done`` of tile j − 1 and finishes it
+    (``finish(i, slot)``: its outputs, sent in one commit group; then the copies of tile j + 1
+    go into that slot); warpgroup 0 runs the carry's chain, ``chain(i, slot, carry)`` ->
+    carry, as soon as tile j is formed, and signals ``done[slot]``. So tile j's chain overlaps
+    tile j − 1's finishing and tile j + 1's forming. A slot's buffers are reused two tiles
+    later, inputs and outputs alike (an output may be written over an input tile): warpgroup
+    1 issues the copies of tile j + 1 once tile j − 1's outputs have been read by their
+    copies, and warpgroup 0 writes a slot's outputs only after ``ready``. The carry enters
+    from the GMEM ref ``start`` and leaves to ``end`` (None: not stored) as ``walk``'s."""
     at = (lambda j: n_tiles - 1 - j) if reverse else (lambda j: j)
     wg = lax.axis_index("wg")
 
@@ -171,8 +171,6 @@ def walk_pair(n_tiles, reverse, issue, in_bar, ready, done, start_bar, state, st
             def _form():
                 slot = lax.rem(m, 2)
                 plgpu.barrier_wait(in_bar.at[slot])
-                with jax.named_scope("wait_out"):
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # tile m − 2's outputs
                 form(at(m), slot)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(ready.at[slot])
@@ -186,6 +184,8 @@ def walk_pair(n_tiles, reverse, issue, in_bar, ready, done, start_bar, state, st
 
                 @pl.when(m + 1 < n_tiles)
                 def _next():
+                    with jax.named_scope("wait_out"):  # the outputs just sent were read
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     issue(at(m + 1), slot)
 
         lax.fori_loop(0, n_tiles + 1, body, None)
