@@ -43,7 +43,8 @@ import jax.numpy as jnp
 from pallas_kernels.delta_bwd_triton import delta_bwd
 from pallas_kernels.grads_mosaic import chunk_grads_fused
 from pallas_kernels.delta_fwd_triton import delta_fwd
-from pallas_kernels import (grads_mosaic, inverse_mosaic, sequence_split, state_mosaic,
+from pallas_kernels import (decay_scan_mosaic, grads_mosaic, inverse_mosaic, sequence_split,
+                            state_mosaic,
                             state_wy_mosaic)
 from pallas_kernels.partition import lowered_once, match_types, sharded_call
 from pallas_kernels.state_bwd_triton import dout_products, split_backward
@@ -142,7 +143,12 @@ class Options:
     hi / lo passes a merge product: at least as accurate); None: "mosaic" with
     ``wy_in_serial`` (forwards -2 % / -5 %, fwd+bwd -3 % / -5 % for DeltaNet / GDN in run 81,
     one call: near the run-to-run noise, but all four in one direction), else "triton";
-    "mosaic" without ``wy_in_serial``: ValueError."""
+    "mosaic" without ``wy_in_serial``: ValueError. ``decay_scan``: with a per-channel decay,
+    its in-chunk sums γ (forward) and their pullback to g (backward) as XLA's batched 0/1-mask
+    matmuls ("xla") or as ``decay_scan_mosaic``'s kernels ("mosaic": one thread a channel
+    walking the chunk; H K a multiple of 128, ValueError otherwise); None: "mosaic" compiled on
+    a Hopper GPU where it fits, else "xla" (so in interpret mode: the kernels' own tests run
+    them there). Other decays sum in their kernels and ignore it."""
 
     precision: str | None = None
     parallel_precision: str | None = None
@@ -170,8 +176,12 @@ class Options:
     wy_in_serial: bool | None = None  # fused_grads: the state passes apply T (no W, U, K̃', Q')
     inverse_backend: str | None = None  # wy_in_serial: "triton" | "mosaic" wy_inverse
     wy_apply_precision: str | None = None  # split: that forward's W and U dots
+    decay_scan: str | None = None  # per-channel decay: "xla" | "mosaic" in-chunk sums of g
 
     def __post_init__(self):
+        if self.decay_scan not in (None, "xla", "mosaic"):
+            raise ValueError("Options.decay_scan must be None, 'xla' or 'mosaic', got "
+                             f"{self.decay_scan!r}")
         if self.inverse_backend not in (None, "triton", "mosaic"):
             raise ValueError("Options.inverse_backend must be None, 'triton' or 'mosaic', got "
                              f"{self.inverse_backend!r}")
@@ -318,8 +328,21 @@ def _xla_wy(cfg):
 
 def _log_decay_grads(cfg, g, dgamma, dsigma):
     """dg [B, Tp, H, K] from the per-channel WY pullback's dγ and dσ: the pullback of
-    ``_decay_sums`` (XLA)."""
+    ``_decay_sums`` (XLA, or ``decay_scan_mosaic``'s kernel: ``Options.decay_scan``)."""
+    if cfg.options.decay_scan == "mosaic":
+        axes = dict(dgamma="b t h k", dsigma="b t h k")
+        return _kernel_call(cfg, _scan_pullback, dict(dgamma=dgamma, dsigma=dsigma), axes,
+                            ("b t h k",), mosaic=True, chunk=cfg.chunk,
+                            interpret=cfg.dots.interpret)[0]
     return jax.vjp(functools.partial(_decay_sums, cfg), g)[1]((dgamma, dsigma))[0]
+
+
+def _scan_cumsum(g, chunk, interpret):
+    return (decay_scan_mosaic.decay_cumsum(g, chunk, interpret=interpret),)
+
+
+def _scan_pullback(dgamma, dsigma, chunk, interpret):
+    return (decay_scan_mosaic.decay_sums_pullback(dgamma, dsigma, chunk, interpret=interpret),)
 
 
 def _dots_at(precision, dots):
@@ -430,7 +453,11 @@ def _decay_sums(cfg, g):
 
 def _gamma(cfg, g):
     """The in-chunk cumsum γ of the log decays g in the kernels' layout (the fused kernels' and
-    the per-channel WY kernels' input; the scalar WY kernels sum g themselves)."""
+    the per-channel WY kernels' input; the scalar WY kernels sum g themselves): XLA's, or
+    ``decay_scan_mosaic``'s kernel with a per-channel decay (``Options.decay_scan``)."""
+    if cfg.decay == "vector" and cfg.options.decay_scan == "mosaic":
+        return _kernel_call(cfg, _scan_cumsum, dict(g=g), dict(g="b t h k"), ("b t h k",),
+                            mosaic=True, chunk=cfg.chunk, interpret=cfg.dots.interpret)[0]
     return _decay_sums(cfg, g)[0]
 
 
@@ -710,6 +737,12 @@ def delta_rule_pallas(q, k, kw, v, beta, log_decay, scale, initial_state, cu_seq
             raise ValueError("Options.fused_grads needs serial_backend='mosaic' and no or a scalar "
                              f"decay; got serial_backend={options.serial_backend!r}, {decay} decay")
         grads_mosaic.check_shapes(chunk=chunk_size, K=Kp, V=Vp, dtype=dtype)
+    scan_fits = decay == "vector" and decay_scan_mosaic.fits(g, chunk_size)
+    if decay == "vector" and options.decay_scan == "mosaic" and not scan_fits:
+        raise ValueError(f"Options.decay_scan='mosaic' needs H*K a multiple of "
+                         f"{decay_scan_mosaic.COLS} (K padded to {Kp}), got H={H}")
+    options = dataclasses.replace(options, decay_scan=options.decay_scan or (
+        "mosaic" if scan_fits and not interpret and state_mosaic.hopper() else "xla"))
     programs = B * H * Vp // state_mosaic.BV  # CTAs of a Mosaic serial pass
     options = dataclasses.replace(options, sequence_pieces=_pieces(options, programs, nc,
                                                                    cu_seqlens is None))

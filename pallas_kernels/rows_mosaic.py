@@ -304,23 +304,24 @@ def slot_tile(ref, slot):
     return padded(ref.at[slot if ref.shape[0] == 2 else 0])
 
 
-def tokens(load, step, carry, interpret, reverse=False):
-    """carry ← step(t, load(t), carry) for the tile's tokens t (descending if ``reverse``), the
-    shared-memory loads of each ``GROUP`` tokens issued before the group's steps: a load that
-    follows a shared-memory store in the program waits for it (ptxas cannot tell the addresses
-    apart), which put a load's latency on every token's chain (run 92: ~70 cycles a token).
-    One token an iteration in interpret mode (XLA compiles the loop's body once)."""
-    n = 1 if interpret else GROUP
+def tokens(load, step, carry, interpret, reverse=False, rows=TILE):
+    """carry ← step(t, load(t), carry) for the tile's tokens t < ``rows`` (descending if
+    ``reverse``), the shared-memory loads of each ``GROUP`` tokens issued before the group's
+    steps: a load that follows a shared-memory store in the program waits for it (ptxas cannot
+    tell the addresses apart), which put a load's latency on every token's chain (run 92: ~70
+    cycles a token). One token an iteration in interpret mode (XLA compiles the loop's body
+    once)."""
+    n = 1 if interpret else min(GROUP, rows)
 
     def body(i, carry):
         ts = [i * n + m for m in range(n)]
-        ts = [TILE - 1 - t for t in ts] if reverse else ts
+        ts = [rows - 1 - t for t in ts] if reverse else ts
         values = [load(t) for t in ts]
         for t, v in zip(ts, values):
             carry = step(t, v, carry)
         return carry
 
-    return lax.fori_loop(0, TILE // n, body, carry)
+    return lax.fori_loop(0, rows // n, body, carry)
 
 
 def square_rows(k_tile, S, interpret):

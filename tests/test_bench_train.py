@@ -61,7 +61,8 @@ def test_data_parallel_and_fsdp_match_one_device_at_the_same_global_batch():
     steps (two real updates) on the mesh (data 2, fsdp 2) equal one device's with the same 8-row
     global batch as 4 micro-batches, up to float rounding. One block (``--layers 1``: the
     parity is per block; the suite's time)."""
-    out = run_python(SCRIPT, "--tiny", "--layers", "1", "--preconditioners", "osgm", "--seq-len", "64", "--batch", "2",
+    out = run_python(SCRIPT, "--tiny", "--layers", "1", "--preconditioners", "osgm",
+                     "--seq-len", "64", "--batch", "2",
                      "--mesh", "2", "2", "1", "--compare-mesh", "1", "1", "1",
                      "--losses", "3", "--steps", "1", "--compare-steps", "1", "--lr-warmup", "1",
                      "--compute-dtype", "float32", timeout=300).stdout
