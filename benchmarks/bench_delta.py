@@ -232,8 +232,9 @@ def breakdown(core, x, reps, options):
     a per-channel decay), serial state pass, chunk outputs; backward = WY again, dO products,
     serial state pass, per-chunk cotangents, WY pullback (``wy_bwd`` or ``prepare``'s vjp). The
     scalar WY kernels sum the log decays in each chunk themselves (v8.8); with a per-channel
-    decay ``wy`` and ``wy_pullback`` include the XLA glue of γ and of dg from dγ and dσ (until
-    v8.7 an item of its own, ``decays``: 0.31-0.37 ms for KDA)."""
+    decay ``wy`` and ``wy_pullback`` include the sums γ and dg from dγ and dσ: XLA's unless
+    the options say ``decay_scan="mosaic"`` (``/dsm``; until v8.7 an item of its own,
+    ``decays``: 0.31-0.37 ms for KDA)."""
     from pallas_kernels import delta_rule as dr
     from pallas_kernels import state_bwd_triton as sb
     from pallas_kernels import state_fwd_triton as sf
@@ -296,7 +297,7 @@ def breakdown(core, x, reps, options):
 def variant(v):
     """Options from precision/block_v/num_warps[/num_stages][/fused][/recompute][/vxla|/vhalving][/pP]
     [/kN][/wkN][/bwN][/wwN][/sN][/hbf16|/h32][/wbf16][/qP][/oserial|/okernel][/dserial|/dkernel]
-    [/mosaic|/triton][/cpN][/fg|/nofg][/gw1][/wyP][/waP][/wis][/invm] (vxla / vhalving:
+    [/mosaic|/triton][/cpN][/fg|/nofg][/gw1][/wyP][/waP][/wis][/invm][/dsx|/dsm] (vxla / vhalving:
     ``Options.vector_wy`` = "xla" / "halving"; pP: ``Options.parallel_precision`` = P, e.g. ptf32, pbf16;
     kN: ``Options.block_k`` = N; wkN: ``Options.wy_block_k`` = N; bwN:
     ``Options.pullback_warps`` = N; wwN: ``Options.wy_warps`` = N; sN:
@@ -310,7 +311,8 @@ def variant(v):
     ``Options.fused_grads`` True / False; gw1:
     ``Options.grads_warpgroups`` = 1; wyP / waP: ``Options.wy_precision`` /
     ``wy_apply_precision`` = P; wis: ``Options.wy_in_serial``; invm:
-    ``Options.inverse_backend`` = "mosaic"). Unnamed options keep their defaults."""
+    ``Options.inverse_backend`` = "mosaic"; dsx / dsm: ``Options.decay_scan`` = "xla" /
+    "mosaic"). Unnamed options keep their defaults."""
     f = v.split("/")
     flags = [t for t in f[3:] if not t.isdigit()]
     block_k = [int(t[1:]) for t in flags if t[0] == "k" and t[1:].isdigit()]
@@ -349,7 +351,8 @@ def variant(v):
                    wy_precision=wy_dots[0] if wy_dots else None,
                    wy_apply_precision=apply_dots[0] if apply_dots else None,
                    wy_in_serial=True if "wis" in flags else None,
-                   inverse_backend="mosaic" if "invm" in flags else None)
+                   inverse_backend="mosaic" if "invm" in flags else None,
+                   decay_scan="xla" if "dsx" in flags else "mosaic" if "dsm" in flags else None)
 
 
 def variant_tag(opt):
@@ -375,7 +378,8 @@ def variant_tag(opt):
             + (f"/wy{opt.wy_precision}" if opt.wy_precision else "")
             + (f"/wa{opt.wy_apply_precision}" if opt.wy_apply_precision else "")
             + ("/wis" if opt.wy_in_serial else "")
-            + ("/invm" if opt.inverse_backend == "mosaic" else ""))
+            + ("/invm" if opt.inverse_backend == "mosaic" else "")
+            + {"xla": "/dsx", "mosaic": "/dsm", None: ""}[opt.decay_scan])
 
 
 def jla_ops():
