@@ -30,15 +30,17 @@ diagonal once, exact for any decay (entries a dot computes outside its mask may 
 discarded). The forward takes the diagonal in the s-block dot (i >= j); the pullback takes it
 apart, as Σ_k k_ik k̃_ik, free of γ: through a factored dot its dγ terms would cancel only to
 rounding, which where the neighbours have decayed away is all of dγ. The levels below s are
-skipped by ``lax.cond``; the pullback makes the same choice.
+skipped by ``lax.cond``; the pullback makes the same choice (the same search, no grams).
 
 Pullback (cotangents dW, dU, dK̃', dQ', dP, dΓ_C [K]): with dT, dL as in ``wy_triton``,
 G_K = Diag(β) dL, G_Q = tril(dP) and the grams' pullback through the same blocks,
 
-    dK_A = Σ_j G_K,ij k̃_j ⊙ e_ij    dQ_P = Σ_j G_Q,ij k̃_j ⊙ e_ij
+    Z = Σ_j dL_ij k̃_j ⊙ e_ij    dK_A = Diag(β) Z    dQ_P = Σ_j G_Q,ij k̃_j ⊙ e_ij
     dK̃_AP = Σ_i (G_K,ij k_i + G_Q,ij q_i) ⊙ e_ij
     dK = dK_A + Diag(β) Γ ⊙ Tᵀ dW    dQ = dQ_P + dQ' ⊙ Γ    dK̃ = dK̃_AP + dK̃' ⊙ exp σ
-    dV = Diag(β) Tᵀ dU    dβ = rowsum(dL ⊙ A) + rowsum(Γ ⊙ K ⊙ Tᵀ dW) + rowsum(Tᵀ dU ⊙ V)
+    dV = Diag(β) Tᵀ dU    dβ = rowsum(K ⊙ Z) + rowsum(Γ ⊙ K ⊙ Tᵀ dW) + rowsum(Tᵀ dU ⊙ V)
+
+(rowsum(K ⊙ Z) = rowsum(dL ⊙ A): the pullback needs no A.)
     dγ = K ⊙ dK_A + Q ⊙ dQ_P − K̃ ⊙ dK̃_AP + Diag(β) Γ ⊙ K ⊙ Tᵀ dW + dQ' ⊙ Q'
          + δ_{i,C−1} Γ_C ⊙ dΓ_C
     dσ = dK̃' ⊙ K̃'
@@ -137,7 +139,7 @@ def _tile(refs, cols):
 
 
 def _tile_grams(grams, rows, kw, g, g_ref, cols, dots, factored_blocks):
-    """(grams + one key tile's share (``_grams``), log2 s): the whole chunk in one factored dot
+    """grams + one key tile's share (``_grams``): the whole chunk in one factored dot
     where it factors (s = C, the common case, kept apart from the search: run 51 measured the
     general path at s = C 0.55 ms slower in the forward), else s by ``_block_size``, the halving
     levels h >= s and the s-blocks (module docstring; s = 1 without ``factored_blocks``). The
@@ -152,7 +154,7 @@ def _tile_grams(grams, rows, kw, g, g_ref, cols, dots, factored_blocks):
                              lambda gr, h=h: _gram_blocks(gr, rows, kw,
                                                           *_level(g, g_ref, cols, h), dots),
                              lambda gr: gr, grams)
-        return _gram_blocks(grams, rows, kw, *_block(g, g_ref, cols, ls, True), dots), ls
+        return _gram_blocks(grams, rows, kw, *_block(g, g_ref, cols, ls, True), dots)
 
     if not factored_blocks:
         return general(grams, None)
@@ -163,21 +165,30 @@ def _tile_grams(grams, rows, kw, g, g_ref, cols, dots, factored_blocks):
     # yield a literal from a branch)
     return lax.cond(
         whole,
-        lambda gr, ls: (_gram_blocks(gr, rows, kw, jnp.exp(x), jnp.exp(-x), i >= j, dots), ls),
+        lambda gr, ls: _gram_blocks(gr, rows, kw, jnp.exp(x), jnp.exp(-x), i >= j, dots),
         general, grams, top - 1 + whole.astype(jnp.int32))
 
 
-def _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, factored_blocks, with_p=True):
-    """((A, P) [C, C] (module docstring; zero above the diagonal), summed over the key tiles,
-    without ``with_p`` only (A,); each key tile's log2 s, for the pullback)."""
+def _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, factored_blocks):
+    """(A, P) [C, C] (module docstring; zero above the diagonal), summed over the key tiles."""
     C = k_ref.shape[0]
-    grams, sizes = (jnp.zeros((C, C), f32),) * (2 if with_p else 1), []
+    grams = (jnp.zeros((C, C), f32),) * 2
     for cols in key_tiles:
         q, k, kw, g = _tile((q_ref, k_ref, kw_ref, g_ref), cols)
-        grams, ls = _tile_grams(grams, (k, q)[:len(grams)], kw, g, g_ref, cols, dots,
-                                factored_blocks)
-        sizes.append(ls)
-    return grams, sizes
+        grams = _tile_grams(grams, (k, q), kw, g, g_ref, cols, dots, factored_blocks)
+    return grams
+
+
+def _tile_size(g_ref, cols, factored_blocks):
+    """log2 s of the key columns ``cols`` as ``_tile_grams`` picks it, without the grams: C where
+    the whole chunk factors, else ``_block_size``'s search (0 without ``factored_blocks``)."""
+    if not factored_blocks:
+        return jnp.int32(0)
+    g = g_ref[:, cols].astype(f32)
+    whole = _factorable(_to_middle(g, g_ref, cols))
+    top = g.shape[0].bit_length() - 1  # the start, traced as in ``_tile_grams``
+    return lax.cond(whole, lambda ls: ls, lambda ls: _block_size(g, g_ref, cols, ls),
+                    top - 1 + whole.astype(jnp.int32))
 
 
 def _blocks_vjp(GK, GQ, q, k, kw, ex, ey, M, dots):
@@ -216,11 +227,11 @@ def _grams_vjp(GK, GQ, q, k, kw, g, g_ref, cols, ls, dots):
     return lax.cond(ls == C.bit_length() - 1, whole, general)
 
 
-def _diagonal_vjp(gk, gq, q, k, kw):
-    """The diagonal's share of ``_grams``' pullback (A_ii = Σ k_i k̃_i, P_ii = Σ q_i k̃_i; gk, gq
-    [C, 1] its cotangents): (dK, dQ, dK̃) [C, BK]. Kept out of dγ: it has no γ in it, and as a
-    difference of two rounded products it would be all of dγ where a chunk decays away."""
-    return gk * kw, gq * kw, gk * k + gq * q
+def _diagonal_vjp(gq, q, kw):
+    """The diagonal's share of ``_grams``' pullback (P_ii = Σ q_i k̃_i, gq [C, 1] its
+    cotangents; A_ii is not in L): (dQ, dK̃) [C, BK]. Kept out of dγ: it has no γ in it, and as
+    a difference of two rounded products it would be all of dγ where a chunk decays away."""
+    return gq * kw, gq * q
 
 
 def _fwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, W_ref, U_ref, kwt_ref, qd_ref,
@@ -228,7 +239,7 @@ def _fwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, W_ref, U_ref, kwt_
     """One chunk's W, U, K̃', Q', P, Γ_C and T (module docstring), by key tiles of ``block_k``."""
     C, K = k_ref.shape
     key_tiles = tiles(K, block_k)
-    (A, P), _ = _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, factored_blocks)
+    A, P = _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, factored_blocks)
     beta = beta_ref[...].astype(f32)
     i, j = iota2(C)
     T = unit_lower_inverse(jnp.where(i > j, beta[:, None] * A, 0.0), dots)
@@ -250,12 +261,14 @@ def _bwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, T_ref, dW_ref, dU_
                 dqd_ref, dP_ref, dgc_ref, dq_ref, dk_ref, dkw_ref, dv_ref, db_ref, dg_ref, ds_ref,
                 *, dots, block_v, block_k, factored_blocks):
     """One chunk's dQ, dK, dK̃, dV, dβ, dγ and dσ (module docstring), T read from the forward, in two
-    sweeps over key tiles of ``block_k`` (dT and dβ first; then, after dL, each tile's
-    cotangents, Tᵀ dW recomputed per tile)."""
+    sweeps over key tiles of ``block_k`` (dT and dβ's W and U shares first; then, after dL, each
+    tile's cotangents, Tᵀ dW recomputed per tile). A is not recomputed: the gram's pullback
+    runs along dL itself, Z = Σ_j dL_ij k̃_j ⊙ e_ij, so that dK_A = Diag(β) Z and dβ's gram share
+    rowsum(dL ⊙ A) = rowsum(K ⊙ Z) (as FLA's KDA pullback forms it); each tile's block size
+    comes from the search alone (``_tile_size``)."""
     C, K = k_ref.shape
     key_tiles = tiles(K, block_k)
-    (A,), sizes = _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, factored_blocks,
-                         with_p=False)
+    sizes = [_tile_size(g_ref, cols, factored_blocks) for cols in key_tiles]
     T = T_ref[...]
     i, j = iota2(C)
     beta = beta_ref[...].astype(f32)
@@ -270,18 +283,17 @@ def _bwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, T_ref, dW_ref, dU_
         dT = dT + dots.nt(dW, b * Gk)
     # T = (I + L)^-1, L = strict_tril(Diag(β) A); P = tril(...)
     dL = jnp.where(i > j, -dots.nt(dots.tn(T, dT), T), 0.0)
-    db_ref[...] = (db + jnp.sum(dL * A, axis=1)).astype(db_ref.dtype)
-    GK = b * dL
-    gk = jnp.sum(jnp.where(i == j, GK, 0.0), axis=1)[:, None]  # the diagonal's cotangents
-    gq = jnp.sum(jnp.where(i == j, dP_ref[...], 0.0), axis=1)[:, None]
+    gq = jnp.sum(jnp.where(i == j, dP_ref[...], 0.0), axis=1)[:, None]  # P's diagonal
     # sweep 2: the grams' pullback, Q' = Q ⊙ Γ, K̃' = K̃ ⊙ Γ_C/Γ, Γ_C (T and G_Q read again per
     # tile rather than held across it: fewer live [C, C] tiles, fewer spills)
     for cols, ls in zip(key_tiles, sizes):
         q, k, kw, g = _tile((q_ref, k_ref, kw_ref, g_ref), cols)
         GQ = jnp.where(i >= j, dP_ref[...], 0.0)
-        dkA, dqP, dkwAP = _grams_vjp(GK, GQ, q, k, kw, g, g_ref, cols, ls, dots)
+        Z, dqP, dkwAP = _grams_vjp(dL, GQ, q, b * k, kw, g, g_ref, cols, ls, dots)
+        db = db + jnp.sum(k * Z, axis=1)
+        dkA = b * Z
         dg_grams = k * dkA + q * dqP - kw * dkwAP
-        dkA, dqP, dkwAP = _add((dkA, dqP, dkwAP), _diagonal_vjp(gk, gq, q, k, kw))
+        dqP, dkwAP = _add((dqP, dkwAP), _diagonal_vjp(gq, q, kw))
         g_last = g_ref[C - 1, cols].astype(f32)
         Gam = jnp.exp(g)
         dKg = dots.tn(T_ref[...], dW_ref[:, cols])
@@ -295,6 +307,7 @@ def _bwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, T_ref, dW_ref, dU_
         dg_ref[:, cols] = (dg_grams + b * wk + dqd * q * Gam
                            + jnp.where(at_last, (jnp.exp(g_last) * dgc_ref[cols])[None, :], 0.0))
         ds_ref[:, cols] = dkwt * kw * tail  # K̃' = K̃ ⊙ exp σ
+    db_ref[...] = db.astype(db_ref.dtype)
 
 
 def wy_vector_fwd(q, k, kw, v, beta, gamma, *, chunk, block_v, dots: Dots, num_warps,
