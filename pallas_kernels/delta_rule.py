@@ -147,8 +147,9 @@ class Options:
     its in-chunk sums γ (forward) and their pullback to g (backward) as XLA's batched 0/1-mask
     matmuls ("xla") or as ``decay_scan_mosaic``'s kernels ("mosaic": one thread a channel
     walking the chunk; H K a multiple of 128, ValueError otherwise); None: "mosaic" compiled on
-    a Hopper GPU where it fits, else "xla" (so in interpret mode: the kernels' own tests run
-    them there). Other decays sum in their kernels and ignore it."""
+    a Hopper GPU where it fits (KDA fwd / fwd+bwd 0.767 / 3.017 -> 0.700 / 2.809 ms at
+    8x2048x8x128, RESULTS run 128), else "xla" (so in interpret mode: the kernels' own tests
+    run them there). Other decays sum in their kernels and ignore it."""
 
     precision: str | None = None
     parallel_precision: str | None = None
