@@ -4,6 +4,7 @@ tests share, and a runner for the scripts that need their own process.
 Test files and the subprocess scripts import it as ``conftest`` (pytest puts tests/ on sys.path;
 a script's own folder is on it too), the module pytest itself loaded."""
 
+import functools
 import os
 import shlex
 import subprocess
@@ -22,6 +23,36 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _interpreter_callbacks_take_host_arrays():
+    """Mosaic GPU's interpret mode runs every shared-memory access, copy and barrier of a kernel
+    as an ``io_callback`` into its interpreter, and ``io_callback``'s implementation first
+    ``device_put``s the arguments XLA hands it (already host numpy arrays, ~11 a callback):
+    ~1.1 ms a callback, half of an interpret-mode kernel test's time (cProfile of
+    test_pallas_osgm_mosaic's reference test: 18,745 callbacks, 43 of its 50 s, 21 s of them in
+    ``device_put``). The interpreter's own callbacks take the arrays as numpy arrays, scalars (its
+    ids and indices) as Python numbers; every other callback keeps JAX's implementation."""
+    from jax._src import callback as callback_module
+
+    real = callback_module.io_callback_impl
+    cpu = jax.local_devices(backend="cpu")[0]
+
+    def impl(*args, result_avals, callback, sharding, ordered):
+        f = callback.callback_func
+        while isinstance(f, functools.partial):
+            f = f.func
+        if not getattr(f, "__module__", "").startswith("jax._src.pallas.mosaic_gpu.interpret"):
+            return real(*args, result_avals=result_avals, callback=callback, sharding=sharding,
+                        ordered=ordered)
+        args = [a.item() if np.ndim(a) == 0 else a for a in args]  # scalars: ids, indices
+        with jax.default_device(cpu):
+            return jax.tree.map(np.asarray, callback(*args))
+
+    callback_module.io_callback_impl = impl
+
+
+_interpreter_callbacks_take_host_arrays()
 
 
 def pytest_collection_modifyitems(items):
