@@ -3,16 +3,13 @@
 token in float32 (the kernels' order: bit for bit), the op end to end against XLA's sums and the
 token-by-token reference, the CUDA lowering, and the errors."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import mosaic_kernels_lowered_for_cuda, packed_cu_seqlens, rel_err
-from test_pallas_precision import outputs_and_grads
+from test_pallas_precision import packed_runs
 
-import precond_linattn as pla
 from pallas_kernels import decay_scan_mosaic as scan
 from pallas_kernels.delta_rule import Options, delta_rule_pallas
 
@@ -56,23 +53,9 @@ def test_op_with_the_kernels_matches_xla_sums(rand):
     reference. (Batch rows: ``test_kernels_sum_token_by_token``.)"""
     B, T, H, K, V = 1, 70, 2, 64, 48
     x = rand.delta_inputs(B, T, H, K, V, decay="vector")
-    cu = packed_cu_seqlens([30, 1, 39])
     x["s0"] = rand.normal(3, H, K, V)
-
-    def kernel(options, x):
-        return delta_rule_pallas(x["q"], x["k"], x["write_key"], x["v"], x["beta"],
-                                 x["log_decay"], K ** -0.5, x["s0"], cu, 16, options)
-
-    def reference(x):
-        return pla.delta_rule(x["q"], x["k"], x["v"], x["beta"], write_key=x["write_key"],
-                              log_decay=x["log_decay"], initial_state=x["s0"], cu_seqlens=cu,
-                              output_final_state=True, impl="reference")
-
-    key = jax.random.key(5)
-    runs = [jax.jit(functools.partial(outputs_and_grads, f))(x, key) for f in (
-        functools.partial(kernel, Options(decay_scan="mosaic")),
-        functools.partial(kernel, Options(decay_scan="xla")), reference)]
-    mosaic, xla, ref = runs
+    mosaic, xla, ref = packed_runs(x, packed_cu_seqlens([30, 1, 39]), 16,
+                                   Options(decay_scan="mosaic"), Options(decay_scan="xla"))
     for a, b in zip(mosaic[:2], xla[:2]):
         np.testing.assert_array_equal(a, b)
     for name in ref[2]:

@@ -51,19 +51,15 @@ def kernel_runs(rand, decay, seed, *options, K=K):
     return [jax.jit(functools.partial(outputs_and_grads, f))(x, key) for f in fs]
 
 
-def packed_documents_runs(rand, options):
-    """(o, finals, gradients) of the op under ``options`` and of the float32 reference on three
-    packed documents (64, 1 and 85 tokens: a one-token document, a chunk-unaligned boundary and
-    so one chunk of layout padding after the last, which the backward meets before any
-    document's end) with per-document initial states and a scalar decay, bf16 inputs."""
-    T, H, K, V = 150, 2, 64, 64
-    x = rand.delta_inputs(1, T, H, K, V, decay="scalar", dtype=jnp.bfloat16)
-    x["s0"] = rand.normal(3, H, K, V)
-    cu = packed_cu_seqlens([64, 1, 85])
+def packed_runs(x, cu, chunk, *options):
+    """(o, finals, gradients) of the op under each of ``options`` and of the float32 reference
+    (last) on ``x`` (``delta_inputs`` and per-document initial states ``s0``) packed as the
+    documents ``cu``, in chunks of ``chunk``."""
+    K = x["k"].shape[-1]
 
-    def kernel(x):
+    def kernel(options, x):
         return delta_rule_pallas(x["q"], x["k"], x["write_key"], x["v"], x["beta"],
-                                 x["log_decay"], K ** -0.5, x["s0"], cu, 64, options)
+                                 x["log_decay"], K ** -0.5, x["s0"], cu, chunk, options)
 
     def reference(x):
         return pla.delta_rule(x["q"], x["k"], x["v"], x["beta"], write_key=x["write_key"],
@@ -71,7 +67,19 @@ def packed_documents_runs(rand, options):
                               output_final_state=True, impl="reference")
 
     key = jax.random.key(3)
-    return [jax.jit(lambda x, f=f: outputs_and_grads(f, x, key))(x) for f in (kernel, reference)]
+    fs = [functools.partial(kernel, o) for o in options] + [reference]
+    return [jax.jit(lambda x, f=f: outputs_and_grads(f, x, key))(x) for f in fs]
+
+
+def packed_documents_runs(rand, options):
+    """``packed_runs`` of ``options`` on three packed documents (64, 1 and 85 tokens: a
+    one-token document, a chunk-unaligned boundary and so one chunk of layout padding after the
+    last, which the backward meets before any document's end) with per-document initial states
+    and a scalar decay, bf16 inputs, chunks of 64."""
+    T, H, K, V = 150, 2, 64, 64
+    x = rand.delta_inputs(1, T, H, K, V, decay="scalar", dtype=jnp.bfloat16)
+    x["s0"] = rand.normal(3, H, K, V)
+    return packed_runs(x, packed_cu_seqlens([64, 1, 85]), 64, options)
 
 
 def assert_within_fla_bars(got, ref):
