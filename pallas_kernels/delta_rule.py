@@ -44,8 +44,7 @@ from pallas_kernels.delta_bwd_triton import delta_bwd
 from pallas_kernels.grads_mosaic import chunk_grads_fused
 from pallas_kernels.delta_fwd_triton import delta_fwd
 from pallas_kernels import (decay_scan_mosaic, grads_mosaic, inverse_mosaic, sequence_split,
-                            state_mosaic,
-                            state_wy_mosaic)
+                            state_mosaic, state_wy_mosaic)
 from pallas_kernels.partition import lowered_once, match_types, sharded_call
 from pallas_kernels.state_bwd_triton import dout_products, split_backward
 from pallas_kernels.state_fwd_triton import split_forward

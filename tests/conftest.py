@@ -30,7 +30,7 @@ def _interpreter_callbacks_take_host_arrays():
     as an ``io_callback`` into its interpreter, and ``io_callback``'s implementation first
     ``device_put``s the arguments XLA hands it (already host numpy arrays, ~11 a callback):
     ~1.1 ms a callback, half of an interpret-mode kernel test's time (cProfile of
-    test_pallas_osgm_mosaic's reference test: 18,745 callbacks, 43 of its 50 s, 21 s of them in
+    test_pallas_osgm_mosaic's reference test: 18,745 callbacks, 43 of its 50 s, 27 s of them in
     ``device_put``). The interpreter's own callbacks take the arrays as numpy arrays, scalars (its
     ids and indices) as Python numbers; every other callback keeps JAX's implementation."""
     from jax._src import callback as callback_module
