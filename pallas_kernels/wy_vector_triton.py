@@ -39,17 +39,16 @@ G_K = Diag(β) dL, G_Q = tril(dP) and the grams' pullback through the same block
     dK̃_AP = Σ_i (G_K,ij k_i + G_Q,ij q_i) ⊙ e_ij
     dK = dK_A + Diag(β) Γ ⊙ Tᵀ dW    dQ = dQ_P + dQ' ⊙ Γ    dK̃ = dK̃_AP + dK̃' ⊙ exp σ
     dV = Diag(β) Tᵀ dU    dβ = rowsum(K ⊙ Z) + rowsum(Γ ⊙ K ⊙ Tᵀ dW) + rowsum(Tᵀ dU ⊙ V)
-
-(rowsum(K ⊙ Z) = rowsum(dL ⊙ A): the pullback needs no A.)
     dγ = K ⊙ dK_A + Q ⊙ dQ_P − K̃ ⊙ dK̃_AP + Diag(β) Γ ⊙ K ⊙ Tᵀ dW + dQ' ⊙ Q'
          + δ_{i,C−1} Γ_C ⊙ dΓ_C
     dσ = dK̃' ⊙ K̃'
 
-(A and P depend on γ only through γ_i − γ_j, so their part of dγ is the first three terms; the
-reference rows get none.) This is the exact pullback of ``delta_rule.prepare``. The
-diagonal's share of dγ cancels exactly and is left out rather than formed (A_ii, P_ii have no
-γ); where a chunk decays by > 10 a token, dγ is ~1e-5 of those terms and their rounding would
-be all of it (as K̃' through σ = γ_C − γ would: ``wy_triton``).
+(rowsum(K ⊙ Z) = rowsum(dL ⊙ A): the pullback needs no A. A and P depend on γ only through γ_i −
+γ_j, so their part of dγ is the first three terms; the reference rows get none.) This is the
+exact pullback of ``delta_rule.prepare``. The diagonal's share of dγ cancels exactly and is left
+out rather than formed (A_ii, P_ii have no γ); where a chunk decays by > 10 a token, dγ is ~1e-5
+of those terms and their rounding would be all of it (as K̃' through σ = γ_C − γ would:
+``wy_triton``).
 """
 
 import functools
@@ -138,6 +137,15 @@ def _tile(refs, cols):
     return [r[:, cols].astype(f32) for r in refs]
 
 
+def _whole(g, g_ref, cols):
+    """(γ − γ_{C/2}, whether the whole chunk factors through row C/2, log2 s to start from):
+    log2 C where it does, else the block-size search's first candidate log2 C − 1; traced (the
+    Triton lowering cannot yield a literal from a branch)."""
+    x = _to_middle(g, g_ref, cols)
+    whole = _factorable(x)
+    return x, whole, g.shape[0].bit_length() - 2 + whole.astype(jnp.int32)
+
+
 def _tile_grams(grams, rows, kw, g, g_ref, cols, dots, factored_blocks):
     """grams + one key tile's share (``_grams``): the whole chunk in one factored dot
     where it factors (s = C, the common case, kept apart from the search: run 51 measured the
@@ -145,7 +153,6 @@ def _tile_grams(grams, rows, kw, g, g_ref, cols, dots, factored_blocks):
     levels h >= s and the s-blocks (module docstring; s = 1 without ``factored_blocks``). The
     forward's diagonal rides in the block dots (only dγ needs it apart, ``_diagonal_vjp``)."""
     C = g.shape[0]
-    top = C.bit_length() - 1
 
     def general(grams, ls):  # ls: the first candidate, log2 C − 1
         ls = _block_size(g, g_ref, cols, ls) if factored_blocks else jnp.int32(0)
@@ -158,15 +165,12 @@ def _tile_grams(grams, rows, kw, g, g_ref, cols, dots, factored_blocks):
 
     if not factored_blocks:
         return general(grams, None)
-    x = _to_middle(g, g_ref, cols)
+    x, whole, start = _whole(g, g_ref, cols)
     i, j = iota2(C)
-    whole = _factorable(x)
-    # log2 s: top where whole, else the search's start; traced (the Triton lowering cannot
-    # yield a literal from a branch)
     return lax.cond(
         whole,
         lambda gr, ls: _gram_blocks(gr, rows, kw, jnp.exp(x), jnp.exp(-x), i >= j, dots),
-        general, grams, top - 1 + whole.astype(jnp.int32))
+        general, grams, start)
 
 
 def _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, factored_blocks):
@@ -180,15 +184,14 @@ def _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, factored_blocks):
 
 
 def _tile_size(g_ref, cols, factored_blocks):
-    """log2 s of the key columns ``cols`` as ``_tile_grams`` picks it, without the grams: C where
-    the whole chunk factors, else ``_block_size``'s search (0 without ``factored_blocks``)."""
+    """log2 s of the key columns ``cols`` as ``_tile_grams`` picks it, without the grams:
+    log2 C where the whole chunk factors, else ``_block_size``'s search (0 without
+    ``factored_blocks``)."""
     if not factored_blocks:
         return jnp.int32(0)
     g = g_ref[:, cols].astype(f32)
-    whole = _factorable(_to_middle(g, g_ref, cols))
-    top = g.shape[0].bit_length() - 1  # the start, traced as in ``_tile_grams``
-    return lax.cond(whole, lambda ls: ls, lambda ls: _block_size(g, g_ref, cols, ls),
-                    top - 1 + whole.astype(jnp.int32))
+    _, whole, start = _whole(g, g_ref, cols)
+    return lax.cond(whole, lambda ls: ls, lambda ls: _block_size(g, g_ref, cols, ls), start)
 
 
 def _blocks_vjp(GK, GQ, q, k, kw, ex, ey, M, dots):
