@@ -11,14 +11,20 @@ rows, Γ = exp γ, e_ij = exp(γ_i − γ_j) [K]):
 (σ = γ_C − γ as in ``wy_triton``: formed from γ, its cotangent returned apart.)
 
 exp(γ_i − γ_j) overflows over a whole chunk for i < j. Per key tile, s is the largest power of two
-<= C for which every |γ_i − γ_m(i)| <= DIAG_BOUND, m(i) = s⌊i/s⌋ + s/2 the middle row of i's
-block of s rows (s = 1 always qualifies: m(i) = i). The entries within one s-block are one
-factored dot through the middle rows, masked to i > j (as with a scalar decay):
+<= C for which every |γ_i − γ_m(i)| <= b, m(i) = s⌊i/s⌋ + s/2 the middle row of i's block of s
+rows (s = 1 always qualifies: m(i) = i). The entries within one s-block are one factored dot
+through the middle rows, masked to i > j (as with a scalar decay):
 
-    A_ij = Σ_k (k_ik exp(γ_ik − γ_m,k)) (k̃_jk exp(γ_m,k − γ_jk))     (every factor <= e^40)
+    A_ij = Σ_k (k_ik exp(γ_ik − γ_m,k)) (k̃_jk exp(γ_m,k − γ_jk))     (every factor <= e^b)
 
-s = C (a chunk that decays by at most ~80 per channel) is the whole gram in one dot through the
-middle row, tested first and kept apart from the search for s (``lax.cond``). The entries
+The bound b is the forward's ``FORWARD_BOUND`` = 72: a kept entry's two factors multiply to at
+most 1, the entries outside the mask may overflow to inf (discarded), and a factor e^-72 times
+a key entry stays a normal float32 down to |k̃| ~ 2e-7 (at 80, jla's, a key entry below ~7e-4
+would flush). The pullback's ``PULLBACK_BOUND`` = 40: its products are cotangents times
+factors, and e^40 leaves them room up to e^48 before float32 overflows. s = C (a chunk that
+decays by at most ~2b per channel) is the whole gram in one dot through the middle row, tested
+first and kept apart from the search for s (``lax.cond``); at the bench's layer gates (init
+values, 64-wide key tiles) 73 % of tiles take it at b = 72, 25 % at b = 40. The entries
 across s-blocks by halving: at level h = C/2, C/4, ..., s the rows fall into blocks of 2h, each
 an upper and a lower half, and with r(i) = 2h⌊i/2h⌋ + h (the first row of i's lower half) the
 entries (i in a lower half, j in the upper half of the same block) are
@@ -30,10 +36,11 @@ diagonal once, exact for any decay (entries a dot computes outside its mask may 
 discarded). The forward takes the diagonal in the s-block dot (i >= j); the pullback takes it
 apart, as Σ_k k_ik k̃_ik, free of γ: through a factored dot its dγ terms would cancel only to
 rounding, which where the neighbours have decayed away is all of dγ. The levels below s are
-skipped by ``lax.cond``; the pullback makes the same choice (the same search, no grams).
+skipped by ``lax.cond``; the pullback runs the same search (no grams) at its own bound: any
+exact split of the grams' entries serves, the forward's need not be repeated.
 
 Pullback (cotangents dW, dU, dK̃', dQ', dP, dΓ_C [K]): with dT, dL as in ``wy_triton``,
-G_K = Diag(β) dL, G_Q = tril(dP) and the grams' pullback through the same blocks,
+G_K = Diag(β) dL, G_Q = tril(dP) and the grams' pullback through its blocks,
 
     Z = Σ_j dL_ij k̃_j ⊙ e_ij    dK_A = Diag(β) Z    dQ_P = Σ_j G_Q,ij k̃_j ⊙ e_ij
     dK̃_AP = Σ_i (G_K,ij k_i + G_Q,ij q_i) ⊙ e_ij
@@ -60,7 +67,8 @@ from pallas_kernels.triton_common import Dots, iota2, out_struct, unit_lower_inv
 from pallas_kernels.wy_triton import call, layout, tiles, u_bwd, u_fwd, wy_shapes
 
 f32 = jnp.float32
-DIAG_BOUND = 40.0  # |γ_i − γ_m| up to which a block factors through its middle row m
+FORWARD_BOUND = 72.0  # the forward's |γ_i − γ_m| up to which a block factors through row m
+PULLBACK_BOUND = 40.0  # the pullback's (module docstring)
 
 
 def _row_ids(C, K):
@@ -96,9 +104,9 @@ def _to_middles(g, g_ref, cols, ls):
     return g - g_ref[middle, cols].astype(f32)
 
 
-def _factorable(x):
-    """Whether every |x| <= DIAG_BOUND (reduced one axis at a time, as the lowering takes it)."""
-    return jnp.max(jnp.max(jnp.abs(x), axis=1)) <= DIAG_BOUND
+def _factorable(x, bound):
+    """Whether every |x| <= bound (reduced one axis at a time, as the lowering takes it)."""
+    return jnp.max(jnp.max(jnp.abs(x), axis=1)) <= bound
 
 
 def _to_middle(g, g_ref, cols):
@@ -107,15 +115,15 @@ def _to_middle(g, g_ref, cols):
     return g - g_ref[g.shape[0] // 2, cols].astype(f32)[None, :]
 
 
-def _block_size(g, g_ref, cols, top):
+def _block_size(g, g_ref, cols, top, bound):
     """log2 s (module docstring): from s = 2^top down to the first block size whose blocks all
-    factor."""
+    factor within ``bound``."""
     def shrink(carry):
         ls = carry[0] - 1
-        return ls, _factorable(_to_middles(g, g_ref, cols, ls))
+        return ls, _factorable(_to_middles(g, g_ref, cols, ls), bound)
 
     return lax.while_loop(lambda carry: jnp.logical_not(carry[1]), shrink,
-                          (top, _factorable(_to_middles(g, g_ref, cols, top))))[0]
+                          (top, _factorable(_to_middles(g, g_ref, cols, top), bound)))[0]
 
 
 def _block(g, g_ref, cols, ls, diagonal):
@@ -137,16 +145,16 @@ def _tile(refs, cols):
     return [r[:, cols].astype(f32) for r in refs]
 
 
-def _whole(g, g_ref, cols):
-    """(γ − γ_{C/2}, whether the whole chunk factors through row C/2, log2 s to start from):
-    log2 C where it does, else the block-size search's first candidate log2 C − 1; traced (the
+def _whole(g, g_ref, cols, bound):
+    """(γ − γ_{C/2}, whether the whole chunk factors through row C/2 within ``bound``, log2 s to
+    start from): log2 C where it does, else the block-size search's first candidate log2 C − 1; traced (the
     Triton lowering cannot yield a literal from a branch)."""
     x = _to_middle(g, g_ref, cols)
-    whole = _factorable(x)
+    whole = _factorable(x, bound)
     return x, whole, g.shape[0].bit_length() - 2 + whole.astype(jnp.int32)
 
 
-def _tile_grams(grams, rows, kw, g, g_ref, cols, dots, factored_blocks):
+def _tile_grams(grams, rows, kw, g, g_ref, cols, dots, factored_blocks, bound):
     """grams + one key tile's share (``_grams``): the whole chunk in one factored dot
     where it factors (s = C, the common case, kept apart from the search: run 51 measured the
     general path at s = C 0.55 ms slower in the forward), else s by ``_block_size``, the halving
@@ -155,7 +163,7 @@ def _tile_grams(grams, rows, kw, g, g_ref, cols, dots, factored_blocks):
     C = g.shape[0]
 
     def general(grams, ls):  # ls: the first candidate, log2 C − 1
-        ls = _block_size(g, g_ref, cols, ls) if factored_blocks else jnp.int32(0)
+        ls = _block_size(g, g_ref, cols, ls, bound) if factored_blocks else jnp.int32(0)
         for h, lh in _heights(C):
             grams = lax.cond(lh >= ls,
                              lambda gr, h=h: _gram_blocks(gr, rows, kw,
@@ -165,7 +173,7 @@ def _tile_grams(grams, rows, kw, g, g_ref, cols, dots, factored_blocks):
 
     if not factored_blocks:
         return general(grams, None)
-    x, whole, start = _whole(g, g_ref, cols)
+    x, whole, start = _whole(g, g_ref, cols, bound)
     i, j = iota2(C)
     return lax.cond(
         whole,
@@ -173,25 +181,26 @@ def _tile_grams(grams, rows, kw, g, g_ref, cols, dots, factored_blocks):
         general, grams, start)
 
 
-def _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, factored_blocks):
+def _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, factored_blocks, bound):
     """(A, P) [C, C] (module docstring; zero above the diagonal), summed over the key tiles."""
     C = k_ref.shape[0]
     grams = (jnp.zeros((C, C), f32),) * 2
     for cols in key_tiles:
         q, k, kw, g = _tile((q_ref, k_ref, kw_ref, g_ref), cols)
-        grams = _tile_grams(grams, (k, q), kw, g, g_ref, cols, dots, factored_blocks)
+        grams = _tile_grams(grams, (k, q), kw, g, g_ref, cols, dots, factored_blocks, bound)
     return grams
 
 
-def _tile_size(g_ref, cols, factored_blocks):
-    """log2 s of the key columns ``cols`` as ``_tile_grams`` picks it, without the grams:
-    log2 C where the whole chunk factors, else ``_block_size``'s search (0 without
+def _tile_size(g_ref, cols, factored_blocks, bound):
+    """log2 s of the key columns ``cols`` as ``_tile_grams`` picks it within ``bound``, without
+    the grams: log2 C where the whole chunk factors, else ``_block_size``'s search (0 without
     ``factored_blocks``)."""
     if not factored_blocks:
         return jnp.int32(0)
     g = g_ref[:, cols].astype(f32)
-    _, whole, start = _whole(g, g_ref, cols)
-    return lax.cond(whole, lambda ls: ls, lambda ls: _block_size(g, g_ref, cols, ls), start)
+    _, whole, start = _whole(g, g_ref, cols, bound)
+    return lax.cond(whole, lambda ls: ls, lambda ls: _block_size(g, g_ref, cols, ls, bound),
+                    start)
 
 
 def _blocks_vjp(GK, GQ, q, k, kw, ex, ey, M, dots):
@@ -238,11 +247,11 @@ def _diagonal_vjp(gq, q, kw):
 
 
 def _fwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, W_ref, U_ref, kwt_ref, qd_ref,
-                P_ref, gc_ref, T_ref, *, dots, block_v, block_k, factored_blocks):
+                P_ref, gc_ref, T_ref, *, dots, block_v, block_k, factored_blocks, bound):
     """One chunk's W, U, K̃', Q', P, Γ_C and T (module docstring), by key tiles of ``block_k``."""
     C, K = k_ref.shape
     key_tiles = tiles(K, block_k)
-    A, P = _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, factored_blocks)
+    A, P = _grams(q_ref, k_ref, kw_ref, g_ref, dots, key_tiles, factored_blocks, bound)
     beta = beta_ref[...].astype(f32)
     i, j = iota2(C)
     T = unit_lower_inverse(jnp.where(i > j, beta[:, None] * A, 0.0), dots)
@@ -262,7 +271,7 @@ def _fwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, W_ref, U_ref, kwt_
 
 def _bwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, T_ref, dW_ref, dU_ref, dkwt_ref,
                 dqd_ref, dP_ref, dgc_ref, dq_ref, dk_ref, dkw_ref, dv_ref, db_ref, dg_ref, ds_ref,
-                *, dots, block_v, block_k, factored_blocks):
+                *, dots, block_v, block_k, factored_blocks, bound):
     """One chunk's dQ, dK, dK̃, dV, dβ, dγ and dσ (module docstring), T read from the forward, in two
     sweeps over key tiles of ``block_k`` (dT and dβ's W and U shares first; then, after dL, each
     tile's cotangents, Tᵀ dW recomputed per tile). A is not recomputed: the gram's pullback
@@ -271,7 +280,7 @@ def _bwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, T_ref, dW_ref, dU_
     comes from the search alone (``_tile_size``)."""
     C, K = k_ref.shape
     key_tiles = tiles(K, block_k)
-    sizes = [_tile_size(g_ref, cols, factored_blocks) for cols in key_tiles]
+    sizes = [_tile_size(g_ref, cols, factored_blocks, bound) for cols in key_tiles]
     T = T_ref[...]
     i, j = iota2(C)
     beta = beta_ref[...].astype(f32)
@@ -314,34 +323,37 @@ def _bwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, T_ref, dW_ref, dU_
 
 
 def wy_vector_fwd(q, k, kw, v, beta, gamma, *, chunk, block_v, dots: Dots, num_warps,
-                  num_stages, block_k=64, out_dtype=jnp.float32, factored_blocks=True):
+                  num_stages, block_k=64, out_dtype=jnp.float32, factored_blocks=True,
+                  bound=FORWARD_BOUND):
     """``wy_triton.wy_fwd`` for a per-channel decay, gamma [B, Tp, H, K] (the in-chunk cumsum):
     W, U, K̃', Q' [B, H, Tp, ·], P [B, H, Tp, C] (in ``out_dtype``) and Γ_C [B, H, NC, K], equal to
     ``delta_rule.prepare``'s outputs (module docstring), and T [B, H, Tp, C] for the pullback;
     ``block_k``: key columns per tile (the grams are sums over key tiles); ``factored_blocks``
     False: every tile by halving down to single rows (an ablation: exact, slower where a tile's
-    blocks could factor)."""
+    blocks could factor); ``bound``: how far from its middle row a block's γ may spread and
+    still factor (module docstring)."""
     in_specs, wy_specs, grid = layout(q, v, gamma, chunk, vector=True, name="gamma")
     args = [q, k, kw, v, beta, gamma]
     kernel = functools.partial(_fwd_kernel, dots=dots, block_v=block_v, block_k=block_k,
-                               factored_blocks=factored_blocks)
+                               factored_blocks=factored_blocks, bound=bound)
     return call(kernel, "wy_vector_fwd", grid, in_specs, wy_specs,
                 wy_shapes(q, v, grid, chunk, args, out_dtype), args, dots, num_warps, num_stages)
 
 
 def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *, chunk,
-                  block_v, dots: Dots, num_warps, num_stages, block_k=64, factored_blocks=True):
+                  block_v, dots: Dots, num_warps, num_stages, block_k=64, factored_blocks=True,
+                  bound=PULLBACK_BOUND):
     """Cotangents of q, k, kw [B, Tp, H, K], v [B, Tp, H, V], beta [B, Tp, H] (each in its
     input's dtype, rounded once from the float32 sums), gamma and σ = γ_C − γ [B, Tp, H, K]
     (float32) from those of ``wy_vector_fwd``'s outputs and its T
-    (module docstring); ``block_k``: key columns per tile; ``factored_blocks`` as
-    ``wy_vector_fwd``'s."""
+    (module docstring); ``block_k``: key columns per tile; ``factored_blocks`` and ``bound`` as
+    ``wy_vector_fwd``'s (its own path, whatever the forward's was)."""
     in_specs, wy_specs, grid = layout(q, v, gamma, chunk, vector=True, name="gamma")
     args = [q, k, kw, v, beta, gamma]
     cts = [T, dW, dU, dkw_t, dq_dec, dP, dgc]
     out_shape = [out_struct(x.shape, x.dtype, *args, *cts) for x in args]
     out_shape.append(out_struct(gamma.shape, f32, *args, *cts))  # σ as γ
     kernel = functools.partial(_bwd_kernel, dots=dots, block_v=block_v, block_k=block_k,
-                               factored_blocks=factored_blocks)
+                               factored_blocks=factored_blocks, bound=bound)
     return call(kernel, "wy_vector_bwd", grid, in_specs + wy_specs[-1:] + wy_specs[:-1],
                 in_specs + in_specs[-1:], out_shape, args + cts, dots, num_warps, num_stages)

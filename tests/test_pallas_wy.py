@@ -193,10 +193,10 @@ def test_pullback_takes_P_exactly_with_a_decay(rand, decay):
 GRADS_SUMS = GRADS[:-1] + ("dgamma", "dsigma")  # the per-channel kernels' cotangents
 
 
-def vector_case(rand, c, k_dim, dtype, block_k, decays):
+def vector_case(rand, c, k_dim, dtype, block_k, decays, bound=None):
     """(the kernels' WY outputs, pullback; ``prepare_sums``', on the same values in float32) for
     per-channel decays −U(lo, hi) per token, ``decays`` a list of (lo, hi), one per equal run of
-    key columns."""
+    key columns; ``bound``: both kernels' factoring bound (None: each its default)."""
     Tp = NC * c
     x = rand.delta_inputs(B, Tp, H, k_dim, V, decay="vector", dtype=dtype)
     lo, hi = (jnp.repeat(jnp.asarray(r, jnp.float32), k_dim // len(decays)) for r in zip(*decays))
@@ -207,6 +207,7 @@ def vector_case(rand, c, k_dim, dtype, block_k, decays):
                                 *(a.astype(jnp.float32) for a in ins))
     cts = tuple(rand.normal(*w.shape) for w in want_wy)
     opts = dict(chunk=c, block_v=16, block_k=block_k, dots=DOTS, num_warps=4, num_stages=1)
+    opts |= {} if bound is None else dict(bound=bound)
     *got_wy, T = jax.jit(functools.partial(wy_vector_fwd, **opts))(*ins[:6])
     got_grads = jax.jit(functools.partial(wy_vector_bwd, **opts))(*ins[:6], T, *cts)
     return (got_wy, got_grads), (want_wy, pullback(cts))
@@ -240,11 +241,13 @@ MILD = [(0.01, 0.5)] * 3  # the first 24 of 32 key columns
 def test_vector_decay_paths(rand, monkeypatch, strong, block_k, poisoned, exact):
     """Which halving levels each key tile runs (C = 32, K = 32; an s-block spreads s / 2 tokens
     from its middle row). The last 8 key columns decay by ``strong`` a token, the rest by
-    0.01-0.5; the spread is a max over a tile's columns, so 0.01-0.5 factors whole (s = 32),
-    3-4.5 in 16-row blocks (8 x 4.5 <= DIAG_BOUND < 16 x 3), 11-19 in 4-row blocks, 45-60 only
-    row by row (s = 1); with block_k 16 a mild tile (s = 32) and a strong one (s = 4). Halving
-    level h = ``poisoned`` has its results moved: "exact" shows it did not run in the forward or
-    the pullback, not exact that it did (levels h >= s run); unpoisoned, every case is exact.
+    0.01-0.5; the spread is a max over a tile's columns, so at both kernels' bound pinned to 40
+    0.01-0.5 factors whole (s = 32), 3-4.5 in 16-row blocks (8 x 4.5 <= 40 < 16 x 3), 11-19 in
+    4-row blocks, 45-60 only row by row (s = 1); with block_k 16 a mild tile (s = 32) and a
+    strong one (s = 4). Halving level h = ``poisoned`` has its results moved: "exact" shows it
+    did not run in the forward or the pullback, not exact that it did (levels h >= s run).
+    Unpoisoned, at the kernels' own bounds (the forward's 72 factors 3-4.5 whole, its entries
+    above the diagonal overflowing to inf, 45-60 in 2-row blocks), every case is exact.
     (Mild columns keep dγ well conditioned: where every column decays by > 10 a token dγ ~ e^-11
     is a difference of O(1) terms, and fp32 rounding is all of it: 2.6e-3 relative for the XLA
     reference itself against float64 at 11-19 a token.)"""
@@ -258,7 +261,7 @@ def test_vector_decay_paths(rand, monkeypatch, strong, block_k, poisoned, exact)
 
     monkeypatch.setattr(wv, "_level", level)
     (got_wy, got_grads), (want_wy, want_grads) = vector_case(rand, 32, 32, jnp.float32, block_k,
-                                                             decays)
+                                                             decays, bound=40.0)
     errs = [rel_err(a, b) for a, b in zip([*got_wy, *got_grads], [*want_wy, *want_grads])]
     assert max(errs) <= 2e-6 if exact else max(errs) > 1e-2
     monkeypatch.setattr(wv, "_level", real)
@@ -268,12 +271,17 @@ def test_vector_decay_paths(rand, monkeypatch, strong, block_k, poisoned, exact)
     check(got_grads, want_grads, 2e-6, GRADS_SUMS)
 
 
-@pytest.mark.parametrize("strong, exact", [((0.01, 0.5), True), ((3.0, 4.5), False)],
-                         ids=["whole_skips_search", "s16_searches"])
-def test_vector_whole_chunk_path_apart(rand, monkeypatch, strong, exact):
+@pytest.mark.parametrize("strong, bound, forward_exact, pullback_exact", [
+    ((0.01, 0.5), 40.0, True, True), ((3.0, 4.5), 40.0, False, False),
+    ((3.0, 4.5), None, True, False)],
+    ids=["whole_skips_search", "s16_searches", "forward_factors_wider"])
+def test_vector_whole_chunk_path_apart(rand, monkeypatch, strong, bound, forward_exact,
+                                       pullback_exact):
     """A key tile that factors whole takes one dot through the chunk's middle row and never the
     block-size search's path (``_block`` poisoned: exact), a tile that does not takes it (not
-    exact); forward and pullback alike (C = K = 32, decays as ``test_vector_decay_paths``)."""
+    exact): C = K = 32, decays as ``test_vector_decay_paths``, at one bound for both kernels or
+    at their own (None: the forward's 72 factors 3-4.5 a token whole, the pullback's 40 does
+    not)."""
     from pallas_kernels import wy_vector_triton as wv
     real = wv._block
 
@@ -283,9 +291,11 @@ def test_vector_whole_chunk_path_apart(rand, monkeypatch, strong, exact):
 
     monkeypatch.setattr(wv, "_block", block)
     (got_wy, got_grads), (want_wy, want_grads) = vector_case(rand, 32, 32, jnp.float32, 64,
-                                                             MILD + [strong])
-    errs = [rel_err(a, b) for a, b in zip([*got_wy, *got_grads], [*want_wy, *want_grads])]
-    assert max(errs) <= 2e-6 if exact else max(errs) > 1e-2
+                                                             MILD + [strong], bound)
+    for got, want, exact in ((got_wy, want_wy, forward_exact),
+                             (got_grads, want_grads, pullback_exact)):
+        err = max(rel_err(a, b) for a, b in zip(got, want))
+        assert err <= 2e-6 if exact else err > 1e-2
 
 
 @pytest.mark.parametrize("decay", ["scalar", "vector"])
