@@ -17,16 +17,14 @@ through the middle rows, masked to i > j (as with a scalar decay):
 
     A_ij = Σ_k (k_ik exp(γ_ik − γ_m,k)) (k̃_jk exp(γ_m,k − γ_jk))     (every factor <= e^b)
 
-The bound b is ``BOUND`` = 72 in the forward: a kept entry's two factors multiply to at most
-1, the entries outside the mask may overflow to inf (discarded), and a factor e^-72 times a key
-entry stays a normal float32 down to |k̃| ~ 2e-7 (at 80, jla's, a key entry below ~7e-4 would
-flush). The pullback's products are cotangents times factors, Σ_j G_ij X_j e^(±b) over C rows,
-so per key tile it lowers b to keep them finite: b = min(72, 86 − ln C − ln max|G| − ln max|X|)
-(each max taken >= 1, G over dL and tril(dP), X over the tile's q, βk, k̃; at least 0, where
-s = 1 always qualifies). s = C (a chunk that decays by at most ~2b per channel) is the whole
-gram in one dot through the middle row, tested first and kept apart from the search for s
-(``lax.cond``); at the bench's layer gates (init values, 64-wide key tiles) 73 % of tiles take
-it at b = 72, 25 % at b = 40. The entries
+The bound b is the forward's ``FORWARD_BOUND`` = 72: a kept entry's two factors multiply to at
+most 1, the entries outside the mask may overflow to inf (discarded), and a factor e^-72 times
+a key entry stays a normal float32 down to |k̃| ~ 2e-7 (at 80, jla's, a key entry below ~7e-4
+would flush). The pullback's ``PULLBACK_BOUND`` = 40: its products are cotangents times
+factors, and e^40 leaves them room up to e^48 before float32 overflows. s = C (a chunk that
+decays by at most ~2b per channel) is the whole gram in one dot through the middle row, tested
+first and kept apart from the search for s (``lax.cond``); at the bench's layer gates (init
+values, 64-wide key tiles) 73 % of tiles take it at b = 72, 25 % at b = 40. The entries
 across s-blocks by halving: at level h = C/2, C/4, ..., s the rows fall into blocks of 2h, each
 an upper and a lower half, and with r(i) = 2h⌊i/2h⌋ + h (the first row of i's lower half) the
 entries (i in a lower half, j in the upper half of the same block) are
@@ -69,8 +67,8 @@ from pallas_kernels.triton_common import Dots, iota2, out_struct, unit_lower_inv
 from pallas_kernels.wy_triton import call, layout, tiles, u_bwd, u_fwd, wy_shapes
 
 f32 = jnp.float32
-BOUND = 72.0  # |γ_i − γ_m| up to which a block factors through its middle row m
-ROOM = 86.0  # ln of float32's largest value (88.7), less a margin: the pullback's products' room
+FORWARD_BOUND = 72.0  # the forward's |γ_i − γ_m| up to which a block factors through row m
+PULLBACK_BOUND = 40.0  # the pullback's (module docstring)
 
 
 def _row_ids(C, K):
@@ -107,8 +105,11 @@ def _to_middles(g, g_ref, cols, ls):
 
 
 def _factorable(x, bound):
-    """Whether every |x| <= bound (reduced one axis at a time, as the lowering takes it)."""
-    return jnp.max(jnp.max(jnp.abs(x), axis=1)) <= bound
+    """Whether no |x| exceeds bound (reduced one axis at a time, as the lowering takes it). A
+    NaN counts as factorable: the block-size search ends there and the NaN goes on into the
+    results (asked as ``max <= bound``, a NaN in γ kept the search going below s = 1 forever,
+    a hung kernel)."""
+    return jnp.logical_not(jnp.max(jnp.max(jnp.abs(x), axis=1)) > bound)
 
 
 def _to_middle(g, g_ref, cols):
@@ -119,13 +120,12 @@ def _to_middle(g, g_ref, cols):
 
 def _block_size(g, g_ref, cols, top, bound):
     """log2 s (module docstring): from s = 2^top down to the first block size whose blocks all
-    factor within ``bound``, at least 0 (where γ holds a NaN no block factors: the search ends
-    at s = 1, whose results carry the NaN on, rather than never)."""
+    factor within ``bound``."""
     def shrink(carry):
         ls = carry[0] - 1
         return ls, _factorable(_to_middles(g, g_ref, cols, ls), bound)
 
-    return lax.while_loop(lambda carry: (carry[0] > 0) & jnp.logical_not(carry[1]), shrink,
+    return lax.while_loop(lambda carry: jnp.logical_not(carry[1]), shrink,
                           (top, _factorable(_to_middles(g, g_ref, cols, top), bound)))[0]
 
 
@@ -206,20 +206,6 @@ def _tile_size(g_ref, cols, factored_blocks, bound):
                     start)
 
 
-def _abs_max(x):
-    """max |x| over a [C, ·] tile, at least 1 (reduced one axis at a time)."""
-    return jnp.maximum(jnp.max(jnp.max(jnp.abs(x), axis=1)), 1.0)
-
-
-def _pullback_bound(bound, C, g_max, operands):
-    """``bound`` lowered for the pullback's products of cotangents (largest entry ``g_max``) and
-    one key tile's ``operands`` through factors e^(±b): min(bound, ROOM − ln C − ln g_max −
-    ln max|X|), at least 0 (module docstring)."""
-    x_max = functools.reduce(jnp.maximum, [_abs_max(x) for x in operands])
-    room = ROOM - jnp.log(C * g_max * x_max)
-    return jnp.where(room > 0.0, jnp.minimum(room, bound), 0.0)  # NaN cotangents: 0
-
-
 def _blocks_vjp(GK, GQ, q, k, kw, ex, ey, M, dots):
     """The pullback of ``_gram_blocks``'s entries M along (G_K, G_Q): (dK, dQ, dK̃) [C, BK]."""
     GKm, GQm = jnp.where(M, GK, 0.0), jnp.where(M, GQ, 0.0)
@@ -294,9 +280,10 @@ def _bwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, T_ref, dW_ref, dU_
     tile's cotangents, Tᵀ dW recomputed per tile). A is not recomputed: the gram's pullback
     runs along dL itself, Z = Σ_j dL_ij k̃_j ⊙ e_ij, so that dK_A = Diag(β) Z and dβ's gram share
     rowsum(dL ⊙ A) = rowsum(K ⊙ Z) (as FLA's KDA pullback forms it); each tile's block size
-    comes from the search alone (``_tile_size``) within ``_pullback_bound``."""
+    comes from the search alone (``_tile_size``)."""
     C, K = k_ref.shape
     key_tiles = tiles(K, block_k)
+    sizes = [_tile_size(g_ref, cols, factored_blocks, bound) for cols in key_tiles]
     T = T_ref[...]
     i, j = iota2(C)
     beta = beta_ref[...].astype(f32)
@@ -312,13 +299,10 @@ def _bwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, T_ref, dW_ref, dU_
     # T = (I + L)^-1, L = strict_tril(Diag(β) A); P = tril(...)
     dL = jnp.where(i > j, -dots.nt(dots.tn(T, dT), T), 0.0)
     gq = jnp.sum(jnp.where(i == j, dP_ref[...], 0.0), axis=1)[:, None]  # P's diagonal
-    g_max = jnp.maximum(_abs_max(dL), _abs_max(jnp.where(i >= j, dP_ref[...], 0.0)))
     # sweep 2: the grams' pullback, Q' = Q ⊙ Γ, K̃' = K̃ ⊙ Γ_C/Γ, Γ_C (T and G_Q read again per
     # tile rather than held across it: fewer live [C, C] tiles, fewer spills)
-    for cols in key_tiles:
+    for cols, ls in zip(key_tiles, sizes):
         q, k, kw, g = _tile((q_ref, k_ref, kw_ref, g_ref), cols)
-        ls = _tile_size(g_ref, cols, factored_blocks,
-                        _pullback_bound(bound, C, g_max, (q, b * k, kw)))
         GQ = jnp.where(i >= j, dP_ref[...], 0.0)
         Z, dqP, dkwAP = _grams_vjp(dL, GQ, q, b * k, kw, g, g_ref, cols, ls, dots)
         db = db + jnp.sum(k * Z, axis=1)
@@ -343,7 +327,7 @@ def _bwd_kernel(q_ref, k_ref, kw_ref, v_ref, beta_ref, g_ref, T_ref, dW_ref, dU_
 
 def wy_vector_fwd(q, k, kw, v, beta, gamma, *, chunk, block_v, dots: Dots, num_warps,
                   num_stages, block_k=64, out_dtype=jnp.float32, factored_blocks=True,
-                  bound=BOUND):
+                  bound=FORWARD_BOUND):
     """``wy_triton.wy_fwd`` for a per-channel decay, gamma [B, Tp, H, K] (the in-chunk cumsum):
     W, U, K̃', Q' [B, H, Tp, ·], P [B, H, Tp, C] (in ``out_dtype``) and Γ_C [B, H, NC, K], equal to
     ``delta_rule.prepare``'s outputs (module docstring), and T [B, H, Tp, C] for the pullback;
@@ -361,13 +345,12 @@ def wy_vector_fwd(q, k, kw, v, beta, gamma, *, chunk, block_v, dots: Dots, num_w
 
 def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *, chunk,
                   block_v, dots: Dots, num_warps, num_stages, block_k=64, factored_blocks=True,
-                  bound=BOUND):
+                  bound=PULLBACK_BOUND):
     """Cotangents of q, k, kw [B, Tp, H, K], v [B, Tp, H, V], beta [B, Tp, H] (each in its
     input's dtype, rounded once from the float32 sums), gamma and σ = γ_C − γ [B, Tp, H, K]
     (float32) from those of ``wy_vector_fwd``'s outputs and its T
-    (module docstring); ``block_k``: key columns per tile; ``factored_blocks`` as
-    ``wy_vector_fwd``'s, ``bound`` too, but lowered per tile where the cotangents are large (its
-    own path, whatever the forward's was)."""
+    (module docstring); ``block_k``: key columns per tile; ``factored_blocks`` and ``bound`` as
+    ``wy_vector_fwd``'s (its own path, whatever the forward's was)."""
     in_specs, wy_specs, grid = layout(q, v, gamma, chunk, vector=True, name="gamma")
     args = [q, k, kw, v, beta, gamma]
     cts = [T, dW, dU, dkw_t, dq_dec, dP, dgc]
