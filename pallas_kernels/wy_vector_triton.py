@@ -150,8 +150,8 @@ def _tile(refs, cols):
 
 def _whole(g, g_ref, cols, bound):
     """(γ − γ_{C/2}, whether the whole chunk factors through row C/2 within ``bound``, log2 s to
-    start from): log2 C where it does, else the block-size search's first candidate log2 C − 1; traced (the
-    Triton lowering cannot yield a literal from a branch)."""
+    start from): log2 C where it does, else the block-size search's first candidate log2 C − 1;
+    traced (the Triton lowering cannot yield a literal from a branch)."""
     x = _to_middle(g, g_ref, cols)
     whole = _factorable(x, bound)
     return x, whole, g.shape[0].bit_length() - 2 + whole.astype(jnp.int32)
