@@ -295,8 +295,8 @@ def breakdown(core, x, reps, options):
 
 
 def variant(v):
-    """Options from precision/block_v/num_warps[/num_stages][/fused][/recompute][/vxla|/vhalving][/pP]
-    [/kN][/wkN][/bwN][/wwN][/sN][/hbf16|/h32][/wbf16][/qP][/oserial|/okernel][/dserial|/dkernel]
+    """Options from precision/block_v/num_warps[/num_stages][/fused][/recompute]
+    [/vxla|/vhalving|/vmosaic][/pP][/kN][/wkN][/bwN][/wwN][/sN][/hbf16|/h32][/wbf16][/qP][/oserial|/okernel][/dserial|/dkernel]
     [/mosaic|/triton][/cpN][/fg|/nofg][/gw1][/wyP][/waP][/wis][/invm][/dsx|/dsm] (vxla / vhalving:
     ``Options.vector_wy`` = "xla" / "halving"; pP: ``Options.parallel_precision`` = P, e.g. ptf32, pbf16;
     kN: ``Options.block_k`` = N; wkN: ``Options.wy_block_k`` = N; bwN:
@@ -312,7 +312,7 @@ def variant(v):
     ``Options.grads_warpgroups`` = 1; wyP / waP: ``Options.wy_precision`` /
     ``wy_apply_precision`` = P; wis: ``Options.wy_in_serial``; invm:
     ``Options.inverse_backend`` = "mosaic"; dsx / dsm: ``Options.decay_scan`` = "xla" /
-    "mosaic"). Unnamed options keep their defaults."""
+    "mosaic"; vmosaic: ``Options.vector_wy`` = "mosaic"). Unnamed options keep their defaults."""
     f = v.split("/")
     flags = [t for t in f[3:] if not t.isdigit()]
     block_k = [int(t[1:]) for t in flags if t[0] == "k" and t[1:].isdigit()]
@@ -329,8 +329,8 @@ def variant(v):
     return Options(precision=None if f[0] == "auto" else f[0], block_v=int(f[1]),
                    num_warps=int(f[2]), num_stages=stages, split="fused" not in flags,
                    save_wy="recompute" not in flags,
-                   vector_wy="xla" if "vxla" in flags else "halving" if "vhalving" in flags
-                   else "kernel",
+                   vector_wy=next((t[1:] for t in flags if t in ("vxla", "vhalving", "vmosaic")),
+                                  "kernel"),
                    parallel_precision=parallel[0] if parallel else None,
                    block_k=block_k[0] if block_k else Options().block_k,
                    wy_block_k=wy_block_k[0] if wy_block_k else None,

@@ -44,7 +44,7 @@ from pallas_kernels.delta_bwd_triton import delta_bwd
 from pallas_kernels.grads_mosaic import chunk_grads_fused
 from pallas_kernels.delta_fwd_triton import delta_fwd
 from pallas_kernels import (decay_scan_mosaic, grads_mosaic, inverse_mosaic, sequence_split,
-                            state_mosaic, state_wy_mosaic)
+                            state_mosaic, state_wy_mosaic, wy_vector_mosaic)
 from pallas_kernels.partition import lowered_once, match_types, sharded_call
 from pallas_kernels.state_bwd_triton import dout_products, split_backward
 from pallas_kernels.state_fwd_triton import split_forward
@@ -72,7 +72,8 @@ class Options:
     kernels of ``wy_vector_triton`` ("kernel", the default: KDA fwd+bwd 11.9 -> 7.4 ms and 3.2 ->
     0.7 GiB, RESULTS run 19; then ``save_wy`` applies too; "halving": those kernels with every
     key tile by halving down to single rows, never a factored block: an ablation for measuring,
-    exact).
+    exact; "mosaic": the forward by ``wy_vector_mosaic`` on the tensor cores, the pullback by
+    the "kernel" one: bf16 inputs, chunk 64, padded K and V in {64, 128}, bf16 WY tensors).
     ``parallel_precision``: that of the dots in the split pipeline's chunk-parallel kernels whose
     results do not feed the state recurrence (outputs, dO products, per-chunk cotangents, the WY
     pullback); None picks "bf16" when ``precision`` is None and q, k, k̃, v are all 16-bit
@@ -167,7 +168,7 @@ class Options:
     num_stages: int = 2  # software pipelining of the serial loops' loads (RESULTS run 13)
     split: bool = True  # the split kernels (state_*_triton) instead of the fused delta_fwd/bwd
     save_wy: bool = True  # split: keep the WY tensors for the backward (not with vector_wy="xla")
-    vector_wy: str = "kernel"  # "kernel" | "halving" | "xla": the per-channel-decay WY step
+    vector_wy: str = "kernel"  # "kernel" | "halving" | "xla" | "mosaic": the per-channel WY step
     serial_backend: str | None = None  # split: "triton" | "mosaic" serial state passes
     sequence_pieces: int | None = None  # mosaic: the serial passes over pieces run in parallel
     fused_grads: bool | None = None  # mosaic: the backward's chunk cotangents and WY pullback fused
@@ -195,9 +196,9 @@ class Options:
             if not isinstance(n, int) or isinstance(n, bool) or n < 16 or n & (n - 1):
                 raise ValueError(f"Options.{name} must be a power of two >= 16 (tiles cover the "
                                  f"padded head dims), got {n!r}")
-        if self.vector_wy not in ("xla", "kernel", "halving"):
-            raise ValueError("Options.vector_wy must be 'xla', 'kernel' or 'halving', got "
-                             f"{self.vector_wy!r}")
+        if self.vector_wy not in ("xla", "kernel", "halving", "mosaic"):
+            raise ValueError("Options.vector_wy must be 'xla', 'kernel', 'halving' or 'mosaic', "
+                             f"got {self.vector_wy!r}")
         if self.state_dtype not in (None, "float32", "bfloat16"):
             raise ValueError("Options.state_dtype must be None, 'float32' or 'bfloat16', got "
                              f"{self.state_dtype!r}")
@@ -373,7 +374,7 @@ def _wy_kernel(cfg, kernel, ins, cts=None):
         dots, warps = cfg.pdots, o.pullback_warps or (o.num_warps if cfg.decay == "none" else 8)
     static = {} if cts is not None else dict(out_dtype=jnp.dtype(o.wy_dtype))
     if vector:
-        static["factored_blocks"] = o.vector_wy == "kernel"
+        static["factored_blocks"] = o.vector_wy != "halving"
     elif cts is None:
         dots = _dots_at(o.wy_precision, dots)
         static["apply_dots"] = _dots_at(o.wy_apply_precision, dots)
@@ -413,7 +414,13 @@ def _wy(cfg, ins):
     if _xla_wy(cfg):
         return _stored(cfg, prepare(cfg, *ins)), ()
     kins = _kernel_ins(cfg, ins)
-    wy = _wy_kernel(cfg, _wy_kernels(cfg)[0], kins)
+    if cfg.decay == "vector" and cfg.options.vector_wy == "mosaic":
+        axes = {("gamma" if n == "g" else n): a for n, a in (_WY_IN | dict(g="b t h k")).items()}
+        wy = _kernel_call(cfg, wy_vector_mosaic.wy_vector_fwd, dict(zip(axes, kins)), axes,
+                          tuple(_WY_OUT.values()) + tuple(_WY_T.values()), mosaic=True,
+                          interpret=cfg.dots.interpret)
+    else:
+        wy = _wy_kernel(cfg, _wy_kernels(cfg)[0], kins)
     last = {"none": (), "scalar": (wy[4],), "vector": kins[5:6]}[cfg.decay]
     return wy[:6], wy[6:] + last  # T and P for wy_bwd, T and γ for wy_vector_bwd
 
@@ -644,7 +651,7 @@ def resolve(options: Options, *, sixteen_bit: bool, mosaic_fits: bool = False,
     interpret mode, shapes ``state_mosaic`` takes), the inputs are 16-bit, ``precision`` was
     left None and no option clashes, else "triton"; "mosaic" sets wy_dtype, state_dtype and
     serial_precision to bf16 (ValueError without 16-bit inputs) and wy_apply_precision, unless
-    given, to "bf16"; wy_dtype otherwise "float32";
+    given, to "bf16"; wy_dtype otherwise "bfloat16" with vector_wy "mosaic", else "float32";
     output_in_serial and dout_in_serial as the backend's defaults; fused_grads on with the
     Mosaic passes where ``grads_fit`` (bf16 inputs, no or a scalar decay, shapes
     ``grads_mosaic`` takes)."""
@@ -670,7 +677,7 @@ def resolve(options: Options, *, sixteen_bit: bool, mosaic_fits: bool = False,
         options, precision=precision,
         parallel_precision=options.parallel_precision or ("bf16" if fast16 else precision),
         state_dtype=options.state_dtype or ("bfloat16" if fast16 else "float32"),
-        wy_dtype=options.wy_dtype or "float32")
+        wy_dtype=options.wy_dtype or ("bfloat16" if options.vector_wy == "mosaic" else "float32"))
 
 
 def _pieces(options, programs, chunks, dense):
@@ -732,6 +739,12 @@ def delta_rule_pallas(q, k, kw, v, beta, log_decay, scale, initial_state, cu_seq
                                                                         V=Vp, dtype=dtype))
     if options.serial_backend == "mosaic":
         state_mosaic.check_shapes(chunk=chunk_size, K=Kp, V=Vp)
+    if decay == "vector" and options.vector_wy == "mosaic":
+        wy_vector_mosaic.check_shapes(chunk=chunk_size, K=Kp, V=Vp, dtype=dtype)
+        if options.wy_dtype != "bfloat16" or not options.split:
+            raise ValueError("Options.vector_wy='mosaic' stores the WY tensors in bf16 for the "
+                             "split pipeline: it needs split and wy_dtype 'bfloat16' (or None), "
+                             f"got split={options.split}, wy_dtype={options.wy_dtype!r}")
     if options.fused_grads:
         if options.serial_backend != "mosaic" or decay == "vector":
             raise ValueError("Options.fused_grads needs serial_backend='mosaic' and no or a scalar "

@@ -12,7 +12,7 @@ of the log decays, from XLA), with D_ij = exp(γ_i − γ_j) (i >= j, else 0):
 (L_n holds L's entries below the diagonal n-blocks of each 2n-block; jax-linear-attention's and
 FlashQLA's ``kkt_solve`` split the inverse the same way). The grams take the bf16 inputs as
 they are (exact products, float32 sums). Each merge product is three bf16 wgmmas over hi / lo
-splits of its float32 operands, a_hi b_hi + a_hi b_lo + a_lo b_hi (``_product``: ~2^-16
+splits of its float32 operands, a_hi b_hi + a_hi b_lo + a_lo b_hi (``split_product``: ~2^-16
 relative, against tf32's 2^-11 in the Triton kernel; one bf16 pass would put T's error at ~5e-3
 for keys sharing a direction, benchmarks/NOTES.md sessions 14-15). T and P are stored in bf16.
 
@@ -52,15 +52,16 @@ def _split(x):
     return hi, (x - hi.astype(F32)).astype(BF16)
 
 
-def _product(a, b, b_hi, b_lo, interpret):
-    """a @ b [C, C] of float32 register tiles by three bf16 wgmmas (a_hi b_hi + a_hi b_lo +
-    a_lo b_hi; a_lo b_lo, ~2^-16 relative, left out), b staged in the buffers b_hi, b_lo."""
+def split_product(a, b, b_hi, b_lo, interpret):
+    """a @ b of float32 register tiles ([C, C] @ [C, n]) by three bf16 wgmmas (a_hi b_hi +
+    a_hi b_lo + a_lo b_hi; a_lo b_lo, ~2^-16 relative, left out), b staged in the buffers b_hi,
+    b_lo."""
     hi, lo = _split(b)
     b_hi[...] = hi
     b_lo[...] = lo
     plgpu.commit_smem()
     a_hi, a_lo = _split(a)
-    return matmul([(a_hi, b_hi), (a_hi, b_lo), (a_lo, b_hi)], (C, C), None, interpret)
+    return matmul([(a_hi, b_hi), (a_hi, b_lo), (a_lo, b_hi)], (C, b.shape[1]), None, interpret)
 
 
 @plgpu.inline_mgpu(
@@ -189,7 +190,7 @@ def inverse(q, k, kw, beta, gamma, *, interpret, chunks=None):
             for size in (BLOCK, 2 * BLOCK):
                 Ln = jnp.where((lax.div(i, 2 * size) == lax.div(j, 2 * size))
                                & (lax.div(i, size) != lax.div(j, size)), L, 0.0)
-                X = X - _product(X, _product(Ln, X, hi, lo, interpret), hi, lo, interpret)
+                X = X - split_product(X, split_product(Ln, X, hi, lo, interpret), hi, lo, interpret)
             hi[...] = X.astype(BF16)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(hi, T_ref.at[bi, h, rows])

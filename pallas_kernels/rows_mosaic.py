@@ -13,17 +13,15 @@ scalars travel as float32 rows [B, H, n, Tp]; packed documents add three rows (e
 document id, first and last flags) and restart the carry from a document's state.
 """
 
-import functools
 
 import jax
-import jax.experimental.mosaic.gpu as mgpu
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.partition import sharded_call
-from pallas_kernels.state_mosaic import WGMMA, kernel
+from pallas_kernels.state_mosaic import kernel, read
 
 F32 = jnp.float32
 K_THREADS = 128  # the head dim the kernels take: one coordinate a thread of a warpgroup
@@ -371,25 +369,11 @@ def doc_scratch(packed, vec):
     return dict(doc=vec, first=vec, last=vec) if packed else {}
 
 
-@functools.cache
-def wgmma_load(dtype):
-    """An ``inline_mgpu`` load of a [TILE, 128] shared-memory tile of ``dtype`` in the WGMMA
-    layout."""
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),), return_type=plgpu.ShapeDtypeStruct(
-        (TILE, K_THREADS), dtype, layout=WGMMA))
-    def load(ctx, ref):
-        del ctx
-        return mgpu.FragmentedArray.load_untiled(ref, layout=mgpu.WGMMA_LAYOUT, optimized=False)
-    return load
-
-
 def tile(ref, interpret):
     """A [TILE, 128] shared-memory tile as float32 in the WGMMA layout. The buffers the sweeps
-    also read or write by rows (one coordinate a thread) are loaded whole in ``inline_mgpu``:
-    through ``plgpu.load``, both uses of one buffer send Pallas's layout inference into a
-    search that runs out of fuel after ten minutes."""
-    x = ref[...] if interpret else wgmma_load(ref.dtype)(ref)
-    return x.astype(F32)
+    also read or write by rows (one coordinate a thread) are loaded whole in ``inline_mgpu``
+    (``state_mosaic.read``)."""
+    return read(ref, interpret).astype(F32)
 
 
 def row_sums(x_tile, s, interpret):

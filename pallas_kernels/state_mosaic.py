@@ -33,6 +33,7 @@ import functools
 from typing import NamedTuple
 
 import jax
+import jax.experimental.mosaic.gpu as mgpu
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -215,6 +216,43 @@ def bcast_rows(vec, shape):
 def bcast_cols(vec, shape):
     """vec (COLS layout) broadcast along each column of a tile of ``shape``."""
     return lax.broadcast_in_dim(vec, shape, [1])
+
+
+@functools.cache
+def _untiled_load(shape, dtype, layout):
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
+                       return_type=plgpu.ShapeDtypeStruct(shape, dtype, layout=layout))
+    def load(ctx, ref):
+        del ctx
+        return mgpu.FragmentedArray.load_untiled(ref, layout=layout.to_mgpu(), optimized=False)
+    return load
+
+
+@functools.cache
+def _untiled_store(layout):
+    @plgpu.inline_mgpu(arg_types=(layout, plgpu.RefType()))
+    def store(ctx, x, ref):
+        del ctx
+        x.store_untiled(ref, optimized=False)
+    return store
+
+
+def read(ref, interpret, layout=WGMMA):
+    """A shared-memory buffer without transforms (or a slice of one: any row offset) in
+    registers in ``layout``, read in an ``inline_mgpu`` block. Through ``plgpu.load``, several
+    reads and writes of one buffer send Pallas's layout inference into a search that runs out
+    of fuel after ten minutes; Mosaic's own load is opaque to it."""
+    if interpret:
+        return ref[...]
+    return _untiled_load(tuple(ref.shape), jnp.dtype(ref.dtype), layout)(ref)
+
+
+def write(ref, x, interpret, layout=WGMMA):
+    """``ref[...] = x`` for a buffer as ``read`` takes it, x in ``layout``."""
+    if interpret:
+        ref[...] = x
+    else:
+        _untiled_store(layout)(x, ref)
 
 
 def tile_iotas():

@@ -1,0 +1,257 @@
+"""``wy_vector_triton.wy_vector_fwd`` on the tensor cores (Mosaic GPU, wgmma, TMA; Hopper): the
+per-channel (KDA) WY tensors for chunks of 64, K and V in {64, 128}, bf16 inputs.
+
+For each (batch row, head, chunk), from q, k, k̃ [C, K], v [C, V], the rows β and the in-chunk
+cumsum γ [C, K] of the log decays (non-increasing down the rows), with e_ij = exp(γ_i − γ_j):
+
+    A_ij = Σ_k k_ik k̃_jk e_ijk    P_ij = Σ_k q_ik k̃_jk e_ijk    (i >= j, else 0)
+    L = strict_tril(Diag(β) A)    T = (I + L)^-1                  (``inverse_mosaic``'s merges)
+    W = T Diag(β)(K ⊙ Γ)    U = T Diag(β) V    K̃' = K̃ ⊙ exp(γ_C − γ)    Q' = Q ⊙ Γ    Γ_C
+
+The grams take one of three paths per chunk (``lax.cond`` on the chunk's γ, all K channels),
+the first whose factors stay within e^``BOUND`` (72, ``wy_vector_triton.FORWARD_BOUND``'s
+argument: a kept entry's two factors multiply to at most 1, entries above the diagonal may
+overflow to inf and are discarded by the mask):
+
+- whole: every |γ_i − γ_32| <= BOUND: one factored product through row 32, A_ij = Σ_k (k_ik
+  e^{γ_ik − γ_32,k}) (k̃_jk e^{γ_32,k − γ_jk}), masked to i >= j;
+- halves: every |γ_i − γ_m(i)| <= BOUND, m(i) = 16 or 48 (the middle of i's half): the entries
+  across the halves through row 32 (left factors on the lower half's rows, right factors on the
+  upper half's: every exponent <= 0), then each half through its middle row;
+- exact (any decay; every exponent <= 0): across the halves through row 32, across the halves
+  of each half through its row 16 or 48, and the 16x16 diagonal blocks on the CUDA cores in
+  float32: for each offset d = 0 .. 15 the row sums Σ_k k_ik k̃_{i−d,k} e_{i,i−d,k} of k̃ and
+  γ read d rows up (their buffers carry 16 rows of padding in front).
+
+At the bench's layer gates 65 % of chunks take the whole path, 34 % the halves, 0.3 % the exact
+one (CPU count).
+
+Each factored product takes its float32 operands as bf16 hi / lo parts, three wgmmas
+(``inverse_mosaic.split_product``, ~2^-16 relative: one bf16 pass would round each factor to
+2^-9, and T amplifies A's error where keys share a direction); so do W and U. P and the scaled
+inputs are stored in bf16, T and Γ_C in float32, in ``wy_vector_fwd``'s layouts, so that its
+pullback (``wy_vector_bwd``) reads them as they are.
+
+As in ``state_mosaic``, wgmma has no CPU lowering in jax 0.11.2: in interpret mode the products
+run as ``jnp.dot`` of the same bf16 operands (and the substitution as jnp ops).
+"""
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.inverse_mosaic import BLOCK, PAD, diagonal_inverse, split_product
+from pallas_kernels.state_mosaic import (BF16, C, COLS, F32, ROWS, WGMMA, bcast_cols, bcast_rows,
+                                         kernel, matmul, read, smem, tile_iotas, write)
+from pallas_kernels.triton_common import out_struct
+
+BOUND = 72.0  # the whole path's |γ_i − γ_32| (module docstring)
+BAND = 16  # rows of the diagonal blocks summed on the CUDA cores; the padding of k̃'s and γ's buffers
+HALF = C // 2
+
+
+def _problem(chunk, K, V, dtype) -> str | None:
+    """Why the kernel cannot take chunk, K, V and the inputs' dtype, or None."""
+    if jnp.dtype(dtype) != BF16:
+        return f"bfloat16 inputs, got {dtype}"
+    if chunk != C:
+        return f"chunk_size {C}, got {chunk}"
+    for name, n in (("K", K), ("V", V)):
+        if n not in (64, 128):
+            return f"the (padded) head dim {name} in (64, 128), got {n}"
+    return None
+
+
+def fits(*, chunk, K, V, dtype) -> bool:
+    """Whether the kernel takes chunk, K, V and the inputs' dtype."""
+    return _problem(chunk, K, V, dtype) is None
+
+
+def check_shapes(*, chunk, K, V, dtype):
+    """ValueError naming the argument unless the kernel takes chunk, K, V and the dtype."""
+    problem = _problem(chunk, K, V, dtype)
+    if problem:
+        raise ValueError(f"vector_wy='mosaic' needs {problem}")
+
+
+def _split(x):
+    hi = x.astype(BF16)
+    return hi, (x - hi.astype(F32)).astype(BF16)
+
+
+def _factored(grams, left, right, y_hi, y_lo, mask, interpret):
+    """grams + the entries ``mask`` of (Z ⊙ left)(K̃ ⊙ right)ᵀ for Z in (k, q): ``left`` = (k,
+    q, ex) [C, K] float32 registers, ``right`` = K̃ ⊙ ey staged in y_hi, y_lo (three bf16
+    wgmmas a gram)."""
+    k, q, ex = left
+    hi, lo = _split(right)
+    y_hi[...] = hi
+    y_lo[...] = lo
+    plgpu.commit_smem()
+    sq = (C, C)
+    out = []
+    for gram, z in zip(grams, (k, q)):
+        z_hi, z_lo = _split(z * ex)
+        prod = matmul([(z_hi, y_hi.T), (z_hi, y_lo.T), (z_lo, y_hi.T)], sq, None, interpret)
+        out.append(gram + jnp.where(mask, prod, 0.0))
+    return tuple(out)
+
+
+def _band(grams, k, q, g, kw_buf, g_buf, interpret):
+    """grams + the 16x16 diagonal blocks' entries i >= j in float32 on the CUDA cores (k, q, g
+    [C, K] registers; k̃ and γ read d rows up from their padded buffers for each offset d)."""
+    i, j = tile_iotas()
+    local = lax.rem(plgpu.broadcasted_iota(jnp.int32, g.shape, 0, layout=WGMMA), BAND)
+    A, P = grams
+    for d in range(BAND):
+        rows = pl.ds(BAND - d, C)
+        kw_d = read(kw_buf.at[rows], interpret).astype(F32)
+        g_d = read(g_buf.at[rows], interpret)
+        valid = local >= d
+        y = jnp.where(valid, kw_d * jnp.exp(jnp.where(valid, g - g_d, -jnp.inf)), 0.0)
+        at = (i - j == d) & (lax.div(i, BAND) == lax.div(j, BAND))
+        if d:  # A's diagonal is not in L
+            A = A + jnp.where(at, bcast_rows(jnp.sum(k * y, axis=1), (C, C)), 0.0)
+        P = P + jnp.where(at, bcast_rows(jnp.sum(q * y, axis=1), (C, C)), 0.0)
+    return A, P
+
+
+def wy_vector_fwd(q, k, kw, v, beta, gamma, *, interpret):
+    """``wy_vector_triton.wy_vector_fwd``'s outputs (W, U, K̃', Q', P [B, H, Tp, ·] bf16,
+    Γ_C [B, H, NC, K] and T [B, H, Tp, C] float32; module docstring) of q, k, kw [B, Tp, H, K],
+    v [B, Tp, H, V] (bf16), beta [B, Tp, H] and gamma [B, Tp, H, K] (the in-chunk cumsum of the
+    per-channel log decays)."""
+    B, Tp, H, K = q.shape
+    V = v.shape[-1]
+    check_shapes(chunk=C if Tp % C == 0 else Tp, K=K, V=V, dtype=q.dtype)
+    for name, x in (("k", k), ("kw", kw), ("gamma", gamma)):
+        if x.shape != q.shape:
+            raise ValueError(f"{name} must have q's shape {q.shape}, got {x.shape}")
+    nc = Tp // C
+    ins = (q, k, kw, v, beta, gamma)
+    out_type = tuple(out_struct(shape, dtype, *ins) for shape, dtype in (
+        ((B, H, Tp, K), BF16), ((B, H, Tp, V), BF16), ((B, H, Tp, K), BF16),
+        ((B, H, Tp, K), BF16), ((B, H, Tp, C), BF16), ((B, H, nc, K), F32),
+        ((B, H, Tp, C), F32)))
+    plain = lambda n, dtype: plgpu.SMEM((C, n), dtype)  # noqa: E731  (read into registers only)
+    pad = plgpu.SMEM((C, C + PAD), F32)
+    # three phases, each its own buffers in one shared region: the grams' right operands; the
+    # inverse's; the right operands of W and U, and T staged for its store
+    phases = plgpu.RefUnion(
+        dict(y_hi=smem((C, K), BF16), y_lo=smem((C, K), BF16)),
+        dict(l_buf=pad, x_buf=pad, hi=smem((C, C), BF16), lo=smem((C, C), BF16)),
+        dict(w_hi=smem((C, K), BF16), w_lo=smem((C, K), BF16), u_hi=smem((C, V), BF16),
+             u_lo=smem((C, V), BF16), t_out=plain(C, F32)))
+    scratch = dict(q=plain(K, BF16), k=plain(K, BF16), v=plain(V, BF16),
+                   kw=plgpu.SMEM((BAND + C, K), BF16), g=plgpu.SMEM((BAND + C, K), F32),
+                   b=plgpu.SMEM((C,), F32), p_out=plain(C, BF16), gc_out=plgpu.SMEM((K,), F32),
+                   phases=phases, bar=plgpu.Barrier(num_arrivals=6))
+    sq = (C, C)
+
+    def body(q_ref, k_ref, kw_ref, v_ref, b_ref, g_ref, W_ref, U_ref, kwt_ref, qd_ref, P_ref,
+             gc_ref, T_ref, *, q, k, v, kw, g, b, p_out, gc_out, phases, bar):
+        grams_bufs, inverse_bufs, out_bufs = phases
+        y_hi, y_lo = grams_bufs["y_hi"], grams_bufs["y_lo"]
+        bi, h, c = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("c")
+        rows, own = pl.ds(c * C, C), pl.ds(BAND, C)
+        for src, dst in ((q_ref.at[bi, rows, h], q), (k_ref.at[bi, rows, h], k),
+                         (kw_ref.at[bi, rows, h], kw.at[own]), (v_ref.at[bi, rows, h], v),
+                         (b_ref.at[bi, h, rows], b), (g_ref.at[bi, rows, h], g.at[own])):
+            plgpu.copy_gmem_to_smem(src, dst, bar)
+        plgpu.barrier_wait(bar)
+        i, j = tile_iotas()
+        row = plgpu.broadcasted_iota(jnp.int32, (C, K), 0, layout=WGMMA)
+        pivot = lambda r: bcast_cols(read(g.at[BAND + r], interpret, COLS), (C, K))  # noqa: E731
+        quarters = lambda: jnp.where(row < HALF, pivot(HALF // 2),  # noqa: E731  (rows 16, 48)
+                                     pivot(HALF + HALF // 2))
+        tiles = lambda: (read(g.at[own], interpret),  # noqa: E731  (read where used: fewer live
+                         *(read(x, interpret).astype(F32) for x in (k, q, kw.at[own])))  # registers)
+
+        def whole_path(grams):
+            with jax.named_scope("grams_whole"):
+                g_t, k_t, q_t, kw_t = tiles()
+                x = g_t - pivot(HALF)
+                return _factored(grams, (k_t, q_t, jnp.exp(x)), kw_t * jnp.exp(-x), y_hi, y_lo,
+                                 i >= j, interpret)
+
+        def across(grams, size, r, t):
+            """grams + the entries across the halves of each 2·size-block through its row r
+            (t: ``tiles()``)."""
+            g_t, k_t, q_t, kw_t = t
+            low = lax.rem(row, 2 * size) >= size
+            ex = jnp.exp(jnp.where(low, g_t - r, -jnp.inf))
+            ey = jnp.exp(jnp.where(low, -jnp.inf, r - g_t))
+            mask = ((lax.div(i, 2 * size) == lax.div(j, 2 * size))
+                    & (lax.rem(i, 2 * size) >= size) & (lax.rem(j, 2 * size) < size))
+            return _factored(grams, (k_t, q_t, ex), kw_t * ey, y_hi, y_lo, mask, interpret)
+
+        def halves_path(grams):
+            with jax.named_scope("grams_halves"):
+                t = tiles()
+                grams = across(grams, HALF, pivot(HALF), t)
+                x = t[0] - quarters()
+                return _factored(grams, (t[1], t[2], jnp.exp(x)), t[3] * jnp.exp(-x), y_hi,
+                                 y_lo, (lax.div(i, HALF) == lax.div(j, HALF)) & (i >= j),
+                                 interpret)
+
+        def exact_path(grams):
+            with jax.named_scope("grams_exact"):
+                t = tiles()
+                grams = across(grams, HALF, pivot(HALF), t)
+                grams = across(grams, HALF // 2, quarters(), t)
+                return _band(grams, *t[1:3], t[0], kw, g, interpret)
+
+        with jax.named_scope("flag"):
+            g_t = read(g.at[own], interpret)
+            within = lambda r: jnp.logical_not(  # noqa: E731
+                jnp.max(jnp.max(jnp.abs(g_t - r), axis=1)) > BOUND)
+            whole, halves = within(pivot(HALF)), within(quarters())
+        A, P = lax.cond(whole, whole_path,
+                        lambda gr: lax.cond(halves, halves_path, exact_path, gr),
+                        (plgpu.layout_cast(jnp.zeros(sq, F32), WGMMA),) * 2)
+        with jax.named_scope("inverse"):
+            beta_r = plgpu.load(b, layout=ROWS)
+            write(p_out, P.astype(BF16), interpret)
+            L = jnp.where(i > j, bcast_rows(beta_r, sq) * A, 0.0)
+            hi, lo = inverse_bufs["hi"], inverse_bufs["lo"]
+            X = diagonal_inverse(L, inverse_bufs["l_buf"], inverse_bufs["x_buf"], interpret)
+        with jax.named_scope("merges"):
+            for size in (BLOCK, 2 * BLOCK):
+                Ln = jnp.where((lax.div(i, 2 * size) == lax.div(j, 2 * size))
+                               & (lax.div(i, size) != lax.div(j, size)), L, 0.0)
+                X = X - split_product(X, split_product(Ln, X, hi, lo, interpret), hi, lo,
+                                      interpret)
+            t_out = out_bufs["t_out"]
+            write(t_out, X, interpret)
+        # the scaled inputs (q's and k̃'s buffers take Q' and K̃'), W into k's, U into v's
+        with jax.named_scope("outputs"):
+            g_last = read(g.at[BAND + C - 1], interpret, COLS)
+            g_t = read(g.at[own], interpret)
+            gam = jnp.exp(g_t)
+            W = split_product(X, bcast_rows(beta_r, (C, K)) * gam * read(k, interpret).astype(F32),
+                              out_bufs["w_hi"], out_bufs["w_lo"], interpret)
+            write(k, W.astype(BF16), interpret)
+            write(q, (read(q, interpret).astype(F32) * gam).astype(BF16), interpret)
+            kw_t = read(kw.at[own], interpret).astype(F32)
+            write(kw.at[own], (kw_t * jnp.exp(bcast_cols(g_last, (C, K)) - g_t)).astype(BF16),
+                  interpret)
+            U = split_product(X, bcast_rows(beta_r, (C, V)) * read(v, interpret).astype(F32),
+                              out_bufs["u_hi"], out_bufs["u_lo"], interpret)
+            write(v, U.astype(BF16), interpret)
+            write(gc_out, jnp.exp(g_last), interpret, COLS)
+        plgpu.commit_smem()
+        for src, dst in ((k, W_ref.at[bi, h, rows]), (v, U_ref.at[bi, h, rows]),
+                         (kw.at[own], kwt_ref.at[bi, h, rows]), (q, qd_ref.at[bi, h, rows]),
+                         (p_out, P_ref.at[bi, h, rows]), (gc_out, gc_ref.at[bi, h, c]),
+                         (t_out, T_ref.at[bi, h, rows])):
+            plgpu.copy_smem_to_gmem(src, dst, commit_group=False)
+        plgpu.commit_smem_to_gmem_group()
+        plgpu.wait_smem_to_gmem(0)
+
+    vec = jnp.moveaxis(beta, 2, 1).astype(F32)  # [B, Tp, H] -> [B, H, Tp]
+    return kernel(body, name="wy_vector_mosaic", out_type=out_type, scratch=scratch,
+                  grid=(B, H, nc), interpret=interpret, grid_names=("b", "h", "c"))(
+        q, k, kw, v, vec, gamma.astype(F32))
+

@@ -1,0 +1,133 @@
+"""The per-channel WY forward on the tensor cores (pallas_kernels/wy_vector_mosaic.py) in
+interpret mode on CPU: its outputs against ``delta_rule.prepare_sums`` in float32 on both of its
+paths, its CUDA lowering, and the op with ``vector_wy="mosaic"`` against the token-by-token
+reference and the Triton WY kernels (packed documents, a tail chunk, K and V padded)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import precond_linattn as pla
+from pallas_kernels import delta_rule as dr
+from pallas_kernels import wy_vector_mosaic
+from pallas_kernels.triton_common import Dots
+from precond_linattn.chunked.delta import chunk_grams
+from conftest import mosaic_kernels_lowered_for_cuda, packed_cu_seqlens, rel_err
+from test_pallas_precision import assert_within_fla_bars, outputs_and_grads, rel_rms
+
+B, NC, H, C = 1, 2, 3, 64
+EXACT = Dots("ieee", interpret=True)
+
+
+def log_decays(rand, B, T, K):
+    """Per-channel log decays [B, T, 3, K], one head a path of the kernel: head 0 mild (-0.01
+    .. -1 a token: every chunk whole), head 1 -2.5 .. -4 (32 rows spread > 72, 16 <= 64: the
+    halves), head 2 -5 .. -9 (16 rows spread > 72: exact)."""
+    heads = [-rand.rng.uniform(lo, hi, (B, T, 1, K)) for lo, hi in ((0.01, 1), (2.5, 4), (5, 9))]
+    return jnp.asarray(np.concatenate(heads, axis=2), jnp.float32)
+
+
+def kernel_inputs(rand, K, V):
+    """q, k, k̃, v (bf16), β and γ (the in-chunk cumsum of ``log_decays``) in the kernel's
+    layout [B, Tp, H, ·]."""
+    T = NC * C
+    x = rand.delta_inputs(B, T, H, K, V, dtype=jnp.bfloat16)
+    g = log_decays(rand, B, T, K)
+    gamma = jnp.cumsum(g.reshape(B, NC, C, H, K), axis=2).reshape(g.shape)
+    return x["q"], x["k"], x["write_key"], x["v"], x["beta"].astype(jnp.float32), gamma
+
+
+def paths(gamma):
+    """Each (row, chunk, head)'s path: 0 whole (max |γ − γ_32| <= the bound), 1 halves (each
+    half's |γ − γ_16|, |γ − γ_48| within it), 2 exact."""
+    g = np.asarray(gamma).reshape(gamma.shape[0], -1, C, *gamma.shape[2:])
+    spread = lambda x, r: np.abs(x - x[:, :, r:r + 1]).max(axis=(2, 4))  # noqa: E731
+    whole = spread(g, 32) <= wy_vector_mosaic.BOUND
+    halves = np.maximum(spread(g[:, :, :32], 16), spread(g[:, :, 32:], 16)) <= wy_vector_mosaic.BOUND
+    return np.where(whole, 0, np.where(halves, 1, 2))
+
+
+@pytest.mark.parametrize("K, V", [(64, 128), (128, 64)])
+def test_matches_prepare_on_each_path(rand, K, V):
+    """W, U, K̃', Q', P within one bf16 rounding of ``prepare_sums``' float32 values (plus 1e-4
+    of their largest: W and U are sums that cancel), Γ_C exact to rounding, and T (I + L) = I
+    to 1e-5 for ``chunk_grams``' L; head h's chunks take path h (whole, halves, exact)."""
+    ins = kernel_inputs(rand, K, V)
+    q, k, kw, v, beta, gamma = ins
+    assert (paths(gamma) == np.arange(H)).all()
+    *got, T = jax.jit(functools.partial(wy_vector_mosaic.wy_vector_fwd, interpret=True))(*ins)
+    cfg = dr._Config(C, "vector", 1.0, None, dr.Options(), EXACT, EXACT)
+    g = gamma.reshape(B, NC, C, H, K)
+    sigma = (g[:, :, -1:] - g).reshape(gamma.shape)
+    want = dr.prepare_sums(cfg, q, k, kw, v, beta, gamma, sigma)
+    for name, a, b in zip(("W", "U", "K̃'", "Q'", "P", "Γ_C"), got, want, strict=True):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.all(np.abs(a - b) <= 2.0 ** -8 * np.abs(b) + 1e-4 * np.abs(b).max()), name
+    views = dr._views(cfg, q, k, kw, beta, gamma)
+    L, _ = chunk_grams(*views)
+    eye = jnp.eye(C)
+    TL = jnp.einsum("bhncd,bhnde->bhnce", T.reshape(L.shape), L + eye, precision="highest")
+    assert rel_err(TL, jnp.broadcast_to(eye, L.shape)) <= 1e-5
+
+
+def test_lowers_for_cuda():
+    """Through Mosaic GPU's own passes (layout inference: the padded buffers' reads at 16 row
+    offsets, the cond's two paths, the phases' shared buffers) at K = 128, V = 64."""
+    s = jax.ShapeDtypeStruct
+    tok = lambda d: s((B, NC * C, H, d), jnp.bfloat16)  # noqa: E731
+    fn = lambda *a: wy_vector_mosaic.wy_vector_fwd(*a, interpret=False)  # noqa: E731
+    args = (tok(128), tok(128), tok(128), tok(64), s((B, NC * C, H), jnp.float32),
+            s((B, NC * C, H, 128), jnp.float32))
+    assert mosaic_kernels_lowered_for_cuda(fn, args) == 1
+
+
+def test_op_within_fla_bars_and_as_the_triton_kernels(rand):
+    """``delta_rule_pallas`` with ``vector_wy="mosaic"`` (three packed documents over T = 150,
+    a tail chunk, K = 40 and V = 48 padded to 64, initial states, each head's chunks on one of
+    the three paths): outputs, final states and every gradient within FLA's bars of the float32
+    reference, and within 1.1x of the errors with the Triton WY forward (its WY tensors
+    stored in bf16 too)."""
+    T, K, V = 150, 40, 48
+    x = rand.delta_inputs(1, T, H, K, V, dtype=jnp.bfloat16)
+    x = dict(q=x["q"], k=x["k"], write_key=x["write_key"], v=x["v"], beta=x["beta"],
+             log_decay=log_decays(rand, 1, T, K), s0=rand.normal(3, H, K, V))
+    cu = packed_cu_seqlens([50, 70, 30])
+
+    def kernel(options, x):
+        return dr.delta_rule_pallas(x["q"], x["k"], x["write_key"], x["v"], x["beta"],
+                                    x["log_decay"], K ** -0.5, x["s0"], cu, 64, options)
+
+    def reference(x):
+        return pla.delta_rule(x["q"], x["k"], x["v"], x["beta"], write_key=x["write_key"],
+                              log_decay=x["log_decay"], initial_state=x["s0"], cu_seqlens=cu,
+                              output_final_state=True, impl="reference")
+
+    fs = [functools.partial(kernel, dr.Options(vector_wy=w, wy_dtype="bfloat16"))
+          for w in ("mosaic", "kernel")]
+    key = jax.random.key(1)
+    mosaic, triton, ref = [jax.jit(functools.partial(outputs_and_grads, f))(x, key)
+                           for f in fs + [reference]]
+    assert_within_fla_bars(mosaic, ref)
+    pairs = [(mosaic[0], triton[0], ref[0]), (mosaic[1], triton[1], ref[1])]
+    pairs += [(mosaic[2][n], triton[2][n], ref[2][n]) for n in ref[2]]
+    for got, base, want in pairs:
+        assert rel_rms(got, want) <= 1.1 * rel_rms(base, want) + 1e-4
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(dtype=jnp.float32), "bfloat16 inputs"),
+    (dict(chunk=32), "chunk_size 64"),
+    (dict(K=32), "head dim K in \\(64, 128\\), got 32"),
+    (dict(wy_dtype="float32"), "wy_dtype 'bfloat16'"),
+])
+def test_refuses_what_it_cannot_take(rand, change, message):
+    """A clear ValueError naming what ``vector_wy="mosaic"`` needs."""
+    K, dtype = change.get("K", 64), change.get("dtype", jnp.bfloat16)
+    x = rand.delta_inputs(1, 64, 1, K, 64, decay="vector", dtype=dtype)
+    options = dr.Options(vector_wy="mosaic", wy_dtype=change.get("wy_dtype"))
+    with pytest.raises(ValueError, match=message):
+        dr.delta_rule_pallas(x["q"], x["k"], x["write_key"], x["v"], x["beta"], x["log_decay"],
+                             1.0, None, None, change.get("chunk", 64), options)
