@@ -46,8 +46,9 @@ from pallas_kernels.state_mosaic import (BF16, C, COLS, F32, ROWS, WGMMA, bcast_
 from pallas_kernels.triton_common import out_struct
 
 
-def _problem(chunk, K, V, dtype) -> str | None:
-    """Why the kernel cannot take chunk, K, V and the inputs' dtype, or None."""
+def shape_problem(chunk, K, V, dtype) -> str | None:
+    """Why a bf16 Mosaic kernel on chunks of 64 with K, V in {64, 128} (this one, and
+    ``wy_vector_mosaic``) cannot take chunk, K, V and the inputs' dtype, or None."""
     if jnp.dtype(dtype) != BF16:
         return f"bfloat16 inputs, got {dtype}"
     if chunk != C:
@@ -61,13 +62,13 @@ def _problem(chunk, K, V, dtype) -> str | None:
 def fits(*, chunk, K, V, dtype) -> bool:
     """Whether the kernel takes chunk, K, V and the inputs' dtype (``check_shapes`` says why
     not)."""
-    return _problem(chunk, K, V, dtype) is None
+    return shape_problem(chunk, K, V, dtype) is None
 
 
 def check_shapes(*, chunk, K, V, dtype):
     """ValueError naming the argument unless the kernel takes chunk, K, V and the inputs'
     dtype."""
-    problem = _problem(chunk, K, V, dtype)
+    problem = shape_problem(chunk, K, V, dtype)
     if problem:
         raise ValueError(f"the fused Mosaic chunk gradients need {problem}")
 

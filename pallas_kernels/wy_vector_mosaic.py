@@ -42,6 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.grads_mosaic import shape_problem
 from pallas_kernels.inverse_mosaic import BLOCK, PAD, diagonal_inverse, split_product
 from pallas_kernels.state_mosaic import (BF16, C, COLS, F32, ROWS, WGMMA, bcast_cols, bcast_rows,
                                          kernel, matmul, read, smem, tile_iotas, write)
@@ -52,26 +53,9 @@ BAND = 16  # rows of the diagonal blocks summed on the CUDA cores; the padding o
 HALF = C // 2
 
 
-def _problem(chunk, K, V, dtype) -> str | None:
-    """Why the kernel cannot take chunk, K, V and the inputs' dtype, or None."""
-    if jnp.dtype(dtype) != BF16:
-        return f"bfloat16 inputs, got {dtype}"
-    if chunk != C:
-        return f"chunk_size {C}, got {chunk}"
-    for name, n in (("K", K), ("V", V)):
-        if n not in (64, 128):
-            return f"the (padded) head dim {name} in (64, 128), got {n}"
-    return None
-
-
-def fits(*, chunk, K, V, dtype) -> bool:
-    """Whether the kernel takes chunk, K, V and the inputs' dtype."""
-    return _problem(chunk, K, V, dtype) is None
-
-
 def check_shapes(*, chunk, K, V, dtype):
     """ValueError naming the argument unless the kernel takes chunk, K, V and the dtype."""
-    problem = _problem(chunk, K, V, dtype)
+    problem = shape_problem(chunk, K, V, dtype)
     if problem:
         raise ValueError(f"vector_wy='mosaic' needs {problem}")
 
