@@ -46,7 +46,7 @@ PAD = 8  # float32 padding of the substitution buffers' rows (unpadded, the WGMM
 #          stores of 8 rows at a 256-byte stride hit one bank 8 times; jla measured 30 %)
 
 
-def _split(x):
+def split_bf16(x):
     """(hi, lo) bf16 parts of a float32 tile, x = hi + lo to ~2^-16 relative."""
     hi = x.astype(BF16)
     return hi, (x - hi.astype(F32)).astype(BF16)
@@ -56,11 +56,11 @@ def split_product(a, b, b_hi, b_lo, interpret):
     """a @ b of float32 register tiles ([C, C] @ [C, n]) by three bf16 wgmmas (a_hi b_hi +
     a_hi b_lo + a_lo b_hi; a_lo b_lo, ~2^-16 relative, left out), b staged in the buffers b_hi,
     b_lo."""
-    hi, lo = _split(b)
+    hi, lo = split_bf16(b)
     b_hi[...] = hi
     b_lo[...] = lo
     plgpu.commit_smem()
-    a_hi, a_lo = _split(a)
+    a_hi, a_lo = split_bf16(a)
     return matmul([(a_hi, b_hi), (a_hi, b_lo), (a_lo, b_hi)], (C, b.shape[1]), None, interpret)
 
 

@@ -43,7 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.grads_mosaic import shape_problem
-from pallas_kernels.inverse_mosaic import BLOCK, PAD, diagonal_inverse, split_product
+from pallas_kernels.inverse_mosaic import BLOCK, PAD, diagonal_inverse, split_bf16, split_product
 from pallas_kernels.state_mosaic import (BF16, C, COLS, F32, ROWS, WGMMA, bcast_cols, bcast_rows,
                                          kernel, matmul, read, smem, tile_iotas, write)
 from pallas_kernels.triton_common import out_struct
@@ -60,24 +60,19 @@ def check_shapes(*, chunk, K, V, dtype):
         raise ValueError(f"vector_wy='mosaic' needs {problem}")
 
 
-def _split(x):
-    hi = x.astype(BF16)
-    return hi, (x - hi.astype(F32)).astype(BF16)
-
-
 def _factored(grams, left, right, y_hi, y_lo, mask, interpret):
     """grams + the entries ``mask`` of (Z ⊙ left)(K̃ ⊙ right)ᵀ for Z in (k, q): ``left`` = (k,
     q, ex) [C, K] float32 registers, ``right`` = K̃ ⊙ ey staged in y_hi, y_lo (three bf16
     wgmmas a gram)."""
     k, q, ex = left
-    hi, lo = _split(right)
+    hi, lo = split_bf16(right)
     y_hi[...] = hi
     y_lo[...] = lo
     plgpu.commit_smem()
     sq = (C, C)
     out = []
     for gram, z in zip(grams, (k, q)):
-        z_hi, z_lo = _split(z * ex)
+        z_hi, z_lo = split_bf16(z * ex)
         prod = matmul([(z_hi, y_hi.T), (z_hi, y_lo.T), (z_lo, y_hi.T)], sq, None, interpret)
         out.append(gram + jnp.where(mask, prod, 0.0))
     return tuple(out)
@@ -109,7 +104,9 @@ def wy_vector_fwd(q, k, kw, v, beta, gamma, *, interpret):
     per-channel log decays)."""
     B, Tp, H, K = q.shape
     V = v.shape[-1]
-    check_shapes(chunk=C if Tp % C == 0 else Tp, K=K, V=V, dtype=q.dtype)
+    check_shapes(chunk=C, K=K, V=V, dtype=q.dtype)
+    if Tp % C:
+        raise ValueError(f"the rows' length Tp must be a multiple of {C}, got {Tp}")
     for name, x in (("k", k), ("kw", kw), ("gamma", gamma)):
         if x.shape != q.shape:
             raise ValueError(f"{name} must have q's shape {q.shape}, got {x.shape}")
@@ -119,7 +116,7 @@ def wy_vector_fwd(q, k, kw, v, beta, gamma, *, interpret):
         ((B, H, Tp, K), BF16), ((B, H, Tp, V), BF16), ((B, H, Tp, K), BF16),
         ((B, H, Tp, K), BF16), ((B, H, Tp, C), BF16), ((B, H, nc, K), F32),
         ((B, H, Tp, C), F32)))
-    plain = lambda n, dtype: plgpu.SMEM((C, n), dtype)  # noqa: E731  (read into registers only)
+    plain = lambda n, dtype: plgpu.SMEM((C, n), dtype)  # noqa: E731  (``read`` / ``write`` only)
     pad = plgpu.SMEM((C, C + PAD), F32)
     # three phases, each its own buffers in one shared region: the grams' right operands; the
     # inverse's; the right operands of W and U, and T staged for its store

@@ -131,3 +131,10 @@ def test_refuses_what_it_cannot_take(rand, change, message):
     with pytest.raises(ValueError, match=message):
         dr.delta_rule_pallas(x["q"], x["k"], x["write_key"], x["v"], x["beta"], x["log_decay"],
                              1.0, None, None, change.get("chunk", 64), options)
+
+
+def test_kernel_refuses_rows_not_in_whole_chunks(rand):
+    """Called directly (the op pads), rows of Tp = 100 tokens: a ValueError naming Tp."""
+    q, k, kw, v, beta, gamma = (x[:, :100] for x in kernel_inputs(rand, 64, 64))
+    with pytest.raises(ValueError, match="Tp must be a multiple of 64, got 100"):
+        wy_vector_mosaic.wy_vector_fwd(q, k, kw, v, beta, gamma, interpret=True)
