@@ -13,7 +13,6 @@ scalars travel as float32 rows [B, H, n, Tp]; packed documents add three rows (e
 document id, first and last flags) and restart the carry from a document's state.
 """
 
-
 import jax
 import jax.numpy as jnp
 from jax import lax
