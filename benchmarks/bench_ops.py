@@ -9,6 +9,7 @@ preconditioner (none, OSGM, OSGM with APF retention, ATK), phase 1 then the delt
     PYTHONPATH=. python3 benchmarks/bench_ops.py [--shape B T H D] [--models osdn,pgdn,...]
         [--sections checks,time] [--impl auto] [--budget-s 300] [--timing sync|pipelined]
         [--profile DIR]  # the device time by kernel of every timed row, from a trace
+        [--delta-variant auto/64/4/2/vmosaic]  # the delta core's options (bench_delta.variant)
 
 ``phase`` times the ATK phase alone (``atk_precondition`` on its Pallas kernels), and checks it
 against the chunked form at ``--check-shape``, for each ``--atk-pieces`` entry: a count of
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 
 import precond_linattn as pla
 from benchmarks import bench_delta
+from pallas_kernels import delta_rule
 from benchmarks.bench_delta import DECAYS, Guard, check, elapsed, make_inputs, time_op
 
 PRECONDITIONERS = ("none", "osgm", "osgm_apf", "atk")
@@ -98,7 +100,15 @@ def main():
                    help="bench_delta.timeit's: each call waited for, or calls queued back to back")
     p.add_argument("--profile", metavar="DIR", help="trace the timed calls there and print the "
                    "device time by kernel of each row")
+    p.add_argument("--delta-variant", default=None, help="the delta core's options as a "
+                   "bench_delta variant string (e.g. auto/64/4/2/vmosaic), for every op")
     a = p.parse_args()
+    with delta_rule.default_options(a.delta_variant and bench_delta.variant(a.delta_variant)):
+        run(p, a)
+
+
+def run(p, a):
+    """The sections of ``a`` (``main``'s parsed arguments; ``p`` its parser, for errors)."""
     bench_delta.PIPELINED[0], bench_delta.PROFILE[0] = a.timing == "pipelined", a.profile
     wanted = a.models.split(",")
     unknown = sorted(set(wanted) - set(NAMES.values()))

@@ -49,7 +49,8 @@ from pallas_kernels.partition import lowered_once, match_types, sharded_call
 from pallas_kernels.state_bwd_triton import dout_products, split_backward
 from pallas_kernels.state_fwd_triton import split_forward
 from pallas_kernels.triton_common import (
-    MAX_HEAD_DIM, Dots, interpret_default, pad_last, pow2_dim, unit_lower_inverse, vary_alike)
+    MAX_HEAD_DIM, Dots, TraceDefaults, interpret_default, pad_last, pow2_dim, unit_lower_inverse,
+    vary_alike)
 from pallas_kernels.wy_triton import wy_bwd, wy_fwd, wy_inverse
 from pallas_kernels.wy_vector_triton import wy_vector_bwd, wy_vector_fwd
 from precond_linattn.chunked.delta import chunk_grams, chunk_wy, decay_sums
@@ -245,6 +246,17 @@ class _Config:
         ``Options.serial_precision`` when set; otherwise (and the fused kernels) ``dots``."""
         p = self.options.serial_precision
         return self.dots if p is None or not self.options.split else Dots(p, self.dots.interpret)
+
+
+_DEFAULT = TraceDefaults("default_options", Options, Options())  # of calls that name none
+
+
+def default_options(options: Options | None):
+    """Calls traced inside take ``options`` where they name none, as ``impl="pallas"`` /
+    ``"auto"`` through the public op, the layers and models do (e.g. ``Options(vector_wy=
+    "mosaic")`` for a KDA model); None keeps the current ones. Trace-time only: a function
+    jitted and traced before keeps its kernels."""
+    return _DEFAULT.use(options)
 
 
 def supports(*, K: int, V: int, dtype, decay) -> bool:
@@ -697,13 +709,15 @@ def _pieces(options, programs, chunks, dense):
 
 
 def delta_rule_pallas(q, k, kw, v, beta, log_decay, scale, initial_state, cu_seqlens, chunk_size,
-                      options: Options = Options(), interpret: bool | None = None):
+                      options: Options | None = None, interpret: bool | None = None):
     """The delta core (SPEC 2) on the Pallas kernels: o [B, T, H, V] and finals [N, H, K, V].
 
-    Arguments as ``precond_linattn.chunked.delta.delta_rule_chunked``, each in its own dtype.
+    Arguments as ``precond_linattn.chunked.delta.delta_rule_chunked``, each in its own dtype;
+    ``options`` None: those of ``default_options`` (else ``Options()``).
     Raises ValueError for a head dim or chunk size the kernels cannot take."""
     B, T, H, K = k.shape
     V = v.shape[-1]
+    options = _DEFAULT.current if options is None else options
     if not supports(K=K, V=V, dtype=v.dtype, decay=None if log_decay is None else log_decay.ndim):
         raise ValueError(f"impl='pallas' takes head dims K <= {MAX_HEAD_DIM}, got K={K}; "
                          "use impl='chunked' (impl='auto' falls back to it)")

@@ -138,3 +138,29 @@ def test_kernel_refuses_rows_not_in_whole_chunks(rand):
     q, k, kw, v, beta, gamma = (x[:, :100] for x in kernel_inputs(rand, 64, 64))
     with pytest.raises(ValueError, match="Tp must be a multiple of 64, got 100"):
         wy_vector_mosaic.wy_vector_fwd(q, k, kw, v, beta, gamma, interpret=True)
+
+
+def test_default_options_reach_calls_that_name_none(rand, monkeypatch):
+    """``delta_rule.default_options``: the public op (``impl="pallas"``, as the layers and
+    models call it) runs the Triton WY forward outside and the Mosaic one inside
+    ``default_options(Options(vector_wy="mosaic"))`` (a nested ``default_options(None)`` keeps
+    the enclosing options); anything but Options is refused naming the setter."""
+    calls = []
+    real = wy_vector_mosaic.wy_vector_fwd
+    monkeypatch.setattr(wy_vector_mosaic, "wy_vector_fwd",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    x = rand.delta_inputs(1, 64, 1, 64, 64, decay="vector", dtype=jnp.bfloat16)
+
+    def trace():  # a new function each time: eval_shape caches traces by the function
+        jax.eval_shape(lambda: pla.delta_rule(x["q"], x["k"], x["v"], x["beta"],
+                                              write_key=x["write_key"], log_decay=x["log_decay"],
+                                              impl="pallas"))
+
+    trace()
+    assert not calls
+    with dr.default_options(dr.Options(vector_wy="mosaic")), dr.default_options(None):
+        trace()
+    assert calls
+    with pytest.raises(ValueError, match="default_options"):
+        with dr.default_options(dict(vector_wy="mosaic")):
+            pass
