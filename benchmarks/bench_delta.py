@@ -296,9 +296,10 @@ def breakdown(core, x, reps, options):
 
 def variant(v):
     """Options from precision/block_v/num_warps[/num_stages][/fused][/recompute]
-    [/vxla|/vhalving|/vmosaic][/pP][/kN][/wkN][/bwN][/wwN][/sN][/hbf16|/h32][/wbf16][/qP][/oserial|/okernel][/dserial|/dkernel]
-    [/mosaic|/triton][/cpN][/fg|/nofg][/gw1][/wyP][/waP][/wis][/invm][/dsx|/dsm] (vxla / vhalving:
-    ``Options.vector_wy`` = "xla" / "halving"; pP: ``Options.parallel_precision`` = P, e.g. ptf32, pbf16;
+    [/vxla|/vhalving|/vmosaic][/pP][/kN][/wkN][/bwN][/wwN][/sN][/hbf16|/h32][/wbf16][/qP]
+    [/oserial|/okernel][/dserial|/dkernel][/mosaic|/triton][/cpN][/fg|/nofg][/gw1][/wyP][/waP]
+    [/wis][/invm][/dsx|/dsm] (vxla / vhalving / vmosaic: ``Options.vector_wy`` = "xla" /
+    "halving" / "mosaic"; pP: ``Options.parallel_precision`` = P, e.g. ptf32, pbf16;
     kN: ``Options.block_k`` = N; wkN: ``Options.wy_block_k`` = N; bwN:
     ``Options.pullback_warps`` = N; wwN: ``Options.wy_warps`` = N; sN:
     ``Options.serial_block_v`` = N; hbf16 / h32:
@@ -312,7 +313,7 @@ def variant(v):
     ``Options.grads_warpgroups`` = 1; wyP / waP: ``Options.wy_precision`` /
     ``wy_apply_precision`` = P; wis: ``Options.wy_in_serial``; invm:
     ``Options.inverse_backend`` = "mosaic"; dsx / dsm: ``Options.decay_scan`` = "xla" /
-    "mosaic"; vmosaic: ``Options.vector_wy`` = "mosaic"). Unnamed options keep their defaults."""
+    "mosaic"). Unnamed options keep their defaults."""
     f = v.split("/")
     flags = [t for t in f[3:] if not t.isdigit()]
     block_k = [int(t[1:]) for t in flags if t[0] == "k" and t[1:].isdigit()]

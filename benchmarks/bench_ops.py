@@ -33,8 +33,8 @@ import jax.numpy as jnp
 
 import precond_linattn as pla
 from benchmarks import bench_delta
-from pallas_kernels import delta_rule
 from benchmarks.bench_delta import DECAYS, Guard, check, elapsed, make_inputs, time_op
+from pallas_kernels import delta_rule
 
 PRECONDITIONERS = ("none", "osgm", "osgm_apf", "atk")
 NAMES = {("deltanet", "none"): "deltanet", ("deltanet", "osgm"): "osdn",

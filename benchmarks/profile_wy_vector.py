@@ -1,7 +1,7 @@
 """Where ``wy_vector_mosaic``'s forward spends a chunk: Mosaic GPU's profiler on the kernel alone
-(``state_mosaic.profiled``), its regions the kernel's named scopes (``flag``, ``grams_whole`` or
-``grams_exact``, ``inverse``, ``merges``, ``outputs``; the rest is the loads and the stores'
-wait). A GPU run, not a CPU one:
+(``state_mosaic.profiled``), its regions the kernel's named scopes (``flag``, ``grams_whole``,
+``grams_halves`` or ``grams_exact``, ``inverse`` with its merges, ``outputs``; the rest is the
+loads and the stores' wait). A GPU run, not a CPU one:
 
     PYTHONPATH=. python benchmarks/profile_wy_vector.py [--shape 8 2048 8 128]
         [--gates mild,layer] [--warm 20]

@@ -125,6 +125,19 @@ def diagonal_inverse(L, l_buf, x_buf, interpret):
     return _diagonal_inverse_mgpu(neg_l, l_buf.at[:, :C], x_buf.at[:, :C])
 
 
+def unit_lower_inverse(L, hi, lo, l_buf, x_buf, interpret):
+    """(I + L)^-1 of a strictly lower-triangular float32 [C, C] register tile: the 16x16
+    diagonal blocks by ``diagonal_inverse``, then the merges X_2n = X_n − X_n (L_n X_n) for
+    n = 16, 32 (module docstring), each product a ``split_product`` through hi, lo."""
+    i, j = tile_iotas()
+    X = diagonal_inverse(L, l_buf, x_buf, interpret)
+    for size in (BLOCK, 2 * BLOCK):
+        Ln = jnp.where((lax.div(i, 2 * size) == lax.div(j, 2 * size))
+                       & (lax.div(i, size) != lax.div(j, size)), L, 0.0)
+        X = X - split_product(X, split_product(Ln, X, hi, lo, interpret), hi, lo, interpret)
+    return X
+
+
 def chunks_per_cta(B, H, nc, sms=SMS):
     """The most chunks a CTA (up to 8, dividing ``nc``) that keep >= 1.5 CTAs an SM busy
     (jax-linear-attention's rule for its kkt kernel): several chunks a CTA hide the loads, too
@@ -186,11 +199,7 @@ def inverse(q, k, kw, beta, gamma, *, interpret, chunks=None):
             p_out[...] = (qk * D).astype(BF16)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(p_out, P_ref.at[bi, h, rows])
-            X = diagonal_inverse(L, l_buf, x_buf, interpret)
-            for size in (BLOCK, 2 * BLOCK):
-                Ln = jnp.where((lax.div(i, 2 * size) == lax.div(j, 2 * size))
-                               & (lax.div(i, size) != lax.div(j, size)), L, 0.0)
-                X = X - split_product(X, split_product(Ln, X, hi, lo, interpret), hi, lo, interpret)
+            X = unit_lower_inverse(L, hi, lo, l_buf, x_buf, interpret)
             hi[...] = X.astype(BF16)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(hi, T_ref.at[bi, h, rows])

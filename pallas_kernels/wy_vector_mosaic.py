@@ -43,7 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.grads_mosaic import shape_problem
-from pallas_kernels.inverse_mosaic import BLOCK, PAD, diagonal_inverse, split_bf16, split_product
+from pallas_kernels.inverse_mosaic import PAD, split_bf16, split_product, unit_lower_inverse
 from pallas_kernels.state_mosaic import (BF16, C, COLS, F32, ROWS, WGMMA, bcast_cols, bcast_rows,
                                          kernel, matmul, read, smem, tile_iotas, write)
 from pallas_kernels.triton_common import out_struct
@@ -196,14 +196,8 @@ def wy_vector_fwd(q, k, kw, v, beta, gamma, *, interpret):
             beta_r = plgpu.load(b, layout=ROWS)
             write(p_out, P.astype(BF16), interpret)
             L = jnp.where(i > j, bcast_rows(beta_r, sq) * A, 0.0)
-            hi, lo = inverse_bufs["hi"], inverse_bufs["lo"]
-            X = diagonal_inverse(L, inverse_bufs["l_buf"], inverse_bufs["x_buf"], interpret)
-        with jax.named_scope("merges"):
-            for size in (BLOCK, 2 * BLOCK):
-                Ln = jnp.where((lax.div(i, 2 * size) == lax.div(j, 2 * size))
-                               & (lax.div(i, size) != lax.div(j, size)), L, 0.0)
-                X = X - split_product(X, split_product(Ln, X, hi, lo, interpret), hi, lo,
-                                      interpret)
+            X = unit_lower_inverse(L, *(inverse_bufs[n] for n in ("hi", "lo", "l_buf", "x_buf")),
+                                   interpret)
             t_out = out_bufs["t_out"]
             write(t_out, X, interpret)
         # the scaled inputs (q's and k̃'s buffers take Q' and K̃'), W into k's, U into v's
