@@ -244,7 +244,10 @@ def breakdown(core, x, reps, options):
     nc, decay = T // 64, {None: "none", 3: "scalar", 4: "vector"}[DECAYS[core]]
     options = dr.resolve(options, sixteen_bit=x["q"].dtype.itemsize == 2,  # as the op does
                          mosaic_fits=sm.runs_here(interpret=interpret_default(), chunk=64,
-                                                  K=D, V=D))
+                                                  K=D, V=D),
+                         vector_mosaic_fits=dr.vector_mosaic_runs_here(
+                             decay=decay, interpret=interpret_default(), chunk=64, K=D, V=D,
+                             dtype=x["q"].dtype))
     cfg = dr._Config(64, decay, D ** -0.5, None, options, Dots(options.precision, interpret_default()),
                      Dots(options.parallel_precision, interpret_default()))
     flags = (jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, nc)),
@@ -296,10 +299,10 @@ def breakdown(core, x, reps, options):
 
 def variant(v):
     """Options from precision/block_v/num_warps[/num_stages][/fused][/recompute]
-    [/vxla|/vhalving|/vmosaic][/pP][/kN][/wkN][/bwN][/wwN][/sN][/hbf16|/h32][/wbf16][/qP]
+    [/vxla|/vkernel|/vhalving|/vmosaic][/pP][/kN][/wkN][/bwN][/wwN][/sN][/hbf16|/h32][/wbf16][/qP]
     [/oserial|/okernel][/dserial|/dkernel][/mosaic|/triton][/cpN][/fg|/nofg][/gw1][/wyP][/waP]
-    [/wis][/invm][/dsx|/dsm] (vxla / vhalving / vmosaic: ``Options.vector_wy`` = "xla" /
-    "halving" / "mosaic"; pP: ``Options.parallel_precision`` = P, e.g. ptf32, pbf16;
+    [/wis][/invm][/dsx|/dsm] (vxla / vkernel / vhalving / vmosaic: ``Options.vector_wy`` =
+    "xla" / "kernel" / "halving" / "mosaic"; pP: ``Options.parallel_precision`` = P, e.g. ptf32, pbf16;
     kN: ``Options.block_k`` = N; wkN: ``Options.wy_block_k`` = N; bwN:
     ``Options.pullback_warps`` = N; wwN: ``Options.wy_warps`` = N; sN:
     ``Options.serial_block_v`` = N; hbf16 / h32:
@@ -330,8 +333,8 @@ def variant(v):
     return Options(precision=None if f[0] == "auto" else f[0], block_v=int(f[1]),
                    num_warps=int(f[2]), num_stages=stages, split="fused" not in flags,
                    save_wy="recompute" not in flags,
-                   vector_wy=next((t[1:] for t in flags if t in ("vxla", "vhalving", "vmosaic")),
-                                  "kernel"),
+                   vector_wy=next((t[1:] for t in flags
+                                   if t in ("vxla", "vkernel", "vhalving", "vmosaic")), None),
                    parallel_precision=parallel[0] if parallel else None,
                    block_k=block_k[0] if block_k else Options().block_k,
                    wy_block_k=wy_block_k[0] if wy_block_k else None,
@@ -360,7 +363,7 @@ def variant_tag(opt):
     """The variant string of Options ``opt`` (``variant``'s inverse, num_stages always shown)."""
     return (f"{opt.precision or 'auto'}/{opt.block_v}/{opt.num_warps}/{opt.num_stages}"
             + ("" if opt.split else "/fused") + ("" if opt.save_wy else "/recompute")
-            + ("" if opt.vector_wy == "kernel" else f"/v{opt.vector_wy}")
+            + ("" if opt.vector_wy is None else f"/v{opt.vector_wy}")
             + (f"/p{opt.parallel_precision}" if opt.parallel_precision else "")
             + (f"/k{opt.block_k}" if opt.block_k != Options().block_k else "")
             + (f"/wk{opt.wy_block_k}" if opt.wy_block_k else "")

@@ -70,11 +70,14 @@ class Options:
     16-bit and "tf32x3" (about fp32) otherwise: see benchmarks/NOTES.md for the errors measured with each.
     ``vector_wy``: with a per-channel decay, the split pipeline's WY tensors and their pullback
     come from ``prepare`` and its ``jax.vjp`` in plain JAX ("xla") or from the chunk-parallel
-    kernels of ``wy_vector_triton`` ("kernel", the default: KDA fwd+bwd 11.9 -> 7.4 ms and 3.2 ->
-    0.7 GiB, RESULTS run 19; then ``save_wy`` applies too; "halving": those kernels with every
-    key tile by halving down to single rows, never a factored block: an ablation for measuring,
-    exact; "mosaic": the forward by ``wy_vector_mosaic`` on the tensor cores, the pullback by
-    the "kernel" one: bf16 inputs, chunk 64, padded K and V in {64, 128}, bf16 WY tensors).
+    kernels of ``wy_vector_triton`` ("kernel": KDA fwd+bwd 11.9 -> 7.4 ms and 3.2 -> 0.7 GiB,
+    RESULTS run 19; then ``save_wy`` applies too; "halving": those kernels with every key tile
+    by halving down to single rows, never a factored block: an ablation for measuring, exact;
+    "mosaic": the forward by ``wy_vector_mosaic`` on the tensor cores, the pullback by the
+    "kernel" one: bf16 inputs, chunk 64, padded K and V in {64, 128}, bf16 WY tensors, split;
+    None: "mosaic" compiled on a Hopper GPU where it takes the call, ``precision`` is None and
+    no option clashes (KDA fwd / fwd+bwd 0.659 / 2.185 -> 0.559 / 2.102 ms, PKDA 0.740 / 2.443
+    -> 0.632 / 2.347 at 8x2048x8x128, RESULTS run 138), else "kernel").
     ``parallel_precision``: that of the dots in the split pipeline's chunk-parallel kernels whose
     results do not feed the state recurrence (outputs, dO products, per-chunk cotangents, the WY
     pullback); None picks "bf16" when ``precision`` is None and q, k, k̃, v are all 16-bit
@@ -169,7 +172,7 @@ class Options:
     num_stages: int = 2  # software pipelining of the serial loops' loads (RESULTS run 13)
     split: bool = True  # the split kernels (state_*_triton) instead of the fused delta_fwd/bwd
     save_wy: bool = True  # split: keep the WY tensors for the backward (not with vector_wy="xla")
-    vector_wy: str = "kernel"  # "kernel" | "halving" | "xla" | "mosaic": the per-channel WY step
+    vector_wy: str | None = None  # "kernel" | "halving" | "xla" | "mosaic": the per-channel WY
     serial_backend: str | None = None  # split: "triton" | "mosaic" serial state passes
     sequence_pieces: int | None = None  # mosaic: the serial passes over pieces run in parallel
     fused_grads: bool | None = None  # mosaic: the backward's chunk cotangents and WY pullback fused
@@ -197,9 +200,9 @@ class Options:
             if not isinstance(n, int) or isinstance(n, bool) or n < 16 or n & (n - 1):
                 raise ValueError(f"Options.{name} must be a power of two >= 16 (tiles cover the "
                                  f"padded head dims), got {n!r}")
-        if self.vector_wy not in ("xla", "kernel", "halving", "mosaic"):
-            raise ValueError("Options.vector_wy must be 'xla', 'kernel', 'halving' or 'mosaic', "
-                             f"got {self.vector_wy!r}")
+        if self.vector_wy not in (None, "xla", "kernel", "halving", "mosaic"):
+            raise ValueError("Options.vector_wy must be None, 'xla', 'kernel', 'halving' or "
+                             f"'mosaic', got {self.vector_wy!r}")
         if self.state_dtype not in (None, "float32", "bfloat16"):
             raise ValueError("Options.state_dtype must be None, 'float32' or 'bfloat16', got "
                              f"{self.state_dtype!r}")
@@ -654,8 +657,15 @@ _core.defvjp(_core_fwd, _core_bwd)
 _core = lowered_once(_core)
 
 
+def vector_mosaic_runs_here(*, decay, interpret, chunk, K, V, dtype) -> bool:
+    """Whether ``wy_vector_mosaic`` can run this call compiled here: a per-channel decay, a
+    Hopper GPU, not interpret mode, and the shapes and dtype it takes (``grads_mosaic``'s)."""
+    return (decay == "vector" and not interpret and state_mosaic.hopper()
+            and grads_mosaic.fits(chunk=chunk, K=K, V=V, dtype=dtype))
+
+
 def resolve(options: Options, *, sixteen_bit: bool, mosaic_fits: bool = False,
-            grads_fit: bool = False) -> Options:
+            grads_fit: bool = False, vector_mosaic_fits: bool = False) -> Options:
     """``options`` with the input-dependent defaults filled in (``Options``' docstring):
     precision "tf32" for 16-bit inputs, else "tf32x3"; parallel_precision "bf16" and
     state_dtype "bfloat16" for 16-bit inputs when ``precision`` was left None, else
@@ -666,9 +676,15 @@ def resolve(options: Options, *, sixteen_bit: bool, mosaic_fits: bool = False,
     given, to "bf16"; wy_dtype otherwise "bfloat16" with vector_wy "mosaic", else "float32";
     output_in_serial and dout_in_serial as the backend's defaults; fused_grads on with the
     Mosaic passes where ``grads_fit`` (bf16 inputs, no or a scalar decay, shapes
-    ``grads_mosaic`` takes)."""
+    ``grads_mosaic`` takes); vector_wy "mosaic" where ``vector_mosaic_fits``
+    (``vector_mosaic_runs_here``), ``precision`` was left None, the pipeline is split and
+    wy_dtype is not "float32", else "kernel"."""
     fast16 = sixteen_bit and options.precision is None
     precision = options.precision or ("tf32" if sixteen_bit else "tf32x3")
+    if options.vector_wy is None:
+        auto = (vector_mosaic_fits and fast16 and options.split
+                and options.wy_dtype in (None, "bfloat16"))
+        options = dataclasses.replace(options, vector_wy="mosaic" if auto else "kernel")
     if options.serial_backend is None:
         auto = mosaic_fits and fast16 and not options.mosaic_clashes()
         options = dataclasses.replace(options, serial_backend="mosaic" if auto else "triton")
@@ -750,7 +766,10 @@ def delta_rule_pallas(q, k, kw, v, beta, log_decay, scale, initial_state, cu_seq
                       mosaic_fits=state_mosaic.runs_here(interpret=interpret, chunk=chunk_size,
                                                          K=Kp, V=Vp),
                       grads_fit=decay != "vector" and grads_mosaic.fits(chunk=chunk_size, K=Kp,
-                                                                        V=Vp, dtype=dtype))
+                                                                        V=Vp, dtype=dtype),
+                      vector_mosaic_fits=vector_mosaic_runs_here(
+                          decay=decay, interpret=interpret, chunk=chunk_size, K=Kp, V=Vp,
+                          dtype=dtype))
     if options.serial_backend == "mosaic":
         state_mosaic.check_shapes(chunk=chunk_size, K=Kp, V=Vp)
     if decay == "vector" and options.vector_wy == "mosaic":

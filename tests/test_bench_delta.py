@@ -30,7 +30,7 @@ from pallas_kernels.delta_rule import Options
                                                   output_in_serial=True, block_k=128,
                                                   serial_block_v=32)),
     ("auto/64/4/vhalving/k32/ww8", dict(vector_wy="halving", block_k=32, wy_warps=8)),
-    ("auto/64/4/wk32/bw8", dict(wy_block_k=32, pullback_warps=8)),
+    ("auto/64/4/wk32/bw8/vkernel", dict(wy_block_k=32, pullback_warps=8, vector_wy="kernel")),
     ("auto/64/4/dsx", dict(decay_scan="xla")),
     ("auto/64/4/vhalving/dsm", dict(vector_wy="halving", decay_scan="mosaic")),
     ("auto/64/4/vmosaic/wbf16", dict(vector_wy="mosaic", wy_dtype="bfloat16")),

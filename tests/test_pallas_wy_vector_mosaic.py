@@ -164,3 +164,53 @@ def test_default_options_reach_calls_that_name_none(rand, monkeypatch):
     with pytest.raises(ValueError, match="default_options"):
         with dr.default_options(dict(vector_wy="mosaic")):
             pass
+
+
+@pytest.mark.parametrize("given, fits, expected", [
+    (dict(), True, "mosaic"),
+    (dict(), False, "kernel"),
+    (dict(precision="tf32"), True, "kernel"),
+    (dict(split=False), True, "kernel"),
+    (dict(wy_dtype="float32"), True, "kernel"),
+    (dict(wy_dtype="bfloat16"), True, "mosaic"),
+    (dict(vector_wy="halving"), True, "halving"),
+    (dict(vector_wy="mosaic"), False, "mosaic"),
+])
+def test_resolve_picks_the_mosaic_forward_where_it_runs(given, fits, expected):
+    """``vector_wy`` None resolves to "mosaic" for 16-bit inputs where the kernel runs, with
+    ``precision`` left None, the split pipeline and bf16 WY tensors allowed; else "kernel"; a
+    given value stays."""
+    options = dr.resolve(dr.Options(**given), sixteen_bit=True, vector_mosaic_fits=fits)
+    assert options.vector_wy == expected
+    assert dr.resolve(dr.Options(**given), sixteen_bit=False).vector_wy == given.get(
+        "vector_wy", "kernel")
+
+
+@pytest.mark.parametrize("change, runs", [
+    (dict(), True), (dict(decay="scalar"), False), (dict(interpret=True), False),
+    (dict(dtype=jnp.float32), False), (dict(K=32), False), (dict(chunk=32), False),
+    (dict(hopper=False), False),
+])
+def test_vector_mosaic_runs_here(monkeypatch, change, runs):
+    """Compiled on Hopper for a per-channel decay, bf16, chunk 64 and K, V in {64, 128} only."""
+    args = dict(decay="vector", interpret=False, chunk=64, K=128, V=64, dtype=jnp.bfloat16)
+    hopper = change.pop("hopper", True)
+    monkeypatch.setattr(dr.state_mosaic, "hopper", lambda: hopper)
+    assert dr.vector_mosaic_runs_here(**(args | change)) == runs
+
+
+def test_op_takes_the_mosaic_forward_by_default_where_it_runs(rand, monkeypatch):
+    """The public op with no options runs ``wy_vector_mosaic`` for bf16 KDA where
+    ``vector_mosaic_runs_here`` says so (patched true: this CPU traces the interpret-mode
+    kernel), and not for float32 inputs."""
+    calls = []
+    real = wy_vector_mosaic.wy_vector_fwd
+    monkeypatch.setattr(wy_vector_mosaic, "wy_vector_fwd",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(dr, "vector_mosaic_runs_here", lambda **kw: kw["dtype"] == jnp.bfloat16)
+    for dtype, expected in ((jnp.float32, []), (jnp.bfloat16, [1])):
+        x = rand.delta_inputs(1, 64, 1, 64, 64, decay="vector", dtype=dtype)
+        jax.eval_shape(lambda: pla.delta_rule(x["q"], x["k"], x["v"], x["beta"],  # noqa: B023
+                                              write_key=x["write_key"], log_decay=x["log_decay"],
+                                              impl="pallas"))
+        assert calls == expected
