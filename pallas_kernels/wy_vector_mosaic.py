@@ -21,7 +21,12 @@ overflow to inf and are discarded by the mask):
 - exact (any decay; every exponent <= 0): across the halves through row 32, across the halves
   of each half through its row 16 or 48, and the 16x16 diagonal blocks on the CUDA cores in
   float32: for each offset d = 0 .. 15 the row sums Σ_k k_ik k̃_{i−d,k} e_{i,i−d,k} of k̃ and
-  γ read d rows up (their buffers carry 16 rows of padding in front).
+  γ read d rows up (this path loads them again, into plain buffers with 16 rows of padding in
+  front).
+
+The tiles live in swizzled shared memory, read into registers and written back (the outputs,
+in place) by tiled transfers free of bank conflicts; γ's rows 16, 32, 48 (the pivots) and 63
+(Γ_C) come in a small plain buffer of their own.
 
 At the bench's layer gates 65 % of chunks take the whole path, 34 % the halves, 0.3 % the exact
 one (CPU count).
@@ -51,6 +56,7 @@ from pallas_kernels.triton_common import out_struct
 BOUND = 72.0  # the whole path's |γ_i − γ_32| (module docstring)
 BAND = 16  # rows of the diagonal blocks summed on the CUDA cores; the padding of k̃'s and γ's buffers
 HALF = C // 2
+PIVOTS = (HALF // 2, HALF, HALF + HALF // 2, C - 1)  # γ's rows read by columns (factors, Γ_C)
 
 
 def check_shapes(*, chunk, K, V, dtype):
@@ -116,39 +122,45 @@ def wy_vector_fwd(q, k, kw, v, beta, gamma, *, interpret):
         ((B, H, Tp, K), BF16), ((B, H, Tp, V), BF16), ((B, H, Tp, K), BF16),
         ((B, H, Tp, K), BF16), ((B, H, Tp, C), BF16), ((B, H, nc, K), F32),
         ((B, H, Tp, C), F32)))
-    plain = lambda n, dtype: plgpu.SMEM((C, n), dtype)  # noqa: E731  (``read`` / ``write`` only)
     pad = plgpu.SMEM((C, C + PAD), F32)
     # three phases, each its own buffers in one shared region: the grams' right operands; the
     # inverse's; the right operands of W and U, and T staged for its store
-    phases = plgpu.RefUnion(
-        dict(y_hi=smem((C, K), BF16), y_lo=smem((C, K), BF16)),
+    phases = plgpu.RefUnion(  # (the exact path's k̃ and γ with 16 rows in front: their own loads)
+        dict(y_hi=smem((C, K), BF16), y_lo=smem((C, K), BF16),
+             kw_pad=plgpu.SMEM((BAND + C, K), BF16), g_pad=plgpu.SMEM((BAND + C, K), F32)),
         dict(l_buf=pad, x_buf=pad, hi=smem((C, C), BF16), lo=smem((C, C), BF16)),
         dict(w_hi=smem((C, K), BF16), w_lo=smem((C, K), BF16), u_hi=smem((C, V), BF16),
-             u_lo=smem((C, V), BF16), t_out=plain(C, F32)))
-    scratch = dict(q=plain(K, BF16), k=plain(K, BF16), v=plain(V, BF16),
-                   kw=plgpu.SMEM((BAND + C, K), BF16), g=plgpu.SMEM((BAND + C, K), F32),
-                   b=plgpu.SMEM((C,), F32), p_out=plain(C, BF16), gc_out=plgpu.SMEM((K,), F32),
-                   phases=phases, bar=plgpu.Barrier(num_arrivals=6))
+             u_lo=smem((C, V), BF16), t_out=smem((C, C), F32)))
+    scratch = dict(q=smem((C, K), BF16), k=smem((C, K), BF16), v=smem((C, V), BF16),
+                   kw=smem((C, K), BF16), g=smem((C, K), F32), piv=plgpu.SMEM((4, K), F32),
+                   b=plgpu.SMEM((C,), F32), p_out=smem((C, C), BF16),
+                   gc_out=plgpu.SMEM((K,), F32), phases=phases,
+                   bar=plgpu.Barrier(num_arrivals=6 + len(PIVOTS)),
+                   band_bar=plgpu.Barrier(num_arrivals=2))
     sq = (C, C)
 
     def body(q_ref, k_ref, kw_ref, v_ref, b_ref, g_ref, W_ref, U_ref, kwt_ref, qd_ref, P_ref,
-             gc_ref, T_ref, *, q, k, v, kw, g, b, p_out, gc_out, phases, bar):
+             gc_ref, T_ref, *, q, k, v, kw, g, piv, b, p_out, gc_out, phases, bar, band_bar):
         grams_bufs, inverse_bufs, out_bufs = phases
         y_hi, y_lo = grams_bufs["y_hi"], grams_bufs["y_lo"]
         bi, h, c = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("c")
         rows, own = pl.ds(c * C, C), pl.ds(BAND, C)
         for src, dst in ((q_ref.at[bi, rows, h], q), (k_ref.at[bi, rows, h], k),
-                         (kw_ref.at[bi, rows, h], kw.at[own]), (v_ref.at[bi, rows, h], v),
-                         (b_ref.at[bi, h, rows], b), (g_ref.at[bi, rows, h], g.at[own])):
+                         (kw_ref.at[bi, rows, h], kw), (v_ref.at[bi, rows, h], v),
+                         (b_ref.at[bi, h, rows], b), (g_ref.at[bi, rows, h], g)):
             plgpu.copy_gmem_to_smem(src, dst, bar)
+        for n, r in enumerate(PIVOTS):
+            plgpu.copy_gmem_to_smem(g_ref.at[bi, c * C + r, h], piv.at[n], bar)
         plgpu.barrier_wait(bar)
         i, j = tile_iotas()
+        tiled = lambda ref: ref[...] if interpret else plgpu.load(ref, layout=WGMMA)  # noqa: E731
         row = plgpu.broadcasted_iota(jnp.int32, (C, K), 0, layout=WGMMA)
-        pivot = lambda r: bcast_cols(read(g.at[BAND + r], interpret, COLS), (C, K))  # noqa: E731
+        pivot = lambda r: bcast_cols(  # noqa: E731  (γ's row r by columns)
+            read(piv.at[PIVOTS.index(r)], interpret, COLS), (C, K))
         quarters = lambda: jnp.where(row < HALF, pivot(HALF // 2),  # noqa: E731  (rows 16, 48)
                                      pivot(HALF + HALF // 2))
-        tiles = lambda: (read(g.at[own], interpret),  # noqa: E731  (read where used: fewer live
-                         *(read(x, interpret).astype(F32) for x in (k, q, kw.at[own])))  # registers)
+        tiles = lambda: (tiled(g),  # noqa: E731  (read where used: fewer live registers)
+                         *(tiled(x).astype(F32) for x in (k, q, kw)))
 
         def whole_path(grams):
             with jax.named_scope("grams_whole"):
@@ -182,10 +194,14 @@ def wy_vector_fwd(q, k, kw, v, beta, gamma, *, interpret):
                 t = tiles()
                 grams = across(grams, HALF, pivot(HALF), t)
                 grams = across(grams, HALF // 2, quarters(), t)
-                return _band(grams, *t[1:3], t[0], kw, g, interpret)
+                kw_pad, g_pad = grams_bufs["kw_pad"], grams_bufs["g_pad"]
+                plgpu.copy_gmem_to_smem(kw_ref.at[bi, rows, h], kw_pad.at[own], band_bar)
+                plgpu.copy_gmem_to_smem(g_ref.at[bi, rows, h], g_pad.at[own], band_bar)
+                plgpu.barrier_wait(band_bar)
+                return _band(grams, *t[1:3], t[0], kw_pad, g_pad, interpret)
 
         with jax.named_scope("flag"):
-            g_t = read(g.at[own], interpret)
+            g_t = tiled(g)
             within = lambda r: jnp.logical_not(  # noqa: E731
                 jnp.max(jnp.max(jnp.abs(g_t - r), axis=1)) > BOUND)
             whole, halves = within(pivot(HALF)), within(quarters())
@@ -194,31 +210,30 @@ def wy_vector_fwd(q, k, kw, v, beta, gamma, *, interpret):
                         (plgpu.layout_cast(jnp.zeros(sq, F32), WGMMA),) * 2)
         with jax.named_scope("inverse"):
             beta_r = plgpu.load(b, layout=ROWS)
-            write(p_out, P.astype(BF16), interpret)
+            p_out[...] = P.astype(BF16)
             L = jnp.where(i > j, bcast_rows(beta_r, sq) * A, 0.0)
             X = unit_lower_inverse(L, *(inverse_bufs[n] for n in ("hi", "lo", "l_buf", "x_buf")),
                                    interpret)
             t_out = out_bufs["t_out"]
-            write(t_out, X, interpret)
+            t_out[...] = X
         # the scaled inputs (q's and k̃'s buffers take Q' and K̃'), W into k's, U into v's
         with jax.named_scope("outputs"):
-            g_last = read(g.at[BAND + C - 1], interpret, COLS)
-            g_t = read(g.at[own], interpret)
+            g_last = read(piv.at[PIVOTS.index(C - 1)], interpret, COLS)
+            g_t = tiled(g)
             gam = jnp.exp(g_t)
-            W = split_product(X, bcast_rows(beta_r, (C, K)) * gam * read(k, interpret).astype(F32),
+            W = split_product(X, bcast_rows(beta_r, (C, K)) * gam * tiled(k).astype(F32),
                               out_bufs["w_hi"], out_bufs["w_lo"], interpret)
-            write(k, W.astype(BF16), interpret)
-            write(q, (read(q, interpret).astype(F32) * gam).astype(BF16), interpret)
-            kw_t = read(kw.at[own], interpret).astype(F32)
-            write(kw.at[own], (kw_t * jnp.exp(bcast_cols(g_last, (C, K)) - g_t)).astype(BF16),
-                  interpret)
-            U = split_product(X, bcast_rows(beta_r, (C, V)) * read(v, interpret).astype(F32),
+            k[...] = W.astype(BF16)
+            q[...] = (tiled(q).astype(F32) * gam).astype(BF16)
+            kw[...] = (tiled(kw).astype(F32) * jnp.exp(bcast_cols(g_last, (C, K)) - g_t)
+                       ).astype(BF16)
+            U = split_product(X, bcast_rows(beta_r, (C, V)) * tiled(v).astype(F32),
                               out_bufs["u_hi"], out_bufs["u_lo"], interpret)
-            write(v, U.astype(BF16), interpret)
+            v[...] = U.astype(BF16)
             write(gc_out, jnp.exp(g_last), interpret, COLS)
         plgpu.commit_smem()
         for src, dst in ((k, W_ref.at[bi, h, rows]), (v, U_ref.at[bi, h, rows]),
-                         (kw.at[own], kwt_ref.at[bi, h, rows]), (q, qd_ref.at[bi, h, rows]),
+                         (kw, kwt_ref.at[bi, h, rows]), (q, qd_ref.at[bi, h, rows]),
                          (p_out, P_ref.at[bi, h, rows]), (gc_out, gc_ref.at[bi, h, c]),
                          (t_out, T_ref.at[bi, h, rows])):
             plgpu.copy_smem_to_gmem(src, dst, commit_group=False)
