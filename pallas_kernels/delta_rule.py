@@ -76,8 +76,8 @@ class Options:
     "mosaic": the forward by ``wy_vector_mosaic`` on the tensor cores, the pullback by the
     "kernel" one: bf16 inputs, chunk 64, padded K and V in {64, 128}, bf16 WY tensors, split;
     None: "mosaic" compiled on a Hopper GPU where it takes the call, ``precision`` is None and
-    no option clashes (KDA fwd / fwd+bwd 0.659 / 2.185 -> 0.559 / 2.102 ms, PKDA 0.740 / 2.443
-    -> 0.632 / 2.347 at 8x2048x8x128, RESULTS run 138), else "kernel").
+    no option clashes (KDA fwd / fwd+bwd 0.659 / 2.185 -> 0.444 / 1.975 ms, PKDA 0.740 / 2.443
+    -> 0.563 / 2.211 at 8x2048x8x128, RESULTS runs 138, 140), else "kernel").
     ``parallel_precision``: that of the dots in the split pipeline's chunk-parallel kernels whose
     results do not feed the state recurrence (outputs, dO products, per-chunk cotangents, the WY
     pullback); None picks "bf16" when ``precision`` is None and q, k, k̃, v are all 16-bit
