@@ -153,7 +153,7 @@ def wy_vector_fwd(q, k, kw, v, beta, gamma, *, interpret):
             plgpu.copy_gmem_to_smem(g_ref.at[bi, c * C + r, h], piv.at[n], bar)
         plgpu.barrier_wait(bar)
         i, j = tile_iotas()
-        tiled = lambda ref: ref[...] if interpret else plgpu.load(ref, layout=WGMMA)  # noqa: E731
+        tiled = lambda ref: plgpu.load(ref, layout=WGMMA)  # noqa: E731  (a swizzled tile)
         row = plgpu.broadcasted_iota(jnp.int32, (C, K), 0, layout=WGMMA)
         pivot = lambda r: bcast_cols(  # noqa: E731  (γ's row r by columns)
             read(piv.at[PIVOTS.index(r)], interpret, COLS), (C, K))
