@@ -1,0 +1,308 @@
+"""``wy_vector_triton.wy_vector_bwd`` on the tensor cores (Mosaic GPU, wgmma, TMA; Hopper),
+with the in-chunk pullback of the decay sums folded in: the per-channel (KDA) WY step's
+cotangents for chunks of 64, K and V in {64, 128}, bf16 inputs.
+
+For each (batch row, head, chunk), from q, k, k̃ [C, K], v [C, V], the rows β, the in-chunk
+cumsum γ [C, K] of the log decays (Γ = exp γ, σ = γ_C − γ, e_ij = exp(γ_i − γ_j)), the
+forward's T = (I + L)^-1 (bf16) and the cotangents dW, dU, dK̃', dQ', dP, dΓ_C:
+
+    dT = dU (βV)ᵀ + dW (βΓ ⊙ K)ᵀ      dV = Diag(β) Tᵀ dU      dL = strict_tril(−Tᵀ dT Tᵀ)
+    G_Q = strict_tril(dP)    p = diag(dP)
+    Z = Σ_j dL_ij k̃_j ⊙ e_ij    dQ_P = Σ_j G_Q,ij k̃_j ⊙ e_ij    dK̃_AP = Σ_i (β_i dL_ij k_i + G_Q,ij q_i) ⊙ e_ij
+    dK = Diag(β)(Z + Γ ⊙ Tᵀ dW)    dQ = dQ_P + p ⊙ K̃ + dQ' ⊙ Γ    dK̃ = dK̃_AP + p ⊙ Q + dK̃' ⊙ exp σ
+    dβ = rowsum(Tᵀ dU ⊙ V) + rowsum(K ⊙ (Z + Γ ⊙ Tᵀ dW))
+    dγ = K ⊙ dK + Q ⊙ dQ_P − K̃ ⊙ dK̃_AP + dQ' ⊙ Q ⊙ Γ + δ_{i,C−1} Γ_C ⊙ dΓ_C    dσ = dK̃' ⊙ K̃ ⊙ exp σ
+    dg_t = Σ_{i>=t} dγ_i + Σ_{i<t} dσ_i      (the pullback of γ and σ: dg of the log decays)
+
+(``wy_vector_triton``'s pullback; P's diagonal and A's have no γ in them and stay out of dγ.)
+
+The sums over j of Z, dQ_P and dK̃_AP run through factored products, one 64-column slab of
+the key channels at a time, on the first of four paths whose factors stay within e^``BOUND``
+(40, ``wy_vector_triton.PULLBACK_BOUND``: the products carry cotangents, which leaves them
+e^48 of room before float32 overflows). For a block through its pivot row m, with ex =
+exp(γ − γ_m) by rows i and ey = exp(γ_m − γ) by rows j,
+
+    Z += ((dL ⊙ M)(K̃ ⊙ ey)) ⊙ ex    dQ_P += ((G_Q ⊙ M)(K̃ ⊙ ey)) ⊙ ex
+    dK̃_AP += ((dL ⊙ M)ᵀ(βK ⊙ ex) + (G_Q ⊙ M)ᵀ(Q ⊙ ex)) ⊙ ey
+
+(M the block's entries). Across the halves of each 2h-block the pivot is the lower half's
+first row (every exponent <= 0: exact for any decay); within an s-block, its middle row. Paths:
+whole (the chunk through row 32), halves (across the halves through 32, each half through 16 /
+48), quarters (across halves and quarters, each 16-block through its middle), exact (across
+halves down to single rows: h = 32, 16, ..., 1). The pivots of h >= 8 are γ's rows read by
+TMA; those of h <= 4 (exact path only) come from a selection product S_h γ (its bf16 rounding
+moves the pivot by ~|γ| 2^-9, which the factorisation does not see: any pivot between the
+rows serves, only the exponents' sign bound asks for it).
+
+dg's two sums are products with 0/1 triangles, dγ and dσ taken as three bf16 parts each
+(exact to float32 rounding). Every other product takes bf16 operands with float32
+accumulation, as the Triton pullback's ``pdots`` do; T is the forward's, stored in bf16.
+
+Tiles of [C, 64] in swizzled shared memory (TMA in, tiled loads and stores, outputs written in
+place and sent by TMA). As in ``state_mosaic``, wgmma has no CPU lowering in jax 0.11.2: in
+interpret mode the products run as ``jnp.dot`` of the same bf16 operands.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.inverse_mosaic import split_bf16
+from pallas_kernels.state_mosaic import (BF16, C, COLS, F32, ROWS, WGMMA, bcast_cols, bcast_rows,
+                                         kernel, matmul, products, read, smem,
+                                         tile_iotas)
+from pallas_kernels.triton_common import out_struct
+from pallas_kernels.wy_vector_mosaic import check_shapes
+from pallas_kernels.wy_vector_triton import PULLBACK_BOUND as BOUND
+
+SLAB = 64  # key / value columns of a tile
+PIVOTS = (8, 16, 24, 32, 40, 48, 56, C - 1)  # γ's rows read by columns (pivots of h >= 8, Γ_C)
+PATHS = (32, 16, 8)  # the factored paths by their blocks' half (whole, halves, quarters)
+
+
+def _across(h):
+    """The entries across the halves of each 2h-block: (i, j) -> mask."""
+    return lambda i, j: ((lax.div(i, 2 * h) == lax.div(j, 2 * h)) & (lax.rem(i, 2 * h) >= h)
+                         & (lax.rem(j, 2 * h) < h))
+
+
+def _blocks(half):
+    """The entries strictly below the diagonal within each block of 2·half rows."""
+    return lambda i, j: (lax.div(i, 2 * half) == lax.div(j, 2 * half)) & (i > j)
+
+
+def _path_blocks(path):
+    """[(h, across?)] of a path: across levels 32 .. down to its block size, then the blocks
+    through their middles (h = the block's half), or levels down to 1 (exact)."""
+    levels = [h for h in (32, 16, 8, 4, 2, 1) if path is None or h > path]
+    return [(h, True) for h in levels] + ([] if path is None else [(path, False)])
+
+
+def _cumsum_parts(x, bufs, tri, init, interpret):
+    """init + tri @ x for a float32 [C, 64] tile x taken as three bf16 parts (staged in
+    ``bufs``), tri a 0/1 [C, C] bf16 register tile: exact to float32 rounding."""
+    hi, rest = split_bf16(x)
+    mid = rest.astype(F32)
+    lo = (x - hi.astype(F32) - mid).astype(BF16)
+    for buf, part in zip(bufs, (hi, rest, lo)):
+        buf[...] = part
+    plgpu.commit_smem()
+    return matmul([(tri, buf) for buf in bufs], (C, SLAB), init, interpret)
+
+
+def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *, interpret):
+    """(dq, dk, dk̃ [B, Tp, H, K], dv [B, Tp, H, V] bf16, dβ [B, Tp, H] float32, dg [B, Tp, H, K]
+    float32: the cotangent of the log decays whose in-chunk cumsum is gamma) of q, k, kw
+    [B, Tp, H, K], v [B, Tp, H, V] (bf16), beta [B, Tp, H], gamma [B, Tp, H, K] float32, the
+    forward's T [B, H, Tp, C] and the cotangents of ``wy_vector_mosaic.wy_vector_fwd``'s
+    outputs: dW, dK̃', dQ' [B, H, Tp, K], dU [B, H, Tp, V], dP [B, H, Tp, C] (all cast to
+    bf16), dΓ_C [B, H, NC, K] float32 (module docstring)."""
+    B, Tp, H, K = q.shape
+    V = v.shape[-1]
+    check_shapes(chunk=C, K=K, V=V, dtype=q.dtype)
+    if Tp % C:
+        raise ValueError(f"the rows' length Tp must be a multiple of {C}, got {Tp}")
+    for name, x, shape in (("k", k, q.shape), ("kw", kw, q.shape), ("gamma", gamma, q.shape),
+                           ("T", T, (B, H, Tp, C)), ("dW", dW, (B, H, Tp, K)),
+                           ("dU", dU, (B, H, Tp, V)), ("dkw_t", dkw_t, (B, H, Tp, K)),
+                           ("dq_dec", dq_dec, (B, H, Tp, K)), ("dP", dP, (B, H, Tp, C)),
+                           ("dgc", dgc, (B, H, Tp // C, K))):
+        if x.shape != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {x.shape}")
+    nc, sk, sv = Tp // C, K // SLAB, V // SLAB
+    bf = lambda x: x.astype(BF16)  # noqa: E731
+    args = (q, k, kw, v, jnp.moveaxis(beta, 2, 1).astype(F32), gamma.astype(F32), bf(T), bf(dW),
+            bf(dU), bf(dkw_t), bf(dq_dec), bf(dP), dgc.astype(F32))
+    out_type = tuple(out_struct(shape, dtype, *args) for shape, dtype in (
+        ((B, Tp, H, K), BF16), ((B, Tp, H, K), BF16), ((B, Tp, H, K), BF16),
+        ((B, Tp, H, V), BF16), ((B, H, Tp), F32), ((B, Tp, H, K), F32)))
+    slabs = lambda n, dtype=BF16: tuple(smem((C, SLAB), dtype) for _ in range(n))  # noqa: E731
+    square = lambda: smem((C, C), BF16)  # noqa: E731
+    # phase A (dT, dL, dV): v (then βV), dU (then dV), βΓK, dT; phase B: the factored
+    # products' staged operands
+    phases = plgpu.RefUnion(
+        dict(v=slabs(sv), du=slabs(sv), bgk=slabs(sk), dt=square()),
+        dict(y=square(), xk=square(), xq=square(), dlm=square(), gqm=square()))
+    scratch = dict(q=slabs(sk), k=slabs(sk), kw=slabs(sk), g=slabs(sk, F32), dw=slabs(sk),
+                   dkwt=slabs(sk), dqd=slabs(sk), t=square(), gq=square(),
+                   piv=plgpu.SMEM((len(PIVOTS), K), F32), b=plgpu.SMEM((C,), F32),
+                   gc=plgpu.SMEM((K,), F32), db_out=plgpu.SMEM((C,), F32), phases=phases,
+                   bar=plgpu.Barrier(num_arrivals=7 * sk + 2 * sv + 4 + len(PIVOTS)))
+    sq, sh = (C, C), (C, SLAB)
+
+    def body(q_ref, k_ref, kw_ref, v_ref, b_ref, g_ref, t_ref, dw_ref, du_ref, dkwt_ref,
+             dqd_ref, dp_ref, dgc_ref, dq_ref, dk_ref, dkw_ref, dv_ref, db_ref, dg_ref, *, q, k,
+             kw, g, dw, dkwt, dqd, t, gq, piv, b, gc, db_out, phases, bar):
+        stage_a, stage_b = phases
+        bi, h, c = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("c")
+        rows = pl.ds(c * C, C)
+        cols = lambda s: pl.ds(s * SLAB, SLAB)  # noqa: E731
+        loads = [(t_ref.at[bi, h, rows], t), (dp_ref.at[bi, h, rows], gq),
+                 (b_ref.at[bi, h, rows], b), (dgc_ref.at[bi, h, c], gc)]
+        for s in range(sk):
+            loads += [(src.at[bi, rows, h, cols(s)], dst[s])
+                      for src, dst in ((q_ref, q), (k_ref, k), (kw_ref, kw), (g_ref, g))]
+            loads += [(src.at[bi, h, rows, cols(s)], dst[s])
+                      for src, dst in ((dw_ref, dw), (dkwt_ref, dkwt), (dqd_ref, dqd))]
+        for s in range(sv):
+            loads += [(v_ref.at[bi, rows, h, cols(s)], stage_a["v"][s]),
+                      (du_ref.at[bi, h, rows, cols(s)], stage_a["du"][s])]
+        loads += [(g_ref.at[bi, c * C + r, h], piv.at[n]) for n, r in enumerate(PIVOTS)]
+        for src, dst in loads:
+            plgpu.copy_gmem_to_smem(src, dst, bar)
+        plgpu.barrier_wait(bar)
+
+        i, j = tile_iotas()
+        row = plgpu.broadcasted_iota(jnp.int32, sh, 0, layout=WGMMA)
+        tiled = lambda ref: plgpu.load(ref, layout=WGMMA)  # noqa: E731  (a swizzled tile)
+        beta_r = plgpu.load(b, layout=ROWS)
+        b_sh = bcast_rows(beta_r, sh)
+
+        with jax.named_scope("dT"):  # phase A: Tᵀ dU, dV, dβ's U share; βV, βΓK staged; dT
+            db, dvs = 0.0, []
+            for s in range(sv):
+                tdu = matmul([(t.T, stage_a["du"][s])], sh, None, interpret)
+                v_t = tiled(stage_a["v"][s]).astype(F32)
+                db = db + jnp.sum(tdu * v_t, axis=1)
+                dvs.append((b_sh * tdu).astype(BF16))
+                stage_a["v"][s][...] = (b_sh * v_t).astype(BF16)
+            for s in range(sk):
+                stage_a["bgk"][s][...] = (b_sh * jnp.exp(tiled(g[s]))
+                                             * tiled(k[s]).astype(F32)).astype(BF16)
+            plgpu.commit_smem()
+            dT = matmul([(stage_a["du"][s], stage_a["v"][s].T) for s in range(sv)]
+                        + [(dw[s], stage_a["bgk"][s].T) for s in range(sk)],
+                        sq, None, interpret)
+            for s in range(sv):  # dV into dU's buffer, sent now
+                stage_a["du"][s][...] = dvs[s]
+            stage_a["dt"][...] = dT.astype(BF16)
+            plgpu.commit_smem()
+            for s in range(sv):
+                plgpu.copy_smem_to_gmem(stage_a["du"][s], dv_ref.at[bi, rows, h, cols(s)],
+                                        commit_group=False)
+            plgpu.commit_smem_to_gmem_group()
+        with jax.named_scope("dL"):
+            m = matmul([(t.T, stage_a["dt"])], sq, None, interpret)  # Tᵀ dT
+            dl = -jnp.where(i > j, matmul([(m.astype(BF16), t.T)], sq, None, interpret), 0.0)
+            dl = dl.astype(BF16)
+            gq_t = tiled(gq)
+            p_diag = jnp.sum(jnp.where(i == j, gq_t.astype(F32), 0.0), axis=1)
+            gq_t = jnp.where(i > j, gq_t, jnp.zeros_like(gq_t))
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # dV sent: phase B may start
+
+        y, xk, xq, dlm, gqm = (stage_b[n] for n in ("y", "xk", "xq", "dlm", "gqm"))
+
+        def slab(s, db):
+            """Slab s of the key channels: its cotangents written in place and sent; dβ + its
+            share."""
+            g_cols = lambda n: bcast_cols(read(piv.at[n, cols(s)], interpret, COLS),  # noqa: E731
+                                          sh)
+            g_t = tiled(g[s])
+
+            def pivots(h, buf):
+                """γ at row 2h⌊i/2h⌋ + h by rows i [C, 64] (buf: staging for h <= 4)."""
+                if h >= 8:
+                    at = [2 * h * n + h for n in range(C // (2 * h))]
+                    out = g_cols(PIVOTS.index(at[-1]))
+                    for r in reversed(at[:-1]):
+                        out = jnp.where(row < r + h, g_cols(PIVOTS.index(r)), out)
+                    return out
+                buf[...] = g_t.astype(BF16)
+                plgpu.commit_smem()
+                sel = jnp.where(j == lax.div(i, 2 * h) * (2 * h) + h, 1.0, 0.0).astype(BF16)
+                return matmul([(sel, buf)], sh, None, interpret)
+
+            def factors(h, across, buf):
+                """(ex, ey, M) of a block (module docstring)."""
+                piv_t = pivots(h, buf)
+                if not across:
+                    x = g_t - piv_t
+                    return jnp.exp(x), jnp.exp(-x), _blocks(h)(i, j)
+                low = lax.rem(row, 2 * h) >= h
+                return (jnp.exp(jnp.where(low, g_t - piv_t, -jnp.inf)),
+                        jnp.exp(jnp.where(low, -jnp.inf, piv_t - g_t)), _across(h)(i, j))
+
+            def run(path):
+                """(Z, dQ_P, dK̃_AP) [C, 64] along the path's blocks: the rows' sums first (left
+                operands from registers), then the columns' (the masked cotangents staged)."""
+                blocks = _path_blocks(path)
+                kw_t = tiled(kw[s]).astype(F32)
+                z = dqp = None
+                for h, across in blocks:
+                    ex, ey, mask = factors(h, across, y)
+                    y[...] = (kw_t * ey).astype(BF16)
+                    plgpu.commit_smem()
+                    zero = jnp.zeros_like(dl)
+                    zb, qb = products([(jnp.where(mask, dl, zero), y, sh),
+                                       (jnp.where(mask, gq_t, zero), y, sh)], interpret)
+                    z = zb * ex if z is None else z + zb * ex
+                    dqp = qb * ex if dqp is None else dqp + qb * ex
+                bk = b_sh * tiled(k[s]).astype(F32)
+                q_t = tiled(q[s]).astype(F32)
+                dkp = None
+                for h, across in blocks:
+                    ex, ey, mask = factors(h, across, xk)
+                    zero = jnp.zeros_like(dl)
+                    dlm[...] = jnp.where(mask, dl, zero)
+                    gqm[...] = jnp.where(mask, gq_t, zero)
+                    xk[...] = (bk * ex).astype(BF16)
+                    xq[...] = (q_t * ex).astype(BF16)
+                    plgpu.commit_smem()
+                    prod = matmul([(dlm.T, xk), (gqm.T, xq)], sh, None, interpret)
+                    dkp = prod * ey if dkp is None else dkp + prod * ey
+                return z, dqp, dkp
+
+            within = lambda h: jnp.logical_not(  # noqa: E731  (NaN: factorable, carried on)
+                jnp.max(jnp.max(jnp.abs(g_t - pivots(h, None)), axis=1)) > BOUND)
+            flags = [within(h) for h in PATHS]
+            with jax.named_scope("grams"):
+                z, dqp, dkp = lax.cond(
+                    flags[0], lambda: run(32),
+                    lambda: lax.cond(flags[1], lambda: run(16),
+                                     lambda: lax.cond(flags[2], lambda: run(8),
+                                                      lambda: run(None))))
+            with jax.named_scope("outputs"):
+                tdw = matmul([(t.T, dw[s])], sh, None, interpret)  # Tᵀ dW
+                k_t, gam = tiled(k[s]).astype(F32), jnp.exp(g_t)
+                kz = z + gam * tdw
+                db = db + jnp.sum(k_t * kz, axis=1)
+                dk = b_sh * kz
+                dgam = k_t * dk
+                k[s][...] = dk.astype(BF16)
+                q_t, dqd_t = tiled(q[s]).astype(F32), tiled(dqd[s]).astype(F32)
+                kw_t, p_sh = tiled(kw[s]).astype(F32), bcast_rows(p_diag, sh)
+                dgam = dgam + q_t * dqp + dqd_t * q_t * gam
+                q[s][...] = (dqp + p_sh * kw_t + dqd_t * gam).astype(BF16)
+                g_last = read(piv.at[len(PIVOTS) - 1, cols(s)], interpret, COLS)
+                dkwt_t = tiled(dkwt[s]).astype(F32)
+                tail = jnp.exp(bcast_cols(g_last, sh) - g_t)  # exp σ
+                dgam = dgam - kw_t * dkp + jnp.where(
+                    row == C - 1, bcast_cols(jnp.exp(g_last) * read(gc.at[cols(s)], interpret,
+                                                                    COLS), sh), 0.0)
+                dsig = dkwt_t * kw_t * tail
+                kw[s][...] = (dkp + p_sh * q_t + dkwt_t * tail).astype(BF16)
+                dg = _cumsum_parts(dgam, (y, xk, xq), jnp.where(j >= i, 1.0, 0.0).astype(BF16),
+                                   None, interpret)
+                g[s][...] = _cumsum_parts(dsig, (y, xk, xq),
+                                             jnp.where(j < i, 1.0, 0.0).astype(BF16), dg,
+                                             interpret)
+                plgpu.commit_smem()
+                for src, dst in ((q, dq_ref), (k, dk_ref), (kw, dkw_ref), (g, dg_ref)):
+                    plgpu.copy_smem_to_gmem(src[s], dst.at[bi, rows, h, cols(s)],
+                                            commit_group=False)
+            return db
+
+        for s in range(sk):
+            db = slab(s, db)
+        db_out[...] = db
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(db_out, db_ref.at[bi, h, rows], commit_group=False)
+        plgpu.commit_smem_to_gmem_group()
+        plgpu.wait_smem_to_gmem(0)
+
+    dq, dk, dkw, dv, db, dg = kernel(
+        body, name="wy_vector_pullback_mosaic", out_type=out_type, scratch=scratch,
+        grid=(B, H, nc), interpret=interpret, grid_names=("b", "h", "c"))(*args)
+    return dq, dk, dkw, dv, jnp.moveaxis(db, 1, 2), dg
