@@ -44,7 +44,8 @@ from pallas_kernels.delta_bwd_triton import delta_bwd
 from pallas_kernels.grads_mosaic import chunk_grads_fused
 from pallas_kernels.delta_fwd_triton import delta_fwd
 from pallas_kernels import (decay_scan_mosaic, grads_mosaic, inverse_mosaic, sequence_split,
-                            state_mosaic, state_wy_mosaic, wy_vector_mosaic)
+                            state_mosaic, state_wy_mosaic, wy_vector_mosaic,
+                            wy_vector_pullback_mosaic)
 from pallas_kernels.partition import lowered_once, match_types, sharded_call
 from pallas_kernels.state_bwd_triton import dout_products, split_backward
 from pallas_kernels.state_fwd_triton import split_forward
@@ -73,8 +74,9 @@ class Options:
     kernels of ``wy_vector_triton`` ("kernel": KDA fwd+bwd 11.9 -> 7.4 ms and 3.2 -> 0.7 GiB,
     RESULTS run 19; then ``save_wy`` applies too; "halving": those kernels with every key tile
     by halving down to single rows, never a factored block: an ablation for measuring, exact;
-    "mosaic": the forward by ``wy_vector_mosaic`` on the tensor cores, the pullback by the
-    "kernel" one: bf16 inputs, chunk 64, padded K and V in {64, 128}, bf16 WY tensors, split;
+    "mosaic": the forward by ``wy_vector_mosaic`` and the pullback by
+    ``wy_vector_pullback_mosaic`` on the tensor cores (T between them in bf16): bf16 inputs,
+    chunk 64, padded K and V in {64, 128}, bf16 WY tensors, split;
     None: "mosaic" compiled on a Hopper GPU where it takes the call, ``precision`` is None and
     no option clashes (KDA fwd / fwd+bwd 0.659 / 2.185 -> 0.444 / 1.975 ms, PKDA 0.740 / 2.443
     -> 0.563 / 2.211 at 8x2048x8x128, RESULTS runs 138, 140), else "kernel").
@@ -433,7 +435,7 @@ def _wy(cfg, ins):
         axes = {("gamma" if n == "g" else n): a for n, a in (_WY_IN | dict(g="b t h k")).items()}
         wy = _kernel_call(cfg, wy_vector_mosaic.wy_vector_fwd, dict(zip(axes, kins)), axes,
                           tuple(_WY_OUT.values()) + tuple(_WY_T.values()), mosaic=True,
-                          interpret=cfg.dots.interpret)
+                          interpret=cfg.dots.interpret, t_dtype=jnp.bfloat16)
     else:
         wy = _wy_kernel(cfg, _wy_kernels(cfg)[0], kins)
     last = {"none": (), "scalar": (wy[4],), "vector": kins[5:6]}[cfg.decay]
@@ -452,12 +454,26 @@ def _wy_pullback(cfg, ins, extra=None):
     if cfg.decay != "vector":
         return wy, functools.partial(_wy_kernel, cfg, _wy_kernels(cfg)[1], tuple(ins) + extra)
     (T, gamma), g = extra, ins[5]
+    if cfg.options.vector_wy == "mosaic":
+        return wy, functools.partial(_mosaic_wy_pullback, cfg, tuple(ins[:5]) + (gamma, T), g)
 
     def pullback(cts):
         *grads, dgamma, dsigma = _wy_kernel(cfg, wy_vector_bwd, tuple(ins[:5]) + (gamma, T), cts)
         return (*grads, _log_decay_grads(cfg, g, dgamma, dsigma))
 
     return wy, pullback
+
+
+def _mosaic_wy_pullback(cfg, ins, g, cts):
+    """Cotangents of (q, k, kw, v, beta, g) from those of the WY tensors by
+    ``wy_vector_pullback_mosaic`` (``ins`` = q, k, kw, v, beta, γ, T; it returns dg itself)."""
+    axes = {("gamma" if n == "g" else n): a
+            for n, a in (_WY_IN | dict(g="b t h k") | _WY_T).items()} | _WY_OUT
+    args = dict(zip(axes, ins + tuple(cts)))
+    grads = _kernel_call(cfg, wy_vector_pullback_mosaic.wy_vector_bwd, args, axes,
+                         tuple(_WY_IN.values())[:5] + ("b t h k",), mosaic=True,
+                         interpret=cfg.dots.interpret)
+    return tuple(d.astype(x.dtype) for d, x in zip(grads, ins[:5] + (g,)))
 
 
 _STATE_AXES = dict(triton="b h c k v", mosaic="b h c v k")  # the saved chunk states' layout

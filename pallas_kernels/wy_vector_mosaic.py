@@ -34,8 +34,9 @@ one (CPU count).
 Each factored product takes its float32 operands as bf16 hi / lo parts, three wgmmas
 (``inverse_mosaic.split_product``, ~2^-16 relative: one bf16 pass would round each factor to
 2^-9, and T amplifies A's error where keys share a direction); so do W and U. P and the scaled
-inputs are stored in bf16, T and Γ_C in float32, in ``wy_vector_fwd``'s layouts, so that its
-pullback (``wy_vector_bwd``) reads them as they are.
+inputs are stored in bf16, Γ_C in float32 and T in float32 or bf16 (for the Triton pullback
+``wy_vector_triton.wy_vector_bwd`` or ``wy_vector_pullback_mosaic``), in
+``wy_vector_triton.wy_vector_fwd``'s layouts.
 
 As in ``state_mosaic``, wgmma has no CPU lowering in jax 0.11.2: in interpret mode the products
 run as ``jnp.dot`` of the same bf16 operands (and the substitution as jnp ops).
@@ -103,11 +104,12 @@ def _band(grams, k, q, g, kw_buf, g_buf, interpret):
     return A, P
 
 
-def wy_vector_fwd(q, k, kw, v, beta, gamma, *, interpret):
+def wy_vector_fwd(q, k, kw, v, beta, gamma, *, interpret, t_dtype=F32):
     """``wy_vector_triton.wy_vector_fwd``'s outputs (W, U, K̃', Q', P [B, H, Tp, ·] bf16,
-    Γ_C [B, H, NC, K] and T [B, H, Tp, C] float32; module docstring) of q, k, kw [B, Tp, H, K],
-    v [B, Tp, H, V] (bf16), beta [B, Tp, H] and gamma [B, Tp, H, K] (the in-chunk cumsum of the
-    per-channel log decays)."""
+    Γ_C [B, H, NC, K] float32 and T [B, H, Tp, C] in ``t_dtype``: float32 for the Triton
+    pullback, bf16 for ``wy_vector_pullback_mosaic``; module docstring) of q, k, kw
+    [B, Tp, H, K], v [B, Tp, H, V] (bf16), beta [B, Tp, H] and gamma [B, Tp, H, K] (the
+    in-chunk cumsum of the per-channel log decays)."""
     B, Tp, H, K = q.shape
     V = v.shape[-1]
     check_shapes(chunk=C, K=K, V=V, dtype=q.dtype)
@@ -121,7 +123,7 @@ def wy_vector_fwd(q, k, kw, v, beta, gamma, *, interpret):
     out_type = tuple(out_struct(shape, dtype, *ins) for shape, dtype in (
         ((B, H, Tp, K), BF16), ((B, H, Tp, V), BF16), ((B, H, Tp, K), BF16),
         ((B, H, Tp, K), BF16), ((B, H, Tp, C), BF16), ((B, H, nc, K), F32),
-        ((B, H, Tp, C), F32)))
+        ((B, H, Tp, C), t_dtype)))
     pad = plgpu.SMEM((C, C + PAD), F32)
     # three phases, each its own buffers in one shared region: the grams' right operands; the
     # inverse's; the right operands of W and U, and T staged for its store
@@ -130,7 +132,7 @@ def wy_vector_fwd(q, k, kw, v, beta, gamma, *, interpret):
              kw_pad=plgpu.SMEM((BAND + C, K), BF16), g_pad=plgpu.SMEM((BAND + C, K), F32)),
         dict(l_buf=pad, x_buf=pad, hi=smem((C, C), BF16), lo=smem((C, C), BF16)),
         dict(w_hi=smem((C, K), BF16), w_lo=smem((C, K), BF16), u_hi=smem((C, V), BF16),
-             u_lo=smem((C, V), BF16), t_out=smem((C, C), F32)))
+             u_lo=smem((C, V), BF16), t_out=smem((C, C), t_dtype)))
     scratch = dict(q=smem((C, K), BF16), k=smem((C, K), BF16), v=smem((C, V), BF16),
                    kw=smem((C, K), BF16), g=smem((C, K), F32), piv=plgpu.SMEM((4, K), F32),
                    b=plgpu.SMEM((C,), F32), p_out=smem((C, C), BF16),
@@ -215,7 +217,7 @@ def wy_vector_fwd(q, k, kw, v, beta, gamma, *, interpret):
             X = unit_lower_inverse(L, *(inverse_bufs[n] for n in ("hi", "lo", "l_buf", "x_buf")),
                                    interpret)
             t_out = out_bufs["t_out"]
-            t_out[...] = X
+            t_out[...] = X.astype(t_dtype)
         # the scaled inputs (q's and k̃'s buffers take Q' and K̃'), W into k's, U into v's
         with jax.named_scope("outputs"):
             g_last = read(piv.at[PIVOTS.index(C - 1)], interpret, COLS)

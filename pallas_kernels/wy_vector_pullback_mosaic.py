@@ -8,7 +8,8 @@ forward's T = (I + L)^-1 (bf16) and the cotangents dW, dU, dK̃', dQ', dP, dΓ_C
 
     dT = dU (βV)ᵀ + dW (βΓ ⊙ K)ᵀ      dV = Diag(β) Tᵀ dU      dL = strict_tril(−Tᵀ dT Tᵀ)
     G_Q = strict_tril(dP)    p = diag(dP)
-    Z = Σ_j dL_ij k̃_j ⊙ e_ij    dQ_P = Σ_j G_Q,ij k̃_j ⊙ e_ij    dK̃_AP = Σ_i (β_i dL_ij k_i + G_Q,ij q_i) ⊙ e_ij
+    Z = Σ_j dL_ij k̃_j ⊙ e_ij    dQ_P = Σ_j G_Q,ij k̃_j ⊙ e_ij
+    dK̃_AP = Σ_i (β_i dL_ij k_i + G_Q,ij q_i) ⊙ e_ij
     dK = Diag(β)(Z + Γ ⊙ Tᵀ dW)    dQ = dQ_P + p ⊙ K̃ + dQ' ⊙ Γ    dK̃ = dK̃_AP + p ⊙ Q + dK̃' ⊙ exp σ
     dβ = rowsum(Tᵀ dU ⊙ V) + rowsum(K ⊙ (Z + Γ ⊙ Tᵀ dW))
     dγ = K ⊙ dK + Q ⊙ dQ_P − K̃ ⊙ dK̃_AP + dQ' ⊙ Q ⊙ Γ + δ_{i,C−1} Γ_C ⊙ dΓ_C    dσ = dK̃' ⊙ K̃ ⊙ exp σ
