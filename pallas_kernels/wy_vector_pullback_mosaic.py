@@ -61,6 +61,7 @@ from pallas_kernels.wy_vector_triton import PULLBACK_BOUND as BOUND
 SLAB = 64  # key / value columns of a tile
 PIVOTS = (8, 16, 24, 32, 40, 48, 56, C - 1)  # γ's rows read by columns (pivots of h >= 8, Γ_C)
 PATHS = (32, 16, 8)  # the factored paths by their blocks' half (whole, halves, quarters)
+PATH_NAMES = {32: "whole", 16: "halves", 8: "quarters", None: "exact"}
 
 
 def _across(h):
@@ -79,6 +80,16 @@ def _path_blocks(path):
     through their middles (h = the block's half), or levels down to 1 (exact)."""
     levels = [h for h in (32, 16, 8, 4, 2, 1) if path is None or h > path]
     return [(h, True) for h in levels] + ([] if path is None else [(path, False)])
+
+
+def paths(gamma):
+    """Each (row, chunk, head, 64-column slab)'s path as the kernel picks it from gamma
+    [B, Tp, H, K]: 0 whole, 1 halves, 2 quarters, 3 exact (int32 [B, NC, H, K // 64])."""
+    B, Tp, H, K = gamma.shape
+    g = gamma.reshape(B, Tp // C, C, H, K // SLAB, SLAB)
+    spread = [jnp.abs(g - jnp.repeat(g[:, :, h::2 * h], 2 * h, axis=2)).max(axis=(2, 5))
+              for h in PATHS]
+    return jnp.select([x <= BOUND for x in spread], [0, 1, 2], 3).astype(jnp.int32)
 
 
 def _cumsum_parts(x, bufs, tri, init, interpret):
@@ -228,6 +239,10 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
             def run(path):
                 """(Z, dQ_P, dK̃_AP) [C, 64] along the path's blocks: the rows' sums first (left
                 operands from registers), then the columns' (the masked cotangents staged)."""
+                with jax.named_scope(f"grams_{PATH_NAMES[path]}"):
+                    return _run(path)
+
+            def _run(path):
                 blocks = _path_blocks(path)
                 kw_t = tiled(kw[s]).astype(F32)
                 z = dqp = None
@@ -257,13 +272,12 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
 
             within = lambda h: jnp.logical_not(  # noqa: E731  (NaN: factorable, carried on)
                 jnp.max(jnp.max(jnp.abs(g_t - pivots(h, None)), axis=1)) > BOUND)
-            flags = [within(h) for h in PATHS]
-            with jax.named_scope("grams"):
-                z, dqp, dkp = lax.cond(
-                    flags[0], lambda: run(32),
-                    lambda: lax.cond(flags[1], lambda: run(16),
-                                     lambda: lax.cond(flags[2], lambda: run(8),
-                                                      lambda: run(None))))
+            with jax.named_scope("flag"):
+                flags = [within(h) for h in PATHS]
+            z, dqp, dkp = lax.cond(
+                flags[0], lambda: run(32),
+                lambda: lax.cond(flags[1], lambda: run(16),
+                                 lambda: lax.cond(flags[2], lambda: run(8), lambda: run(None))))
             with jax.named_scope("outputs"):
                 tdw = matmul([(t.T, dw[s])], sh, None, interpret)  # Tᵀ dW
                 k_t, gam = tiled(k[s]).astype(F32), jnp.exp(g_t)
@@ -284,6 +298,7 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
                                                                     COLS), sh), 0.0)
                 dsig = dkwt_t * kw_t * tail
                 kw[s][...] = (dkp + p_sh * q_t + dkwt_t * tail).astype(BF16)
+            with jax.named_scope("cumsum"):
                 dg = _cumsum_parts(dgam, (y, xk, xq), jnp.where(j >= i, 1.0, 0.0).astype(BF16),
                                    None, interpret)
                 g[s][...] = _cumsum_parts(dsig, (y, xk, xq),

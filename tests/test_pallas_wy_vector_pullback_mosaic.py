@@ -22,17 +22,6 @@ H = len(DECAYS)
 F32_FLOOR = 2.0 ** -20  # float32 sums' rounding (dβ of the exact head is exact to ~3e-7 in both)
 
 
-def paths(gamma):
-    """Each (row, chunk, head, 64-column slab)'s path: 0 whole (|γ − γ_32| <= the bound), 1
-    halves (|γ − γ_16|, |γ − γ_48| within it by halves), 2 quarters (rows 8, 24, 40, 56), 3
-    exact."""
-    bound = wy_vector_pullback_mosaic.BOUND
-    g = np.asarray(gamma).reshape(gamma.shape[0], -1, C, gamma.shape[2], gamma.shape[3] // 64, 64)
-    pivots = lambda h: np.repeat(g[:, :, h::2 * h], 2 * h, axis=2)  # noqa: E731
-    fits = [np.abs(g - pivots(h)).max(axis=(2, 5)) <= bound for h in (32, 16, 8)]
-    return np.select(fits, [0, 1, 2], 3)
-
-
 def case(rand, K, V):
     """(kernel inputs, float32 reference cotangents of q, k, k̃, v, β and the log decays g)."""
     T = NC * C
@@ -72,7 +61,8 @@ def test_matches_the_float32_pullback_on_each_path(rand, K, V):
     1.05x of the Triton pullback's at bf16 dots (the same operands rounded to bf16: ~2e-3 on
     dq, dk, dk̃, dv, ~1e-2 on dg, a sum of cancelling terms) plus float32 rounding."""
     ins, want = case(rand, K, V)
-    assert (paths(ins[5]) == np.arange(H)[None, None, :, None]).all()
+    paths = wy_vector_pullback_mosaic.paths(ins[5])
+    assert (paths == np.arange(H)[None, None, :, None]).all()
     got = jax.jit(functools.partial(wy_vector_pullback_mosaic.wy_vector_bwd, interpret=True))(*ins)
     base = triton_bf16(ins)
     for name, a, t, b in zip(("dq", "dk", "dk̃", "dv", "dβ", "dg"), got, base, want, strict=True):
