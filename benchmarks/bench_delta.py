@@ -301,7 +301,7 @@ def variant(v):
     """Options from precision/block_v/num_warps[/num_stages][/fused][/recompute]
     [/vxla|/vkernel|/vhalving|/vmosaic][/pP][/kN][/wkN][/bwN][/wwN][/sN][/hbf16|/h32][/wbf16][/qP]
     [/oserial|/okernel][/dserial|/dkernel][/mosaic|/triton][/cpN][/fg|/nofg][/gw1][/wyP][/waP]
-    [/wis][/invm][/dsx|/dsm] (vxla / vkernel / vhalving / vmosaic: ``Options.vector_wy`` =
+    [/wis][/invm][/dsx|/dsm][/vpull] (vxla / vkernel / vhalving / vmosaic: ``Options.vector_wy`` =
     "xla" / "kernel" / "halving" / "mosaic"; pP: ``Options.parallel_precision`` = P, e.g. ptf32, pbf16;
     kN: ``Options.block_k`` = N; wkN: ``Options.wy_block_k`` = N; bwN:
     ``Options.pullback_warps`` = N; wwN: ``Options.wy_warps`` = N; sN:
@@ -316,7 +316,8 @@ def variant(v):
     ``Options.grads_warpgroups`` = 1; wyP / waP: ``Options.wy_precision`` /
     ``wy_apply_precision`` = P; wis: ``Options.wy_in_serial``; invm:
     ``Options.inverse_backend`` = "mosaic"; dsx / dsm: ``Options.decay_scan`` = "xla" /
-    "mosaic"). Unnamed options keep their defaults."""
+    "mosaic"; vpull: ``Options.vector_pullback`` = "mosaic"). Unnamed options keep their
+    defaults."""
     f = v.split("/")
     flags = [t for t in f[3:] if not t.isdigit()]
     block_k = [int(t[1:]) for t in flags if t[0] == "k" and t[1:].isdigit()]
@@ -356,7 +357,8 @@ def variant(v):
                    wy_apply_precision=apply_dots[0] if apply_dots else None,
                    wy_in_serial=True if "wis" in flags else None,
                    inverse_backend="mosaic" if "invm" in flags else None,
-                   decay_scan="xla" if "dsx" in flags else "mosaic" if "dsm" in flags else None)
+                   decay_scan="xla" if "dsx" in flags else "mosaic" if "dsm" in flags else None,
+                   vector_pullback="mosaic" if "vpull" in flags else "kernel")
 
 
 def variant_tag(opt):
@@ -383,7 +385,8 @@ def variant_tag(opt):
             + (f"/wa{opt.wy_apply_precision}" if opt.wy_apply_precision else "")
             + ("/wis" if opt.wy_in_serial else "")
             + ("/invm" if opt.inverse_backend == "mosaic" else "")
-            + {"xla": "/dsx", "mosaic": "/dsm", None: ""}[opt.decay_scan])
+            + {"xla": "/dsx", "mosaic": "/dsm", None: ""}[opt.decay_scan]
+            + ("/vpull" if opt.vector_pullback == "mosaic" else ""))
 
 
 def jla_ops():

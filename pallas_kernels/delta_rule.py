@@ -74,9 +74,9 @@ class Options:
     kernels of ``wy_vector_triton`` ("kernel": KDA fwd+bwd 11.9 -> 7.4 ms and 3.2 -> 0.7 GiB,
     RESULTS run 19; then ``save_wy`` applies too; "halving": those kernels with every key tile
     by halving down to single rows, never a factored block: an ablation for measuring, exact;
-    "mosaic": the forward by ``wy_vector_mosaic`` and the pullback by
-    ``wy_vector_pullback_mosaic`` on the tensor cores (T between them in bf16): bf16 inputs,
-    chunk 64, padded K and V in {64, 128}, bf16 WY tensors, split;
+    "mosaic": the forward by ``wy_vector_mosaic`` on the tensor cores, the pullback by the
+    "kernel" one or by ``wy_vector_pullback_mosaic`` (``vector_pullback``): bf16 inputs, chunk
+    64, padded K and V in {64, 128}, bf16 WY tensors, split;
     None: "mosaic" compiled on a Hopper GPU where it takes the call, ``precision`` is None and
     no option clashes (KDA fwd / fwd+bwd 0.659 / 2.185 -> 0.444 / 1.975 ms, PKDA 0.740 / 2.443
     -> 0.563 / 2.211 at 8x2048x8x128, RESULTS runs 138, 140), else "kernel").
@@ -184,8 +184,12 @@ class Options:
     inverse_backend: str | None = None  # wy_in_serial: "triton" | "mosaic" wy_inverse
     wy_apply_precision: str | None = None  # split: that forward's W and U dots
     decay_scan: str | None = None  # per-channel decay: "xla" | "mosaic" in-chunk sums of g
+    vector_pullback: str = "kernel"  # vector_wy="mosaic": its pullback, "kernel" | "mosaic"
 
     def __post_init__(self):
+        if self.vector_pullback not in ("kernel", "mosaic"):
+            raise ValueError("Options.vector_pullback must be 'kernel' or 'mosaic', got "
+                             f"{self.vector_pullback!r}")
         if self.decay_scan not in (None, "xla", "mosaic"):
             raise ValueError("Options.decay_scan must be None, 'xla' or 'mosaic', got "
                              f"{self.decay_scan!r}")
@@ -435,7 +439,8 @@ def _wy(cfg, ins):
         axes = {("gamma" if n == "g" else n): a for n, a in (_WY_IN | dict(g="b t h k")).items()}
         wy = _kernel_call(cfg, wy_vector_mosaic.wy_vector_fwd, dict(zip(axes, kins)), axes,
                           tuple(_WY_OUT.values()) + tuple(_WY_T.values()), mosaic=True,
-                          interpret=cfg.dots.interpret, t_dtype=jnp.bfloat16)
+                          interpret=cfg.dots.interpret,
+                          t_dtype=jnp.bfloat16 if _mosaic_pullback(cfg) else jnp.float32)
     else:
         wy = _wy_kernel(cfg, _wy_kernels(cfg)[0], kins)
     last = {"none": (), "scalar": (wy[4],), "vector": kins[5:6]}[cfg.decay]
@@ -454,7 +459,7 @@ def _wy_pullback(cfg, ins, extra=None):
     if cfg.decay != "vector":
         return wy, functools.partial(_wy_kernel, cfg, _wy_kernels(cfg)[1], tuple(ins) + extra)
     (T, gamma), g = extra, ins[5]
-    if cfg.options.vector_wy == "mosaic":
+    if _mosaic_pullback(cfg):
         return wy, functools.partial(_mosaic_wy_pullback, cfg, tuple(ins[:5]) + (gamma, T), g)
 
     def pullback(cts):
@@ -462,6 +467,12 @@ def _wy_pullback(cfg, ins, extra=None):
         return (*grads, _log_decay_grads(cfg, g, dgamma, dsigma))
 
     return wy, pullback
+
+
+def _mosaic_pullback(cfg):
+    """Whether the per-channel WY pullback is ``wy_vector_pullback_mosaic``
+    (``Options.vector_pullback``; ``resolve`` has checked that the forward is Mosaic's)."""
+    return cfg.decay == "vector" and cfg.options.vector_pullback == "mosaic"
 
 
 def _mosaic_wy_pullback(cfg, ins, g, cts):
@@ -701,6 +712,9 @@ def resolve(options: Options, *, sixteen_bit: bool, mosaic_fits: bool = False,
         auto = (vector_mosaic_fits and fast16 and options.split
                 and options.wy_dtype in (None, "bfloat16"))
         options = dataclasses.replace(options, vector_wy="mosaic" if auto else "kernel")
+    if options.vector_pullback == "mosaic" and options.vector_wy != "mosaic":
+        raise ValueError("Options.vector_pullback='mosaic' needs the Mosaic WY forward "
+                         f"(vector_wy='mosaic'), got vector_wy={options.vector_wy!r}")
     if options.serial_backend is None:
         auto = mosaic_fits and fast16 and not options.mosaic_clashes()
         options = dataclasses.replace(options, serial_backend="mosaic" if auto else "triton")

@@ -37,7 +37,9 @@ rows serves, only the exponents' sign bound asks for it).
 
 dg's two sums are products with 0/1 triangles, dγ and dσ taken as three bf16 parts each
 (exact to float32 rounding). Every other product takes bf16 operands with float32
-accumulation, as the Triton pullback's ``pdots`` do; T is the forward's, stored in bf16.
+accumulation, as the Triton pullback's ``pdots`` do; T is the forward's, stored in bf16. The
+cotangents dK̃', dQ' and P's diagonal enter elementwise and stay float32 (rounded to bf16
+they put dq, dk̃ and dg at ~1.15x the Triton pullback's errors in the op).
 
 Tiles of [C, 64] in swizzled shared memory (TMA in, tiled loads and stores, outputs written in
 place and sent by TMA). As in ``state_mosaic``, wgmma has no CPU lowering in jax 0.11.2: in
@@ -109,8 +111,8 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
     float32: the cotangent of the log decays whose in-chunk cumsum is gamma) of q, k, kw
     [B, Tp, H, K], v [B, Tp, H, V] (bf16), beta [B, Tp, H], gamma [B, Tp, H, K] float32, the
     forward's T [B, H, Tp, C] and the cotangents of ``wy_vector_mosaic.wy_vector_fwd``'s
-    outputs: dW, dK̃', dQ' [B, H, Tp, K], dU [B, H, Tp, V], dP [B, H, Tp, C] (all cast to
-    bf16), dΓ_C [B, H, NC, K] float32 (module docstring)."""
+    outputs: dW, dK̃', dQ' [B, H, Tp, K], dP [B, H, Tp, C] (float32), dU [B, H, Tp, V] (bf16),
+    dΓ_C [B, H, NC, K] float32 (module docstring)."""
     B, Tp, H, K = q.shape
     V = v.shape[-1]
     check_shapes(chunk=C, K=K, V=V, dtype=q.dtype)
@@ -124,29 +126,32 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
         if x.shape != shape:
             raise ValueError(f"{name} must have shape {shape}, got {x.shape}")
     nc, sk, sv = Tp // C, K // SLAB, V // SLAB
-    bf = lambda x: x.astype(BF16)  # noqa: E731
-    args = (q, k, kw, v, jnp.moveaxis(beta, 2, 1).astype(F32), gamma.astype(F32), bf(T), bf(dW),
-            bf(dU), bf(dkw_t), bf(dq_dec), bf(dP), dgc.astype(F32))
+    sq, sh = (C, C), (C, SLAB)
+    args = (q, k, kw, v, jnp.moveaxis(beta, 2, 1).astype(F32), gamma.astype(F32),
+            T.astype(BF16), dW.astype(F32), dU.astype(BF16), dkw_t.astype(F32),
+            dq_dec.astype(F32), dP.astype(F32), dgc.astype(F32))
     out_type = tuple(out_struct(shape, dtype, *args) for shape, dtype in (
         ((B, Tp, H, K), BF16), ((B, Tp, H, K), BF16), ((B, Tp, H, K), BF16),
         ((B, Tp, H, V), BF16), ((B, H, Tp), F32), ((B, Tp, H, K), F32)))
     slabs = lambda n, dtype=BF16: tuple(smem((C, SLAB), dtype) for _ in range(n))  # noqa: E731
     square = lambda: smem((C, C), BF16)  # noqa: E731
-    # phase A (dT, dL, dV): v (then βV), dU (then dV), βΓK, dT; phase B: the factored
-    # products' staged operands
+    # phase A (dT, dL, dV): v (then βV), dU (then dV), βΓK, dT, dW in float32 (rounded to bf16
+    # into ``dw``); phase B: the factored products' staged operands, and one slab's dK̃', dQ'
+    # in float32 (loaded while the slab's products run)
     phases = plgpu.RefUnion(
-        dict(v=slabs(sv), du=slabs(sv), bgk=slabs(sk), dt=square()),
-        dict(y=square(), xk=square(), xq=square(), dlm=square(), gqm=square()))
+        dict(v=slabs(sv), du=slabs(sv), bgk=slabs(sk), dt=square(), dw32=slabs(sk, F32)),
+        dict(y=square(), xk=square(), xq=square(), dlm=square(), gqm=square(),
+             dkwt=smem(sh, F32), dqd=smem(sh, F32)))
     scratch = dict(q=slabs(sk), k=slabs(sk), kw=slabs(sk), g=slabs(sk, F32), dw=slabs(sk),
-                   dkwt=slabs(sk), dqd=slabs(sk), t=square(), gq=square(),
-                   piv=plgpu.SMEM((len(PIVOTS), K), F32), b=plgpu.SMEM((C,), F32),
-                   gc=plgpu.SMEM((K,), F32), db_out=plgpu.SMEM((C,), F32), phases=phases,
-                   bar=plgpu.Barrier(num_arrivals=7 * sk + 2 * sv + 4 + len(PIVOTS)))
-    sq, sh = (C, C), (C, SLAB)
+                   t=square(), gq=smem(sq, F32), piv=plgpu.SMEM((len(PIVOTS), K), F32),
+                   b=plgpu.SMEM((C,), F32), gc=plgpu.SMEM((K,), F32),
+                   db_out=plgpu.SMEM((C,), F32), phases=phases,
+                   bar=plgpu.Barrier(num_arrivals=5 * sk + 2 * sv + 4 + len(PIVOTS)),
+                   late_bar=plgpu.Barrier(num_arrivals=2))
 
     def body(q_ref, k_ref, kw_ref, v_ref, b_ref, g_ref, t_ref, dw_ref, du_ref, dkwt_ref,
              dqd_ref, dp_ref, dgc_ref, dq_ref, dk_ref, dkw_ref, dv_ref, db_ref, dg_ref, *, q, k,
-             kw, g, dw, dkwt, dqd, t, gq, piv, b, gc, db_out, phases, bar):
+             kw, g, dw, t, gq, piv, b, gc, db_out, phases, bar, late_bar):
         stage_a, stage_b = phases
         bi, h, c = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("c")
         rows = pl.ds(c * C, C)
@@ -156,21 +161,24 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
         for s in range(sk):
             loads += [(src.at[bi, rows, h, cols(s)], dst[s])
                       for src, dst in ((q_ref, q), (k_ref, k), (kw_ref, kw), (g_ref, g))]
-            loads += [(src.at[bi, h, rows, cols(s)], dst[s])
-                      for src, dst in ((dw_ref, dw), (dkwt_ref, dkwt), (dqd_ref, dqd))]
+            loads.append((dw_ref.at[bi, h, rows, cols(s)], stage_a["dw32"][s]))
         for s in range(sv):
             loads += [(v_ref.at[bi, rows, h, cols(s)], stage_a["v"][s]),
                       (du_ref.at[bi, h, rows, cols(s)], stage_a["du"][s])]
         loads += [(g_ref.at[bi, c * C + r, h], piv.at[n]) for n, r in enumerate(PIVOTS)]
         for src, dst in loads:
             plgpu.copy_gmem_to_smem(src, dst, bar)
-        plgpu.barrier_wait(bar)
 
-        i, j = tile_iotas()
-        row = plgpu.broadcasted_iota(jnp.int32, sh, 0, layout=WGMMA)
+        def load_late(s):  # slab s's dK̃', dQ' (float32) into phase B's buffers
+            plgpu.copy_gmem_to_smem(dkwt_ref.at[bi, h, rows, cols(s)], stage_b["dkwt"], late_bar)
+            plgpu.copy_gmem_to_smem(dqd_ref.at[bi, h, rows, cols(s)], stage_b["dqd"], late_bar)
+
+        plgpu.barrier_wait(bar)
         tiled = lambda ref: plgpu.load(ref, layout=WGMMA)  # noqa: E731  (a swizzled tile)
+        iotas = lambda: tile_iotas()  # noqa: E731  (formed where used: not held across)
+        row_ids = lambda: plgpu.broadcasted_iota(jnp.int32, sh, 0, layout=WGMMA)  # noqa: E731
         beta_r = plgpu.load(b, layout=ROWS)
-        b_sh = bcast_rows(beta_r, sh)
+        beta_sh = lambda: bcast_rows(beta_r, sh)  # noqa: E731
 
         with jax.named_scope("dT"):  # phase A: Tᵀ dU, dV, dβ's U share; βV, βΓK staged; dT
             db, dvs = 0.0, []
@@ -178,11 +186,12 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
                 tdu = matmul([(t.T, stage_a["du"][s])], sh, None, interpret)
                 v_t = tiled(stage_a["v"][s]).astype(F32)
                 db = db + jnp.sum(tdu * v_t, axis=1)
-                dvs.append((b_sh * tdu).astype(BF16))
-                stage_a["v"][s][...] = (b_sh * v_t).astype(BF16)
+                dvs.append((beta_sh() * tdu).astype(BF16))
+                stage_a["v"][s][...] = (beta_sh() * v_t).astype(BF16)
             for s in range(sk):
-                stage_a["bgk"][s][...] = (b_sh * jnp.exp(tiled(g[s]))
-                                             * tiled(k[s]).astype(F32)).astype(BF16)
+                dw[s][...] = tiled(stage_a["dw32"][s]).astype(BF16)
+                stage_a["bgk"][s][...] = (beta_sh() * jnp.exp(tiled(g[s]))
+                                          * tiled(k[s]).astype(F32)).astype(BF16)
             plgpu.commit_smem()
             dT = matmul([(stage_a["du"][s], stage_a["v"][s].T) for s in range(sv)]
                         + [(dw[s], stage_a["bgk"][s].T) for s in range(sk)],
@@ -196,13 +205,15 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
                                         commit_group=False)
             plgpu.commit_smem_to_gmem_group()
         with jax.named_scope("dL"):
+            i, j = iotas()
             m = matmul([(t.T, stage_a["dt"])], sq, None, interpret)  # Tᵀ dT
             dl = -jnp.where(i > j, matmul([(m.astype(BF16), t.T)], sq, None, interpret), 0.0)
             dl = dl.astype(BF16)
             gq_t = tiled(gq)
-            p_diag = jnp.sum(jnp.where(i == j, gq_t.astype(F32), 0.0), axis=1)
-            gq_t = jnp.where(i > j, gq_t, jnp.zeros_like(gq_t))
+            p_diag = jnp.sum(jnp.where(i == j, gq_t, 0.0), axis=1)  # P's diagonal: apart
+            gq_t = jnp.where(i > j, gq_t, 0.0).astype(BF16)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # dV sent: phase B may start
+        load_late(0)
 
         y, xk, xq, dlm, gqm = (stage_b[n] for n in ("y", "xk", "xq", "dlm", "gqm"))
 
@@ -211,99 +222,101 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
             share."""
             g_cols = lambda n: bcast_cols(read(piv.at[n, cols(s)], interpret, COLS),  # noqa: E731
                                           sh)
-            g_t = tiled(g[s])
 
             def pivots(h, buf):
                 """γ at row 2h⌊i/2h⌋ + h by rows i [C, 64] (buf: staging for h <= 4)."""
                 if h >= 8:
-                    at = [2 * h * n + h for n in range(C // (2 * h))]
+                    at, row = [2 * h * n + h for n in range(C // (2 * h))], row_ids()
                     out = g_cols(PIVOTS.index(at[-1]))
                     for r in reversed(at[:-1]):
                         out = jnp.where(row < r + h, g_cols(PIVOTS.index(r)), out)
                     return out
-                buf[...] = g_t.astype(BF16)
+                buf[...] = tiled(g[s]).astype(BF16)
                 plgpu.commit_smem()
+                i, j = iotas()
                 sel = jnp.where(j == lax.div(i, 2 * h) * (2 * h) + h, 1.0, 0.0).astype(BF16)
                 return matmul([(sel, buf)], sh, None, interpret)
 
             def factors(h, across, buf):
                 """(ex, ey, M) of a block (module docstring)."""
                 piv_t = pivots(h, buf)
+                g_t = tiled(g[s])
+                i, j = iotas()
                 if not across:
                     x = g_t - piv_t
                     return jnp.exp(x), jnp.exp(-x), _blocks(h)(i, j)
-                low = lax.rem(row, 2 * h) >= h
+                low = lax.rem(row_ids(), 2 * h) >= h
                 return (jnp.exp(jnp.where(low, g_t - piv_t, -jnp.inf)),
                         jnp.exp(jnp.where(low, -jnp.inf, piv_t - g_t)), _across(h)(i, j))
 
             def run(path):
                 """(Z, dQ_P, dK̃_AP) [C, 64] along the path's blocks: the rows' sums first (left
-                operands from registers), then the columns' (the masked cotangents staged)."""
+                operands from registers), then the columns' (the masked cotangents staged);
+                every input tile read where used."""
                 with jax.named_scope(f"grams_{PATH_NAMES[path]}"):
-                    return _run(path)
+                    blocks = _path_blocks(path)
+                    z = dqp = dkp = None
+                    for h, across in blocks:
+                        ex, ey, mask = factors(h, across, y)
+                        y[...] = (tiled(kw[s]).astype(F32) * ey).astype(BF16)
+                        plgpu.commit_smem()
+                        zero = jnp.zeros_like(dl)
+                        zb, qb = products([(jnp.where(mask, dl, zero), y, sh),
+                                           (jnp.where(mask, gq_t, zero), y, sh)], interpret)
+                        z = zb * ex if z is None else z + zb * ex
+                        dqp = qb * ex if dqp is None else dqp + qb * ex
+                    for h, across in blocks:
+                        ex, ey, mask = factors(h, across, xk)
+                        zero = jnp.zeros_like(dl)
+                        dlm[...] = jnp.where(mask, dl, zero)
+                        gqm[...] = jnp.where(mask, gq_t, zero)
+                        xk[...] = (beta_sh() * tiled(k[s]).astype(F32) * ex).astype(BF16)
+                        xq[...] = (tiled(q[s]).astype(F32) * ex).astype(BF16)
+                        plgpu.commit_smem()
+                        prod = matmul([(dlm.T, xk), (gqm.T, xq)], sh, None, interpret)
+                        dkp = prod * ey if dkp is None else dkp + prod * ey
+                    return z, dqp, dkp
 
-            def _run(path):
-                blocks = _path_blocks(path)
-                kw_t = tiled(kw[s]).astype(F32)
-                z = dqp = None
-                for h, across in blocks:
-                    ex, ey, mask = factors(h, across, y)
-                    y[...] = (kw_t * ey).astype(BF16)
-                    plgpu.commit_smem()
-                    zero = jnp.zeros_like(dl)
-                    zb, qb = products([(jnp.where(mask, dl, zero), y, sh),
-                                       (jnp.where(mask, gq_t, zero), y, sh)], interpret)
-                    z = zb * ex if z is None else z + zb * ex
-                    dqp = qb * ex if dqp is None else dqp + qb * ex
-                bk = b_sh * tiled(k[s]).astype(F32)
-                q_t = tiled(q[s]).astype(F32)
-                dkp = None
-                for h, across in blocks:
-                    ex, ey, mask = factors(h, across, xk)
-                    zero = jnp.zeros_like(dl)
-                    dlm[...] = jnp.where(mask, dl, zero)
-                    gqm[...] = jnp.where(mask, gq_t, zero)
-                    xk[...] = (bk * ex).astype(BF16)
-                    xq[...] = (q_t * ex).astype(BF16)
-                    plgpu.commit_smem()
-                    prod = matmul([(dlm.T, xk), (gqm.T, xq)], sh, None, interpret)
-                    dkp = prod * ey if dkp is None else dkp + prod * ey
-                return z, dqp, dkp
-
-            within = lambda h: jnp.logical_not(  # noqa: E731  (NaN: factorable, carried on)
-                jnp.max(jnp.max(jnp.abs(g_t - pivots(h, None)), axis=1)) > BOUND)
             with jax.named_scope("flag"):
-                flags = [within(h) for h in PATHS]
+                g_t = tiled(g[s])
+                flags = [jnp.logical_not(  # NaN: factorable, carried on
+                    jnp.max(jnp.max(jnp.abs(g_t - pivots(h, None)), axis=1)) > BOUND)
+                    for h in PATHS]
             z, dqp, dkp = lax.cond(
                 flags[0], lambda: run(32),
                 lambda: lax.cond(flags[1], lambda: run(16),
                                  lambda: lax.cond(flags[2], lambda: run(8), lambda: run(None))))
             with jax.named_scope("outputs"):
                 tdw = matmul([(t.T, dw[s])], sh, None, interpret)  # Tᵀ dW
-                k_t, gam = tiled(k[s]).astype(F32), jnp.exp(g_t)
+                k_t, gam = tiled(k[s]).astype(F32), jnp.exp(tiled(g[s]))
                 kz = z + gam * tdw
                 db = db + jnp.sum(k_t * kz, axis=1)
-                dk = b_sh * kz
+                dk = beta_sh() * kz
                 dgam = k_t * dk
                 k[s][...] = dk.astype(BF16)
-                q_t, dqd_t = tiled(q[s]).astype(F32), tiled(dqd[s]).astype(F32)
+                plgpu.barrier_wait(late_bar)  # this slab's dK̃', dQ'
+                q_t, dqd_t = tiled(q[s]).astype(F32), tiled(stage_b["dqd"])
                 kw_t, p_sh = tiled(kw[s]).astype(F32), bcast_rows(p_diag, sh)
                 dgam = dgam + q_t * dqp + dqd_t * q_t * gam
                 q[s][...] = (dqp + p_sh * kw_t + dqd_t * gam).astype(BF16)
                 g_last = read(piv.at[len(PIVOTS) - 1, cols(s)], interpret, COLS)
-                dkwt_t = tiled(dkwt[s]).astype(F32)
-                tail = jnp.exp(bcast_cols(g_last, sh) - g_t)  # exp σ
+                dkwt_t = tiled(stage_b["dkwt"])
+                tail = jnp.exp(bcast_cols(g_last, sh) - tiled(g[s]))  # exp σ
                 dgam = dgam - kw_t * dkp + jnp.where(
-                    row == C - 1, bcast_cols(jnp.exp(g_last) * read(gc.at[cols(s)], interpret,
-                                                                    COLS), sh), 0.0)
+                    row_ids() == C - 1, bcast_cols(jnp.exp(g_last) * read(gc.at[cols(s)],
+                                                                          interpret, COLS), sh),
+                    0.0)
                 dsig = dkwt_t * kw_t * tail
                 kw[s][...] = (dkp + p_sh * q_t + dkwt_t * tail).astype(BF16)
+                if s + 1 < sk:  # every thread has read them: the next slab's may come
+                    plgpu.commit_smem()
+                    load_late(s + 1)
             with jax.named_scope("cumsum"):
+                i, j = iotas()
                 dg = _cumsum_parts(dgam, (y, xk, xq), jnp.where(j >= i, 1.0, 0.0).astype(BF16),
                                    None, interpret)
                 g[s][...] = _cumsum_parts(dsig, (y, xk, xq),
-                                             jnp.where(j < i, 1.0, 0.0).astype(BF16), dg,
-                                             interpret)
+                                          jnp.where(j < i, 1.0, 0.0).astype(BF16), dg, interpret)
                 plgpu.commit_smem()
                 for src, dst in ((q, dq_ref), (k, dk_ref), (kw, dkw_ref), (g, dg_ref)):
                     plgpu.copy_smem_to_gmem(src[s], dst.at[bi, rows, h, cols(s)],

@@ -84,12 +84,14 @@ def test_lowers_for_cuda():
     assert mosaic_kernels_lowered_for_cuda(fn, args) == 1
 
 
-def test_op_within_fla_bars_and_as_the_triton_kernels(rand):
-    """``delta_rule_pallas`` with ``vector_wy="mosaic"`` (three packed documents over T = 150,
-    a tail chunk, K = 40 and V = 48 padded to 64, initial states, each head's chunks on one of
-    the three paths): outputs, final states and every gradient within FLA's bars of the float32
-    reference, and within 1.1x of the errors with the Triton WY forward (its WY tensors
-    stored in bf16 too)."""
+@pytest.mark.parametrize("pullback", ["kernel", "mosaic"])
+def test_op_within_fla_bars_and_as_the_triton_kernels(rand, pullback):
+    """``delta_rule_pallas`` with ``vector_wy="mosaic"`` and either pullback (Triton's or
+    ``wy_vector_pullback_mosaic``; three packed documents over T = 150, a tail chunk, K = 40 and
+    V = 48 padded to 64, initial states, each head's chunks on one of the forward's three paths):
+    outputs, final states and every gradient within FLA's bars of the float32 reference, and
+    within 1.1x of the errors with the Triton WY kernels (their WY tensors stored in bf16
+    too)."""
     T, K, V = 150, 40, 48
     x = rand.delta_inputs(1, T, H, K, V, dtype=jnp.bfloat16)
     x = dict(q=x["q"], k=x["k"], write_key=x["write_key"], v=x["v"], beta=x["beta"],
@@ -105,8 +107,9 @@ def test_op_within_fla_bars_and_as_the_triton_kernels(rand):
                               log_decay=x["log_decay"], initial_state=x["s0"], cu_seqlens=cu,
                               output_final_state=True, impl="reference")
 
-    fs = [functools.partial(kernel, dr.Options(vector_wy=w, wy_dtype="bfloat16"))
-          for w in ("mosaic", "kernel")]
+    fs = [functools.partial(kernel, dr.Options(vector_wy=w, wy_dtype="bfloat16",
+                                               vector_pullback=p))
+          for w, p in (("mosaic", pullback), ("kernel", "kernel"))]
     key = jax.random.key(1)
     mosaic, triton, ref = [jax.jit(functools.partial(outputs_and_grads, f))(x, key)
                            for f in fs + [reference]]
@@ -175,6 +178,7 @@ def test_default_options_reach_calls_that_name_none(rand, monkeypatch):
     (dict(wy_dtype="bfloat16"), True, "mosaic"),
     (dict(vector_wy="halving"), True, "halving"),
     (dict(vector_wy="mosaic"), False, "mosaic"),
+    (dict(vector_pullback="mosaic"), True, "mosaic"),
 ])
 def test_resolve_picks_the_mosaic_forward_where_it_runs(given, fits, expected):
     """``vector_wy`` None resolves to "mosaic" for 16-bit inputs where the kernel runs, with
@@ -182,6 +186,12 @@ def test_resolve_picks_the_mosaic_forward_where_it_runs(given, fits, expected):
     given value stays."""
     options = dr.resolve(dr.Options(**given), sixteen_bit=True, vector_mosaic_fits=fits)
     assert options.vector_wy == expected
+    if given.get("vector_pullback") == "mosaic":  # the Mosaic pullback needs the Mosaic forward
+        with pytest.raises(ValueError, match="vector_pullback='mosaic' needs the Mosaic WY "
+                                             "forward \\(vector_wy='mosaic'\\), got "
+                                             "vector_wy='kernel'"):
+            dr.resolve(dr.Options(**given), sixteen_bit=False)
+        return
     assert dr.resolve(dr.Options(**given), sixteen_bit=False).vector_wy == given.get(
         "vector_wy", "kernel")
 

@@ -86,3 +86,19 @@ def test_lowers_for_cuda(K, V):
             seq(V), seq(K), seq(K), seq(C), s((B, H, NC, K), f32))
     fn = lambda *a: wy_vector_pullback_mosaic.wy_vector_bwd(*a, interpret=False)  # noqa: E731
     assert mosaic_kernels_lowered_for_cuda(fn, args) == 1
+
+
+def test_options_name_the_pullbacks():
+    """``Options.vector_pullback`` takes "kernel" or "mosaic" and says so otherwise."""
+    with pytest.raises(ValueError, match="vector_pullback must be 'kernel' or 'mosaic', got 'x'"):
+        dr.Options(vector_pullback="x")
+
+
+def test_kernel_checks_its_arguments(rand):
+    """A cotangent of the wrong shape, or rows not in whole chunks: a ValueError naming it."""
+    ins, _ = case(rand, 64, 64)
+    bwd = functools.partial(wy_vector_pullback_mosaic.wy_vector_bwd, interpret=True)
+    with pytest.raises(ValueError, match="dP must have shape"):
+        bwd(*ins[:11], ins[11][..., :32], ins[12])
+    with pytest.raises(ValueError, match="Tp must be a multiple of 64, got 100"):
+        bwd(*(x[:, :100] for x in ins[:6]), *ins[6:])
