@@ -41,9 +41,11 @@ accumulation, as the Triton pullback's ``pdots`` do; T is the forward's, stored 
 cotangents dK̃', dQ' and P's diagonal enter elementwise and stay float32 (rounded to bf16
 they put dq, dk̃ and dg at ~1.15x the Triton pullback's errors in the op).
 
-Tiles of [C, 64] in swizzled shared memory (TMA in, tiled loads and stores, outputs written in
-place and sent by TMA). As in ``state_mosaic``, wgmma has no CPU lowering in jax 0.11.2: in
-interpret mode the products run as ``jnp.dot`` of the same bf16 operands.
+The exact path's factors go in as bf16 hi / lo parts (two passes), the other paths' in one,
+as the Triton pullback's. Tiles of [C, 64] in swizzled shared memory (TMA in, tiled loads and
+stores, outputs written in place and sent by TMA). As in ``state_mosaic``, wgmma has no CPU
+lowering in jax 0.11.2: in interpret mode the products run as ``jnp.dot`` of the same bf16
+operands.
 """
 
 import jax
@@ -136,12 +138,12 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
     slabs = lambda n, dtype=BF16: tuple(smem((C, SLAB), dtype) for _ in range(n))  # noqa: E731
     square = lambda: smem((C, C), BF16)  # noqa: E731
     # phase A (dT, dL, dV): v (then βV), dU (then dV), βΓK, dT, dW in float32 (rounded to bf16
-    # into ``dw``); phase B: the factored products' staged operands, and one slab's dK̃', dQ'
-    # in float32 (loaded while the slab's products run)
+    # into ``dw``); phase B: the factored products' staged operands (the exact path's as hi / lo
+    # parts), and one slab's dK̃', dQ' in float32 (loaded while the slab's products run)
     phases = plgpu.RefUnion(
         dict(v=slabs(sv), du=slabs(sv), bgk=slabs(sk), dt=square(), dw32=slabs(sk, F32)),
-        dict(y=square(), xk=square(), xq=square(), dlm=square(), gqm=square(),
-             dkwt=smem(sh, F32), dqd=smem(sh, F32)))
+        dict(y=square(), xk=square(), xq=square(), xk_lo=square(), xq_lo=square(), dlm=square(),
+             gqm=square(), dkwt=smem(sh, F32), dqd=smem(sh, F32)))
     scratch = dict(q=slabs(sk), k=slabs(sk), kw=slabs(sk), g=slabs(sk, F32), dw=slabs(sk),
                    t=square(), gq=smem(sq, F32), piv=plgpu.SMEM((len(PIVOTS), K), F32),
                    b=plgpu.SMEM((C,), F32), gc=plgpu.SMEM((K,), F32),
@@ -215,7 +217,8 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # dV sent: phase B may start
         load_late(0)
 
-        y, xk, xq, dlm, gqm = (stage_b[n] for n in ("y", "xk", "xq", "dlm", "gqm"))
+        y, xk, xq, xk_lo, xq_lo, dlm, gqm = (
+            stage_b[n] for n in ("y", "xk", "xq", "xk_lo", "xq_lo", "dlm", "gqm"))
 
         def slab(s, db):
             """Slab s of the key channels: its cotangents written in place and sent; dβ + its
@@ -249,20 +252,34 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
                 return (jnp.exp(jnp.where(low, g_t - piv_t, -jnp.inf)),
                         jnp.exp(jnp.where(low, -jnp.inf, piv_t - g_t)), _across(h)(i, j))
 
+            def stage(bufs, x):
+                """x in bf16 into bufs[0], or as hi / lo parts into both (the exact path)."""
+                parts = split_bf16(x) if len(bufs) == 2 else (x.astype(BF16),)
+                for buf, part in zip(bufs, parts):
+                    buf[...] = part
+
             def run(path):
-                """(Z, dQ_P, dK̃_AP) [C, 64] along the path's blocks: the rows' sums first (left
-                operands from registers), then the columns' (the masked cotangents staged);
-                every input tile read where used."""
+                """(Z, dQ_P, dK̃_AP) [C, 64] along the path's blocks: the rows' sums first
+                (left operands from registers), then the columns' (the masked cotangents
+                staged); every input tile read where used. The exact path takes its factors as
+                bf16 hi / lo parts (two passes: its many levels, each rounding its factors, put
+                dg at up to 1.2x the Triton pullback's error in one pass)."""
                 with jax.named_scope(f"grams_{PATH_NAMES[path]}"):
-                    blocks = _path_blocks(path)
+                    blocks, split = _path_blocks(path), path is None
+                    ys = (y, xq) if split else (y,)
+                    xks, xqs = ((xk, xk_lo), (xq, xq_lo)) if split else ((xk,), (xq,))
                     z = dqp = dkp = None
                     for h, across in blocks:
                         ex, ey, mask = factors(h, across, y)
-                        y[...] = (tiled(kw[s]).astype(F32) * ey).astype(BF16)
+                        stage(ys, tiled(kw[s]).astype(F32) * ey)
                         plgpu.commit_smem()
                         zero = jnp.zeros_like(dl)
-                        zb, qb = products([(jnp.where(mask, dl, zero), y, sh),
-                                           (jnp.where(mask, gq_t, zero), y, sh)], interpret)
+                        lefts = (jnp.where(mask, dl, zero), jnp.where(mask, gq_t, zero))
+                        if split:
+                            zb, qb = (matmul([(a, b) for b in ys], sh, None, interpret)
+                                      for a in lefts)
+                        else:
+                            zb, qb = products([(a, y, sh) for a in lefts], interpret)
                         z = zb * ex if z is None else z + zb * ex
                         dqp = qb * ex if dqp is None else dqp + qb * ex
                     for h, across in blocks:
@@ -270,10 +287,11 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
                         zero = jnp.zeros_like(dl)
                         dlm[...] = jnp.where(mask, dl, zero)
                         gqm[...] = jnp.where(mask, gq_t, zero)
-                        xk[...] = (beta_sh() * tiled(k[s]).astype(F32) * ex).astype(BF16)
-                        xq[...] = (tiled(q[s]).astype(F32) * ex).astype(BF16)
+                        stage(xks, beta_sh() * tiled(k[s]).astype(F32) * ex)
+                        stage(xqs, tiled(q[s]).astype(F32) * ex)
                         plgpu.commit_smem()
-                        prod = matmul([(dlm.T, xk), (gqm.T, xq)], sh, None, interpret)
+                        prod = matmul([(dlm.T, b) for b in xks] + [(gqm.T, b) for b in xqs], sh,
+                                      None, interpret)
                         dkp = prod * ey if dkp is None else dkp + prod * ey
                     return z, dqp, dkp
 
