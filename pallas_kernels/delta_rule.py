@@ -335,6 +335,8 @@ _WY_IN = dict(q="b t h k", k="b t h k", kw="b t h k", v="b t h v", beta="b t h",
 _WY_OUT = dict(dW="b h t k", dU="b h t v", dkw_t="b h t k", dq_dec="b h t k", dP="b h t s",
                dgc="b h c k")  # wy_fwd's outputs, named as wy_bwd's cotangent arguments
 _WY_T = dict(T="b h t s")  # wy_fwd's last output, wy_bwd's argument after the inputs
+_WY_VECTOR_IN = {**{n: a for n, a in _WY_IN.items() if n != "g"},
+                 "gamma": "b t h k"}  # the per-channel kernels' inputs: γ for g
 
 
 def _wy_kernels(cfg):
@@ -380,10 +382,8 @@ def _wy_kernel(cfg, kernel, ins, cts=None):
     T (and P) for a pullback."""
     o = cfg.options
     vector = cfg.decay == "vector"
-    in_axes = (_WY_IN | (dict(g="b t h k") if vector else {}) | _WY_T
+    in_axes = ((_WY_VECTOR_IN if vector else _WY_IN) | _WY_T
                | (dict(P=_WY_OUT["dP"]) if cfg.decay == "scalar" else {}))
-    if vector:  # the per-channel kernels' argument is γ
-        in_axes = {("gamma" if n == "g" else n): a for n, a in in_axes.items()}
     args, axes = dict(zip(in_axes, ins)), dict(in_axes)
     out_axes = tuple(_WY_OUT.values()) + tuple(_WY_T.values())
     dots, warps = cfg.dots, o.wy_warps or (8 if cfg.decay == "vector" else o.num_warps)
@@ -436,9 +436,8 @@ def _wy(cfg, ins):
         return _stored(cfg, prepare(cfg, *ins)), ()
     kins = _kernel_ins(cfg, ins)
     if cfg.decay == "vector" and cfg.options.vector_wy == "mosaic":
-        axes = {("gamma" if n == "g" else n): a for n, a in (_WY_IN | dict(g="b t h k")).items()}
-        wy = _kernel_call(cfg, wy_vector_mosaic.wy_vector_fwd, dict(zip(axes, kins)), axes,
-                          tuple(_WY_OUT.values()) + tuple(_WY_T.values()), mosaic=True,
+        wy = _kernel_call(cfg, wy_vector_mosaic.wy_vector_fwd, dict(zip(_WY_VECTOR_IN, kins)),
+                          _WY_VECTOR_IN, tuple(_WY_OUT.values()) + tuple(_WY_T.values()), mosaic=True,
                           interpret=cfg.dots.interpret,
                           t_dtype=jnp.bfloat16 if _mosaic_pullback(cfg) else jnp.float32)
     else:
@@ -478,11 +477,10 @@ def _mosaic_pullback(cfg):
 def _mosaic_wy_pullback(cfg, ins, g, cts):
     """Cotangents of (q, k, kw, v, beta, g) from those of the WY tensors by
     ``wy_vector_pullback_mosaic`` (``ins`` = q, k, kw, v, beta, γ, T; it returns dg itself)."""
-    axes = {("gamma" if n == "g" else n): a
-            for n, a in (_WY_IN | dict(g="b t h k") | _WY_T).items()} | _WY_OUT
+    axes = _WY_VECTOR_IN | _WY_T | _WY_OUT
     args = dict(zip(axes, ins + tuple(cts)))
     grads = _kernel_call(cfg, wy_vector_pullback_mosaic.wy_vector_bwd, args, axes,
-                         tuple(_WY_IN.values())[:5] + ("b t h k",), mosaic=True,
+                         tuple(_WY_VECTOR_IN.values()), mosaic=True,
                          interpret=cfg.dots.interpret)
     return tuple(d.astype(x.dtype) for d, x in zip(grads, ins[:5] + (g,)))
 
