@@ -55,13 +55,7 @@ def path_shares(kernel, gamma):
     if kernel == "bwd":
         names, paths = ("whole", "halves", "quarters", "exact"), wy_vector_pullback_mosaic.paths(gamma)
     else:
-        B, Tp, H, K = gamma.shape
-        g = gamma.reshape(B, Tp // 64, 64, H, K)
-        spread = lambda x, r: jnp.abs(x - x[:, :, r:r + 1]).max(axis=(2, 4))  # noqa: E731
-        halves = jnp.maximum(spread(g[:, :, :32], 16), spread(g[:, :, 32:], 16))
-        names = ("whole", "halves", "exact")
-        paths = jnp.select([spread(g, 32) <= wy_vector_mosaic.BOUND,
-                            halves <= wy_vector_mosaic.BOUND], [0, 1], 2)
+        names, paths = ("whole", "halves", "exact"), wy_vector_mosaic.paths(gamma)
     return ", ".join(f"{name} {float(jnp.mean(paths == n)):.1%}" for n, name in enumerate(names))
 
 

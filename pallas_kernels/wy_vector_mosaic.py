@@ -67,6 +67,16 @@ def check_shapes(*, chunk, K, V, dtype):
         raise ValueError(f"vector_wy='mosaic' needs {problem}")
 
 
+def paths(gamma):
+    """Each (row, chunk, head)'s path as the kernel picks it from gamma [B, Tp, H, K]: 0 whole,
+    1 halves, 2 exact (int32 [B, NC, H])."""
+    B, Tp, H, K = gamma.shape
+    g = gamma.reshape(B, Tp // C, C, H, K)
+    spread = lambda x, r: jnp.abs(x - x[:, :, r:r + 1]).max(axis=(2, 4))  # noqa: E731
+    halves = jnp.maximum(spread(g[:, :, :HALF], HALF // 2), spread(g[:, :, HALF:], HALF // 2))
+    return jnp.select([spread(g, HALF) <= BOUND, halves <= BOUND], [0, 1], 2).astype(jnp.int32)
+
+
 def _factored(grams, left, right, y_hi, y_lo, mask, interpret):
     """grams + the entries ``mask`` of (Z ⊙ left)(K̃ ⊙ right)ᵀ for Z in (k, q): ``left`` = (k,
     q, ex) [C, K] float32 registers, ``right`` = K̃ ⊙ ey staged in y_hi, y_lo (three bf16

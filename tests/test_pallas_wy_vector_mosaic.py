@@ -40,16 +40,6 @@ def kernel_inputs(rand, K, V):
     return x["q"], x["k"], x["write_key"], x["v"], x["beta"].astype(jnp.float32), gamma
 
 
-def paths(gamma):
-    """Each (row, chunk, head)'s path: 0 whole (max |γ − γ_32| <= the bound), 1 halves (each
-    half's |γ − γ_16|, |γ − γ_48| within it), 2 exact."""
-    g = np.asarray(gamma).reshape(gamma.shape[0], -1, C, *gamma.shape[2:])
-    spread = lambda x, r: np.abs(x - x[:, :, r:r + 1]).max(axis=(2, 4))  # noqa: E731
-    whole = spread(g, 32) <= wy_vector_mosaic.BOUND
-    halves = np.maximum(spread(g[:, :, :32], 16), spread(g[:, :, 32:], 16)) <= wy_vector_mosaic.BOUND
-    return np.where(whole, 0, np.where(halves, 1, 2))
-
-
 @pytest.mark.parametrize("K, V", [(64, 128), (128, 64)])
 def test_matches_prepare_on_each_path(rand, K, V):
     """W, U, K̃', Q', P within one bf16 rounding of ``prepare_sums``' float32 values (plus 1e-4
@@ -57,7 +47,7 @@ def test_matches_prepare_on_each_path(rand, K, V):
     to 1e-5 for ``chunk_grams``' L; head h's chunks take path h (whole, halves, exact)."""
     ins = kernel_inputs(rand, K, V)
     q, k, kw, v, beta, gamma = ins
-    assert (paths(gamma) == np.arange(H)).all()
+    assert (wy_vector_mosaic.paths(gamma) == np.arange(H)).all()
     *got, T = jax.jit(functools.partial(wy_vector_mosaic.wy_vector_fwd, interpret=True))(*ins)
     cfg = dr._Config(C, "vector", 1.0, None, dr.Options(), EXACT, EXACT)
     g = gamma.reshape(B, NC, C, H, K)
