@@ -177,7 +177,6 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
 
         plgpu.barrier_wait(bar)
         tiled = lambda ref: plgpu.load(ref, layout=WGMMA)  # noqa: E731  (a swizzled tile)
-        iotas = lambda: tile_iotas()  # noqa: E731  (formed where used: not held across)
         row_ids = lambda: plgpu.broadcasted_iota(jnp.int32, sh, 0, layout=WGMMA)  # noqa: E731
         beta_r = plgpu.load(b, layout=ROWS)
         beta_sh = lambda: bcast_rows(beta_r, sh)  # noqa: E731
@@ -207,7 +206,7 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
                                         commit_group=False)
             plgpu.commit_smem_to_gmem_group()
         with jax.named_scope("dL"):
-            i, j = iotas()
+            i, j = tile_iotas()
             m = matmul([(t.T, stage_a["dt"])], sq, None, interpret)  # Tᵀ dT
             dl = -jnp.where(i > j, matmul([(m.astype(BF16), t.T)], sq, None, interpret), 0.0)
             dl = dl.astype(BF16)
@@ -236,7 +235,7 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
                     return out
                 buf[...] = tiled(g[s]).astype(BF16)
                 plgpu.commit_smem()
-                i, j = iotas()
+                i, j = tile_iotas()
                 sel = jnp.where(j == lax.div(i, 2 * h) * (2 * h) + h, 1.0, 0.0).astype(BF16)
                 return matmul([(sel, buf)], sh, None, interpret)
 
@@ -244,7 +243,7 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
                 """(ex, ey, M) of a block (module docstring)."""
                 piv_t = pivots(h, buf)
                 g_t = tiled(g[s])
-                i, j = iotas()
+                i, j = tile_iotas()
                 if not across:
                     x = g_t - piv_t
                     return jnp.exp(x), jnp.exp(-x), _blocks(h)(i, j)
@@ -266,7 +265,7 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
                 dg at up to 1.2x the Triton pullback's error in one pass)."""
                 with jax.named_scope(f"grams_{PATH_NAMES[path]}"):
                     blocks, split = _path_blocks(path), path is None
-                    ys = (y, xq) if split else (y,)
+                    ys = (y, xq) if split else (y,)  # (xq is free in the rows' loop)
                     xks, xqs = ((xk, xk_lo), (xq, xq_lo)) if split else ((xk,), (xq,))
                     z = dqp = dkp = None
                     for h, across in blocks:
@@ -330,7 +329,7 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
                     plgpu.commit_smem()
                     load_late(s + 1)
             with jax.named_scope("cumsum"):
-                i, j = iotas()
+                i, j = tile_iotas()
                 dg = _cumsum_parts(dgam, (y, xk, xq), jnp.where(j >= i, 1.0, 0.0).astype(BF16),
                                    None, interpret)
                 g[s][...] = _cumsum_parts(dsig, (y, xk, xq),

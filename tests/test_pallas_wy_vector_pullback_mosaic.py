@@ -48,10 +48,9 @@ def triton_bf16(ins):
     *grads, dgamma, dsigma = jax.jit(functools.partial(
         wy_vector_triton.wy_vector_bwd, chunk=C, block_v=64, dots=Dots("bf16", interpret=True),
         num_warps=4, num_stages=1))(q, k, kw, v, beta, gamma, T, *cts)
-    blocks = lambda x: x.reshape(B, NC, C, *x.shape[2:])  # noqa: E731
-    dgamma, dsigma = blocks(dgamma), blocks(dsigma)
-    suffix = jnp.flip(jnp.cumsum(jnp.flip(dgamma, 2), 2), 2)
-    return (*grads, (suffix + jnp.cumsum(dsigma, 2) - dsigma).reshape(gamma.shape))
+    cfg = dr._Config(C, "vector", 1.0, None, dr.Options(), EXACT, EXACT)
+    # the op's pullback of the decay sums (linear: any point serves)
+    return (*grads, dr._log_decay_grads(cfg, jnp.zeros_like(gamma), dgamma, dsigma))
 
 
 @pytest.mark.parametrize("K, V", [(128, 64), (64, 128)])
@@ -70,14 +69,13 @@ def test_matches_the_float32_pullback_on_each_path(rand, K, V):
                                                   else jnp.bfloat16), name
         for h in range(H):
             err, base_err = rel_rms(a[:, :, h], b[:, :, h]), rel_rms(t[:, :, h], b[:, :, h])
-            assert err <= 1.05 * base_err + F32_FLOOR, (
-                name, h)
+            assert err <= 1.05 * base_err + F32_FLOOR, (name, h)
 
 
 def test_lowers_for_cuda():
     """Through Mosaic GPU's own passes (layout inference: the slabs' tiled views, the
     transposed operands, the four paths' nested conds, the phases' shared buffers) at K = 128
-    (two key slabs, ~40 s; K = V = 128 takes ~100 s)."""
+    (two key slabs, ~90 s)."""
     K, V = 128, 64
     s = jax.ShapeDtypeStruct
     Tp, bf, f32 = NC * C, jnp.bfloat16, jnp.float32
