@@ -42,11 +42,16 @@ cotangents dK̃', dQ' and P's diagonal enter elementwise and stay float32 (round
 they put dq, dk̃ and dg at ~1.15x the Triton pullback's errors in the op).
 
 The exact path's factors go in as bf16 hi / lo parts (two passes), the other paths' in one,
-as the Triton pullback's. Tiles of [C, 64] in swizzled shared memory (TMA in, tiled loads and
-stores, outputs written in place and sent by TMA). As in ``state_mosaic``, wgmma has no CPU
+as the Triton pullback's. A slab's three sums run one after another, each with one float32
+accumulator taken into its outputs before the next starts (dK̃_AP, then Z, then dQ_P: the
+registers of one sum, not three), dL and G_Q waiting in shared memory as bf16. Tiles of [C, 64]
+in swizzled shared memory (TMA in, tiled loads and stores, outputs written in place and sent by
+TMA). As in ``state_mosaic``, wgmma has no CPU
 lowering in jax 0.11.2: in interpret mode the products run as ``jnp.dot`` of the same bf16
 operands.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -56,8 +61,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.inverse_mosaic import split_bf16
 from pallas_kernels.state_mosaic import (BF16, C, COLS, F32, ROWS, WGMMA, bcast_cols, bcast_rows,
-                                         kernel, matmul, products, read, smem,
-                                         tile_iotas)
+                                         kernel, matmul, read, smem, tile_iotas)
 from pallas_kernels.triton_common import out_struct
 from pallas_kernels.wy_vector_mosaic import check_shapes
 from pallas_kernels.wy_vector_triton import PULLBACK_BOUND as BOUND
@@ -145,7 +149,8 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
         dict(y=square(), xk=square(), xq=square(), xk_lo=square(), xq_lo=square(), dlm=square(),
              gqm=square(), dkwt=smem(sh, F32), dqd=smem(sh, F32)))
     scratch = dict(q=slabs(sk), k=slabs(sk), kw=slabs(sk), g=slabs(sk, F32), dw=slabs(sk),
-                   t=square(), gq=smem(sq, F32), piv=plgpu.SMEM((len(PIVOTS), K), F32),
+                   t=square(), gq=plgpu.RefUnion(smem(sq, F32), dict(dl=square(), gq=square())),
+                   piv=plgpu.SMEM((len(PIVOTS), K), F32),
                    b=plgpu.SMEM((C,), F32), gc=plgpu.SMEM((K,), F32),
                    db_out=plgpu.SMEM((C,), F32), phases=phases,
                    bar=plgpu.Barrier(num_arrivals=5 * sk + 2 * sv + 4 + len(PIVOTS)),
@@ -158,7 +163,8 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
         bi, h, c = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("c")
         rows = pl.ds(c * C, C)
         cols = lambda s: pl.ds(s * SLAB, SLAB)  # noqa: E731
-        loads = [(t_ref.at[bi, h, rows], t), (dp_ref.at[bi, h, rows], gq),
+        gq32, lows = gq  # dP in float32, then G_Q and dL in bf16 over it
+        loads = [(t_ref.at[bi, h, rows], t), (dp_ref.at[bi, h, rows], gq32),
                  (b_ref.at[bi, h, rows], b), (dgc_ref.at[bi, h, c], gc)]
         for s in range(sk):
             loads += [(src.at[bi, rows, h, cols(s)], dst[s])
@@ -205,14 +211,16 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
                 plgpu.copy_smem_to_gmem(stage_a["du"][s], dv_ref.at[bi, rows, h, cols(s)],
                                         commit_group=False)
             plgpu.commit_smem_to_gmem_group()
-        with jax.named_scope("dL"):
+        with jax.named_scope("dL"):  # dL and G_Q (bf16) into ``lows``, over dP
             i, j = tile_iotas()
             m = matmul([(t.T, stage_a["dt"])], sq, None, interpret)  # Tᵀ dT
             dl = -jnp.where(i > j, matmul([(m.astype(BF16), t.T)], sq, None, interpret), 0.0)
-            dl = dl.astype(BF16)
-            gq_t = tiled(gq)
+            gq_t = tiled(gq32)
             p_diag = jnp.sum(jnp.where(i == j, gq_t, 0.0), axis=1)  # P's diagonal: apart
             gq_t = jnp.where(i > j, gq_t, 0.0).astype(BF16)
+            plgpu.commit_smem()  # every thread has read dP
+            lows["dl"][...] = dl.astype(BF16)
+            lows["gq"][...] = gq_t
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # dV sent: phase B may start
         load_late(0)
 
@@ -257,87 +265,105 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
                 for buf, part in zip(bufs, parts):
                     buf[...] = part
 
-            def run(path):
-                """(Z, dQ_P, dK̃_AP) [C, 64] along the path's blocks: the rows' sums first
-                (left operands from registers), then the columns' (the masked cotangents
-                staged); every input tile read where used. The exact path takes its factors as
-                bf16 hi / lo parts (two passes: its many levels, each rounding its factors, put
-                dg at up to 1.2x the Triton pullback's error in one pass)."""
-                with jax.named_scope(f"grams_{PATH_NAMES[path]}"):
-                    blocks, split = _path_blocks(path), path is None
-                    ys = (y, xq) if split else (y,)  # (xq is free in the rows' loop)
-                    xks, xqs = ((xk, xk_lo), (xq, xq_lo)) if split else ((xk,), (xq,))
-                    z = dqp = dkp = None
-                    for h, across in blocks:
-                        ex, ey, mask = factors(h, across, y)
-                        stage(ys, tiled(kw[s]).astype(F32) * ey)
-                        plgpu.commit_smem()
-                        zero = jnp.zeros_like(dl)
-                        lefts = (jnp.where(mask, dl, zero), jnp.where(mask, gq_t, zero))
-                        if split:
-                            zb, qb = (matmul([(a, b) for b in ys], sh, None, interpret)
-                                      for a in lefts)
-                        else:
-                            zb, qb = products([(a, y, sh) for a in lefts], interpret)
-                        z = zb * ex if z is None else z + zb * ex
-                        dqp = qb * ex if dqp is None else dqp + qb * ex
-                    for h, across in blocks:
-                        ex, ey, mask = factors(h, across, xk)
-                        zero = jnp.zeros_like(dl)
-                        dlm[...] = jnp.where(mask, dl, zero)
-                        gqm[...] = jnp.where(mask, gq_t, zero)
-                        stage(xks, beta_sh() * tiled(k[s]).astype(F32) * ex)
-                        stage(xqs, tiled(q[s]).astype(F32) * ex)
-                        plgpu.commit_smem()
-                        prod = matmul([(dlm.T, b) for b in xks] + [(gqm.T, b) for b in xqs], sh,
-                                      None, interpret)
-                        dkp = prod * ey if dkp is None else dkp + prod * ey
-                    return z, dqp, dkp
+            def masked(name, mask):
+                """dL or G_Q (bf16, from ``lows``) on a block's entries."""
+                x = tiled(lows[name])
+                return jnp.where(mask, x, jnp.zeros_like(x))
+
+            def rows_sum(name, path):
+                """Σ over the path's blocks of ((A ⊙ M)(K̃ ⊙ ey)) ⊙ ex [C, 64], A = dL (Z) or G_Q
+                (dQ_P). The exact path takes its factors as bf16 hi / lo parts (two passes: its
+                many levels, each rounding its factors, put dg at up to 1.2x the Triton
+                pullback's error in one pass)."""
+                ys = (y, xq) if path is None else (y,)  # (xq is free here)
+                acc = None
+                for h, across in _path_blocks(path):
+                    ex, ey, mask = factors(h, across, y)
+                    stage(ys, tiled(kw[s]).astype(F32) * ey)
+                    plgpu.commit_smem()
+                    prod = matmul([(masked(name, mask), b) for b in ys], sh, None, interpret)
+                    acc = prod * ex if acc is None else acc + prod * ex
+                return acc
+
+            def cols_sum(path):
+                """dK̃_AP = Σ over the path's blocks of ((dL ⊙ M)ᵀ(βK ⊙ ex) + (G_Q ⊙ M)ᵀ(Q ⊙ ex))
+                ⊙ ey [C, 64] (the masked cotangents staged for their transposes)."""
+                xks, xqs = ((xk, xk_lo), (xq, xq_lo)) if path is None else ((xk,), (xq,))
+                acc = None
+                for h, across in _path_blocks(path):
+                    ex, ey, mask = factors(h, across, xk)
+                    dlm[...] = masked("dl", mask)
+                    gqm[...] = masked("gq", mask)
+                    stage(xks, beta_sh() * tiled(k[s]).astype(F32) * ex)
+                    stage(xqs, tiled(q[s]).astype(F32) * ex)
+                    plgpu.commit_smem()
+                    prod = matmul([(dlm.T, b) for b in xks] + [(gqm.T, b) for b in xqs], sh,
+                                  None, interpret)
+                    acc = prod * ey if acc is None else acc + prod * ey
+                return acc
 
             with jax.named_scope("flag"):
                 g_t = tiled(g[s])
                 flags = [jnp.logical_not(  # NaN: factorable, carried on
                     jnp.max(jnp.max(jnp.abs(g_t - pivots(h, None)), axis=1)) > BOUND)
                     for h in PATHS]
-            z, dqp, dkp = lax.cond(
-                flags[0], lambda: run(32),
-                lambda: lax.cond(flags[1], lambda: run(16),
-                                 lambda: lax.cond(flags[2], lambda: run(8), lambda: run(None))))
-            with jax.named_scope("outputs"):
-                tdw = matmul([(t.T, dw[s])], sh, None, interpret)  # Tᵀ dW
-                k_t, gam = tiled(k[s]).astype(F32), jnp.exp(tiled(g[s]))
-                kz = z + gam * tdw
-                db = db + jnp.sum(k_t * kz, axis=1)
-                dk = beta_sh() * kz
-                dgam = k_t * dk
-                k[s][...] = dk.astype(BF16)
+
+            def by_path(name, fn):
+                """fn(path) on the slab's path (the first of ``PATHS`` whose flag holds, else
+                None: exact)."""
+                def pick(n):
+                    if n == len(PATHS):
+                        return fn(None)
+                    return lax.cond(flags[n], lambda: fn(PATHS[n]), lambda: pick(n + 1))
+                with jax.named_scope(name):
+                    return pick(0)
+
+            # one accumulator at a time, each taken into the outputs before the next: dK̃_AP
+            # (dK̃ sent from ``dlm``), Z (dK into k's slab), dQ_P (dQ into q's); k̃'s slab is
+            # read to the end (dσ)
+            if s:  # the previous slab's dK̃ has left ``dlm``
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            dkp = by_path("cols", cols_sum)
+            with jax.named_scope("out_dkw"):
                 plgpu.barrier_wait(late_bar)  # this slab's dK̃', dQ'
-                q_t, dqd_t = tiled(q[s]).astype(F32), tiled(stage_b["dqd"])
-                kw_t, p_sh = tiled(kw[s]).astype(F32), bcast_rows(p_diag, sh)
-                dgam = dgam + q_t * dqp + dqd_t * q_t * gam
-                q[s][...] = (dqp + p_sh * kw_t + dqd_t * gam).astype(BF16)
                 g_last = read(piv.at[len(PIVOTS) - 1, cols(s)], interpret, COLS)
-                dkwt_t = tiled(stage_b["dkwt"])
-                tail = jnp.exp(bcast_cols(g_last, sh) - tiled(g[s]))  # exp σ
-                dgam = dgam - kw_t * dkp + jnp.where(
+                tail = lambda: jnp.exp(bcast_cols(g_last, sh) - tiled(g[s]))  # noqa: E731  exp σ
+                p_sh = lambda: bcast_rows(p_diag, sh)  # noqa: E731
+                kw_t = lambda: tiled(kw[s]).astype(F32)  # noqa: E731
+                dlm[...] = (dkp + p_sh() * tiled(q[s]).astype(F32)
+                            + tiled(stage_b["dkwt"]) * tail()).astype(BF16)
+                dgam = -kw_t() * dkp + jnp.where(
                     row_ids() == C - 1, bcast_cols(jnp.exp(g_last) * read(gc.at[cols(s)],
                                                                           interpret, COLS), sh),
                     0.0)
-                dsig = dkwt_t * kw_t * tail
-                kw[s][...] = (dkp + p_sh * q_t + dkwt_t * tail).astype(BF16)
-                if s + 1 < sk:  # every thread has read them: the next slab's may come
-                    plgpu.commit_smem()
-                    load_late(s + 1)
+            z = by_path("rows_z", functools.partial(rows_sum, "dl"))
+            with jax.named_scope("out_dk"):
+                tdw = matmul([(t.T, dw[s])], sh, None, interpret)  # Tᵀ dW
+                k_t = tiled(k[s]).astype(F32)
+                kz = z + jnp.exp(tiled(g[s])) * tdw
+                db = db + jnp.sum(k_t * kz, axis=1)
+                dk = beta_sh() * kz
+                dgam = dgam + k_t * dk
+                k[s][...] = dk.astype(BF16)
+            dqp = by_path("rows_q", functools.partial(rows_sum, "gq"))
+            with jax.named_scope("out_dq"):
+                q_t, gam = tiled(q[s]).astype(F32), jnp.exp(tiled(g[s]))
+                dqd_t = tiled(stage_b["dqd"])
+                dgam = dgam + q_t * (dqp + dqd_t * gam)
+                q[s][...] = (dqp + p_sh() * kw_t() + dqd_t * gam).astype(BF16)
             with jax.named_scope("cumsum"):
+                dsig = tiled(stage_b["dkwt"]) * kw_t() * tail()
                 i, j = tile_iotas()
                 dg = _cumsum_parts(dgam, (y, xk, xq), jnp.where(j >= i, 1.0, 0.0).astype(BF16),
                                    None, interpret)
                 g[s][...] = _cumsum_parts(dsig, (y, xk, xq),
                                           jnp.where(j < i, 1.0, 0.0).astype(BF16), dg, interpret)
-                plgpu.commit_smem()
-                for src, dst in ((q, dq_ref), (k, dk_ref), (kw, dkw_ref), (g, dg_ref)):
-                    plgpu.copy_smem_to_gmem(src[s], dst.at[bi, rows, h, cols(s)],
-                                            commit_group=False)
+                plgpu.commit_smem()  # (every thread has read dK̃', dQ')
+                for src, dst in ((q[s], dq_ref), (k[s], dk_ref), (dlm, dkw_ref), (g[s], dg_ref)):
+                    plgpu.copy_smem_to_gmem(src, dst.at[bi, rows, h, cols(s)], commit_group=False)
+                plgpu.commit_smem_to_gmem_group()
+                if s + 1 < sk:
+                    load_late(s + 1)
             return db
 
         for s in range(sk):
