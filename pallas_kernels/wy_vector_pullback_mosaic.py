@@ -148,7 +148,8 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
         dict(v=slabs(sv), du=slabs(sv), bgk=slabs(sk), dt=square(), dw32=slabs(sk, F32)),
         dict(y=square(), xk=square(), xq=square(), xk_lo=square(), xq_lo=square(), dlm=square(),
              gqm=square(), dkwt=smem(sh, F32), dqd=smem(sh, F32)))
-    scratch = dict(q=slabs(sk), k=slabs(sk), kw=slabs(sk), g=slabs(sk, F32), dw=slabs(sk),
+    stacked = lambda dtype=BF16: smem((sk, C, SLAB), dtype)  # noqa: E731  (slab s: .at[s])
+    scratch = dict(q=stacked(), k=stacked(), kw=stacked(), g=stacked(F32), dw=stacked(),
                    t=square(), gq=plgpu.RefUnion(smem(sq, F32), dict(dl=square(), gq=square())),
                    piv=plgpu.SMEM((len(PIVOTS), K), F32),
                    b=plgpu.SMEM((C,), F32), gc=plgpu.SMEM((K,), F32),
@@ -167,7 +168,7 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
         loads = [(t_ref.at[bi, h, rows], t), (dp_ref.at[bi, h, rows], gq32),
                  (b_ref.at[bi, h, rows], b), (dgc_ref.at[bi, h, c], gc)]
         for s in range(sk):
-            loads += [(src.at[bi, rows, h, cols(s)], dst[s])
+            loads += [(src.at[bi, rows, h, cols(s)], dst.at[s])
                       for src, dst in ((q_ref, q), (k_ref, k), (kw_ref, kw), (g_ref, g))]
             loads.append((dw_ref.at[bi, h, rows, cols(s)], stage_a["dw32"][s]))
         for s in range(sv):
@@ -195,13 +196,14 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
                 db = db + jnp.sum(tdu * v_t, axis=1)
                 dvs.append((beta_sh() * tdu).astype(BF16))
                 stage_a["v"][s][...] = (beta_sh() * v_t).astype(BF16)
-            for s in range(sk):
-                dw[s][...] = tiled(stage_a["dw32"][s]).astype(BF16)
-                stage_a["bgk"][s][...] = (beta_sh() * jnp.exp(tiled(g[s]))
-                                          * tiled(k[s]).astype(F32)).astype(BF16)
+            dws = [tiled(stage_a["dw32"][s]).astype(BF16) for s in range(sk)]  # (registers: a
+            for s in range(sk):  # wgmma operand ``dw.at[s]`` with a constant s does not lower)
+                dw.at[s][...] = dws[s]
+                stage_a["bgk"][s][...] = (beta_sh() * jnp.exp(tiled(g.at[s]))
+                                          * tiled(k.at[s]).astype(F32)).astype(BF16)
             plgpu.commit_smem()
             dT = matmul([(stage_a["du"][s], stage_a["v"][s].T) for s in range(sv)]
-                        + [(dw[s], stage_a["bgk"][s].T) for s in range(sk)],
+                        + [(dws[s], stage_a["bgk"][s].T) for s in range(sk)],
                         sq, None, interpret)
             for s in range(sv):  # dV into dU's buffer, sent now
                 stage_a["du"][s][...] = dvs[s]
@@ -241,7 +243,7 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
                     for r in reversed(at[:-1]):
                         out = jnp.where(row < r + h, g_cols(PIVOTS.index(r)), out)
                     return out
-                buf[...] = tiled(g[s]).astype(BF16)
+                buf[...] = tiled(g.at[s]).astype(BF16)
                 plgpu.commit_smem()
                 i, j = tile_iotas()
                 sel = jnp.where(j == lax.div(i, 2 * h) * (2 * h) + h, 1.0, 0.0).astype(BF16)
@@ -250,7 +252,7 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
             def factors(h, across, buf):
                 """(ex, ey, M) of a block (module docstring)."""
                 piv_t = pivots(h, buf)
-                g_t = tiled(g[s])
+                g_t = tiled(g.at[s])
                 i, j = tile_iotas()
                 if not across:
                     x = g_t - piv_t
@@ -279,7 +281,7 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
                 acc = None
                 for h, across in _path_blocks(path):
                     ex, ey, mask = factors(h, across, y)
-                    stage(ys, tiled(kw[s]).astype(F32) * ey)
+                    stage(ys, tiled(kw.at[s]).astype(F32) * ey)
                     plgpu.commit_smem()
                     prod = matmul([(masked(name, mask), b) for b in ys], sh, None, interpret)
                     acc = prod * ex if acc is None else acc + prod * ex
@@ -294,8 +296,8 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
                     ex, ey, mask = factors(h, across, xk)
                     dlm[...] = masked("dl", mask)
                     gqm[...] = masked("gq", mask)
-                    stage(xks, beta_sh() * tiled(k[s]).astype(F32) * ex)
-                    stage(xqs, tiled(q[s]).astype(F32) * ex)
+                    stage(xks, beta_sh() * tiled(k.at[s]).astype(F32) * ex)
+                    stage(xqs, tiled(q.at[s]).astype(F32) * ex)
                     plgpu.commit_smem()
                     prod = matmul([(dlm.T, b) for b in xks] + [(gqm.T, b) for b in xqs], sh,
                                   None, interpret)
@@ -303,7 +305,7 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
                 return acc
 
             with jax.named_scope("flag"):
-                g_t = tiled(g[s])
+                g_t = tiled(g.at[s])
                 flags = [jnp.logical_not(  # NaN: factorable, carried on
                     jnp.max(jnp.max(jnp.abs(g_t - pivots(h, None)), axis=1)) > BOUND)
                     for h in PATHS]
@@ -321,16 +323,18 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
             # one accumulator at a time, each taken into the outputs before the next: dK̃_AP
             # (dK̃ sent from ``dlm``), Z (dK into k's slab), dQ_P (dQ into q's); k̃'s slab is
             # read to the end (dσ)
-            if s:  # the previous slab's dK̃ has left ``dlm``
+            @pl.when(s > 0)
+            def _():  # the previous slab's dK̃ has left ``dlm``
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
             dkp = by_path("cols", cols_sum)
             with jax.named_scope("out_dkw"):
                 plgpu.barrier_wait(late_bar)  # this slab's dK̃', dQ'
                 g_last = read(piv.at[len(PIVOTS) - 1, cols(s)], interpret, COLS)
-                tail = lambda: jnp.exp(bcast_cols(g_last, sh) - tiled(g[s]))  # noqa: E731  exp σ
+                tail = lambda: jnp.exp(bcast_cols(g_last, sh) - tiled(g.at[s]))  # noqa: E731  exp σ
                 p_sh = lambda: bcast_rows(p_diag, sh)  # noqa: E731
-                kw_t = lambda: tiled(kw[s]).astype(F32)  # noqa: E731
-                dlm[...] = (dkp + p_sh() * tiled(q[s]).astype(F32)
+                kw_t = lambda: tiled(kw.at[s]).astype(F32)  # noqa: E731
+                dlm[...] = (dkp + p_sh() * tiled(q.at[s]).astype(F32)
                             + tiled(stage_b["dkwt"]) * tail()).astype(BF16)
                 dgam = -kw_t() * dkp + jnp.where(
                     row_ids() == C - 1, bcast_cols(jnp.exp(g_last) * read(gc.at[cols(s)],
@@ -338,37 +342,34 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
                     0.0)
             z = by_path("rows_z", functools.partial(rows_sum, "dl"))
             with jax.named_scope("out_dk"):
-                tdw = matmul([(t.T, dw[s])], sh, None, interpret)  # Tᵀ dW
-                k_t = tiled(k[s]).astype(F32)
-                kz = z + jnp.exp(tiled(g[s])) * tdw
+                tdw = matmul([(t.T, dw.at[s])], sh, None, interpret)  # Tᵀ dW
+                k_t = tiled(k.at[s]).astype(F32)
+                kz = z + jnp.exp(tiled(g.at[s])) * tdw
                 db = db + jnp.sum(k_t * kz, axis=1)
                 dk = beta_sh() * kz
                 dgam = dgam + k_t * dk
-                k[s][...] = dk.astype(BF16)
+                k.at[s][...] = dk.astype(BF16)
             dqp = by_path("rows_q", functools.partial(rows_sum, "gq"))
             with jax.named_scope("out_dq"):
-                q_t, gam = tiled(q[s]).astype(F32), jnp.exp(tiled(g[s]))
+                q_t, gam = tiled(q.at[s]).astype(F32), jnp.exp(tiled(g.at[s]))
                 dqd_t = tiled(stage_b["dqd"])
                 dgam = dgam + q_t * (dqp + dqd_t * gam)
-                q[s][...] = (dqp + p_sh() * kw_t() + dqd_t * gam).astype(BF16)
+                q.at[s][...] = (dqp + p_sh() * kw_t() + dqd_t * gam).astype(BF16)
             with jax.named_scope("cumsum"):
                 dsig = tiled(stage_b["dkwt"]) * kw_t() * tail()
                 i, j = tile_iotas()
                 dg = _cumsum_parts(dgam, (y, xk, xq), jnp.where(j >= i, 1.0, 0.0).astype(BF16),
                                    None, interpret)
-                g[s][...] = _cumsum_parts(dsig, (y, xk, xq),
+                g.at[s][...] = _cumsum_parts(dsig, (y, xk, xq),
                                           jnp.where(j < i, 1.0, 0.0).astype(BF16), dg, interpret)
                 plgpu.commit_smem()  # (every thread has read dK̃', dQ')
-                for src, dst in ((q[s], dq_ref), (k[s], dk_ref), (dlm, dkw_ref), (g[s], dg_ref)):
+                for src, dst in ((q.at[s], dq_ref), (k.at[s], dk_ref), (dlm, dkw_ref), (g.at[s], dg_ref)):
                     plgpu.copy_smem_to_gmem(src, dst.at[bi, rows, h, cols(s)], commit_group=False)
                 plgpu.commit_smem_to_gmem_group()
-                if s + 1 < sk:
-                    load_late(s + 1)
+                pl.when(s + 1 < sk)(lambda: load_late(s + 1))
             return db
 
-        for s in range(sk):
-            db = slab(s, db)
-        db_out[...] = db
+        db_out[...] = lax.fori_loop(0, sk, slab, db)  # a loop, not unrolled: half the code
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(db_out, db_ref.at[bi, h, rows], commit_group=False)
         plgpu.commit_smem_to_gmem_group()
