@@ -150,7 +150,7 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
              gqm=square(), dkwt=smem(sh, F32), dqd=smem(sh, F32)))
     stacked = lambda dtype=BF16: smem((sk, C, SLAB), dtype)  # noqa: E731  (slab s: .at[s])
     scratch = dict(q=stacked(), k=stacked(), kw=stacked(), g=stacked(F32), dw=stacked(),
-                   t=square(), gq=plgpu.RefUnion(smem(sq, F32), dict(dl=square(), gq=square())),
+                   t=square(), gq=plgpu.RefUnion(smem(sq, F32), smem((2, C, C), BF16)),
                    piv=plgpu.SMEM((len(PIVOTS), K), F32),
                    b=plgpu.SMEM((C,), F32), gc=plgpu.SMEM((K,), F32),
                    db_out=plgpu.SMEM((C,), F32), phases=phases,
@@ -164,7 +164,7 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
         bi, h, c = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("c")
         rows = pl.ds(c * C, C)
         cols = lambda s: pl.ds(s * SLAB, SLAB)  # noqa: E731
-        gq32, lows = gq  # dP in float32, then G_Q and dL in bf16 over it
+        gq32, lows = gq  # dP in float32, then dL (.at[0]) and G_Q (.at[1]) in bf16 over it
         loads = [(t_ref.at[bi, h, rows], t), (dp_ref.at[bi, h, rows], gq32),
                  (b_ref.at[bi, h, rows], b), (dgc_ref.at[bi, h, c], gc)]
         for s in range(sk):
@@ -221,8 +221,8 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
             p_diag = jnp.sum(jnp.where(i == j, gq_t, 0.0), axis=1)  # P's diagonal: apart
             gq_t = jnp.where(i > j, gq_t, 0.0).astype(BF16)
             plgpu.commit_smem()  # every thread has read dP
-            lows["dl"][...] = dl.astype(BF16)
-            lows["gq"][...] = gq_t
+            lows.at[0][...] = dl.astype(BF16)
+            lows.at[1][...] = gq_t
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # dV sent: phase B may start
         load_late(0)
 
@@ -267,12 +267,12 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
                 for buf, part in zip(bufs, parts):
                     buf[...] = part
 
-            def masked(name, mask):
-                """dL or G_Q (bf16, from ``lows``) on a block's entries."""
-                x = tiled(lows[name])
+            def masked(a, mask):
+                """dL (a = 0) or G_Q (a = 1; bf16, from ``lows``) on a block's entries."""
+                x = tiled(lows.at[a])
                 return jnp.where(mask, x, jnp.zeros_like(x))
 
-            def rows_sum(name, path):
+            def rows_sum(a, path):
                 """Σ over the path's blocks of ((A ⊙ M)(K̃ ⊙ ey)) ⊙ ex [C, 64], A = dL (Z) or G_Q
                 (dQ_P). The exact path takes its factors as bf16 hi / lo parts (two passes: its
                 many levels, each rounding its factors, put dg at up to 1.2x the Triton
@@ -283,7 +283,7 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
                     ex, ey, mask = factors(h, across, y)
                     stage(ys, tiled(kw.at[s]).astype(F32) * ey)
                     plgpu.commit_smem()
-                    prod = matmul([(masked(name, mask), b) for b in ys], sh, None, interpret)
+                    prod = matmul([(masked(a, mask), b) for b in ys], sh, None, interpret)
                     acc = prod * ex if acc is None else acc + prod * ex
                 return acc
 
@@ -294,8 +294,8 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
                 acc = None
                 for h, across in _path_blocks(path):
                     ex, ey, mask = factors(h, across, xk)
-                    dlm[...] = masked("dl", mask)
-                    gqm[...] = masked("gq", mask)
+                    dlm[...] = masked(0, mask)
+                    gqm[...] = masked(1, mask)
                     stage(xks, beta_sh() * tiled(k.at[s]).astype(F32) * ex)
                     stage(xqs, tiled(q.at[s]).astype(F32) * ex)
                     plgpu.commit_smem()
@@ -340,8 +340,8 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
                     row_ids() == C - 1, bcast_cols(jnp.exp(g_last) * read(gc.at[cols(s)],
                                                                           interpret, COLS), sh),
                     0.0)
-            z = by_path("rows_z", functools.partial(rows_sum, "dl"))
-            with jax.named_scope("out_dk"):
+
+            def out_dk(z, db, dgam):
                 tdw = matmul([(t.T, dw.at[s])], sh, None, interpret)  # Tᵀ dW
                 k_t = tiled(k.at[s]).astype(F32)
                 kz = z + jnp.exp(tiled(g.at[s])) * tdw
@@ -349,12 +349,22 @@ def wy_vector_bwd(q, k, kw, v, beta, gamma, T, dW, dU, dkw_t, dq_dec, dP, dgc, *
                 dk = beta_sh() * kz
                 dgam = dgam + k_t * dk
                 k.at[s][...] = dk.astype(BF16)
-            dqp = by_path("rows_q", functools.partial(rows_sum, "gq"))
-            with jax.named_scope("out_dq"):
+                return db, dgam
+
+            def out_dq(dqp, db, dgam):
                 q_t, gam = tiled(q.at[s]).astype(F32), jnp.exp(tiled(g.at[s]))
                 dqd_t = tiled(stage_b["dqd"])
                 dgam = dgam + q_t * (dqp + dqd_t * gam)
                 q.at[s][...] = (dqp + p_sh() * kw_t() + dqd_t * gam).astype(BF16)
+                return db, dgam
+
+            def rows_step(a, carry):
+                """Z (a = 0) into dK, or dQ_P (a = 1) into dQ: one code for both sums."""
+                acc = by_path("rows", functools.partial(rows_sum, a))
+                with jax.named_scope("outputs_dk_dq"):
+                    return lax.cond(a == 0, out_dk, out_dq, acc, *carry)
+
+            db, dgam = lax.fori_loop(0, 2, rows_step, (db, dgam))
             with jax.named_scope("cumsum"):
                 dsig = tiled(stage_b["dkwt"]) * kw_t() * tail()
                 i, j = tile_iotas()
