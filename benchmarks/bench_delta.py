@@ -301,7 +301,7 @@ def variant(v):
     """Options from precision/block_v/num_warps[/num_stages][/fused][/recompute]
     [/vxla|/vkernel|/vhalving|/vmosaic][/pP][/kN][/wkN][/bwN][/wwN][/sN][/hbf16|/h32][/wbf16][/qP]
     [/oserial|/okernel][/dserial|/dkernel][/mosaic|/triton][/cpN][/fg|/nofg][/gw1][/wyP][/waP]
-    [/wis][/invm][/dsx|/dsm][/vpull] (vxla / vkernel / vhalving / vmosaic: ``Options.vector_wy`` =
+    [/wis][/invm][/dsx|/dsm][/vpull|/vkpull] (vxla / vkernel / vhalving / vmosaic: ``Options.vector_wy`` =
     "xla" / "kernel" / "halving" / "mosaic"; pP: ``Options.parallel_precision`` = P, e.g. ptf32, pbf16;
     kN: ``Options.block_k`` = N; wkN: ``Options.wy_block_k`` = N; bwN:
     ``Options.pullback_warps`` = N; wwN: ``Options.wy_warps`` = N; sN:
@@ -316,7 +316,7 @@ def variant(v):
     ``Options.grads_warpgroups`` = 1; wyP / waP: ``Options.wy_precision`` /
     ``wy_apply_precision`` = P; wis: ``Options.wy_in_serial``; invm:
     ``Options.inverse_backend`` = "mosaic"; dsx / dsm: ``Options.decay_scan`` = "xla" /
-    "mosaic"; vpull: ``Options.vector_pullback`` = "mosaic"). Unnamed options keep their
+    "mosaic"; vpull / vkpull: ``Options.vector_pullback`` = "mosaic" / "kernel"). Unnamed options keep their
     defaults."""
     f = v.split("/")
     flags = [t for t in f[3:] if not t.isdigit()]
@@ -358,7 +358,8 @@ def variant(v):
                    wy_in_serial=True if "wis" in flags else None,
                    inverse_backend="mosaic" if "invm" in flags else None,
                    decay_scan="xla" if "dsx" in flags else "mosaic" if "dsm" in flags else None,
-                   vector_pullback="mosaic" if "vpull" in flags else "kernel")
+                   vector_pullback=("mosaic" if "vpull" in flags else
+                                    "kernel" if "vkpull" in flags else None))
 
 
 def variant_tag(opt):
@@ -386,7 +387,7 @@ def variant_tag(opt):
             + ("/wis" if opt.wy_in_serial else "")
             + ("/invm" if opt.inverse_backend == "mosaic" else "")
             + {"xla": "/dsx", "mosaic": "/dsm", None: ""}[opt.decay_scan]
-            + ("/vpull" if opt.vector_pullback == "mosaic" else ""))
+            + {"mosaic": "/vpull", "kernel": "/vkpull", None: ""}[opt.vector_pullback])
 
 
 def jla_ops():

@@ -74,9 +74,10 @@ class Options:
     kernels of ``wy_vector_triton`` ("kernel": KDA fwd+bwd 11.9 -> 7.4 ms and 3.2 -> 0.7 GiB,
     RESULTS run 19; then ``save_wy`` applies too; "halving": those kernels with every key tile
     by halving down to single rows, never a factored block: an ablation for measuring, exact;
-    "mosaic": the forward by ``wy_vector_mosaic`` on the tensor cores, the pullback by the
-    "kernel" one or by ``wy_vector_pullback_mosaic`` (``vector_pullback``): bf16 inputs, chunk
-    64, padded K and V in {64, 128}, bf16 WY tensors, split;
+    "mosaic": the forward by ``wy_vector_mosaic`` on the tensor cores, the pullback by
+    ``wy_vector_pullback_mosaic`` or by the "kernel" one (``vector_pullback`` "mosaic" or
+    "kernel"; None: "mosaic" with the Mosaic forward, KDA f+b 1.999 -> 1.797 ms, RESULTS run
+    148): bf16 inputs, chunk 64, padded K and V in {64, 128}, bf16 WY tensors, split;
     None: "mosaic" compiled on a Hopper GPU where it takes the call, ``precision`` is None and
     no option clashes (KDA fwd / fwd+bwd 0.659 / 2.185 -> 0.444 / 1.975 ms, PKDA 0.740 / 2.443
     -> 0.563 / 2.211 at 8x2048x8x128, RESULTS runs 138, 140), else "kernel").
@@ -184,11 +185,11 @@ class Options:
     inverse_backend: str | None = None  # wy_in_serial: "triton" | "mosaic" wy_inverse
     wy_apply_precision: str | None = None  # split: that forward's W and U dots
     decay_scan: str | None = None  # per-channel decay: "xla" | "mosaic" in-chunk sums of g
-    vector_pullback: str = "kernel"  # vector_wy="mosaic": its pullback, "kernel" | "mosaic"
+    vector_pullback: str | None = None  # vector_wy="mosaic": its pullback, "kernel" | "mosaic"
 
     def __post_init__(self):
-        if self.vector_pullback not in ("kernel", "mosaic"):
-            raise ValueError("Options.vector_pullback must be 'kernel' or 'mosaic', got "
+        if self.vector_pullback not in (None, "kernel", "mosaic"):
+            raise ValueError("Options.vector_pullback must be None, 'kernel' or 'mosaic', got "
                              f"{self.vector_pullback!r}")
         if self.decay_scan not in (None, "xla", "mosaic"):
             raise ValueError("Options.decay_scan must be None, 'xla' or 'mosaic', got "
@@ -703,13 +704,17 @@ def resolve(options: Options, *, sixteen_bit: bool, mosaic_fits: bool = False,
     Mosaic passes where ``grads_fit`` (bf16 inputs, no or a scalar decay, shapes
     ``grads_mosaic`` takes); vector_wy "mosaic" where ``vector_mosaic_fits``
     (``vector_mosaic_runs_here``), ``precision`` was left None, the pipeline is split and
-    wy_dtype is not "float32", else "kernel"."""
+    wy_dtype is not "float32", else "kernel"; vector_pullback as vector_wy ("mosaic" needs the
+    Mosaic forward: ValueError otherwise)."""
     fast16 = sixteen_bit and options.precision is None
     precision = options.precision or ("tf32" if sixteen_bit else "tf32x3")
     if options.vector_wy is None:
         auto = (vector_mosaic_fits and fast16 and options.split
                 and options.wy_dtype in (None, "bfloat16"))
         options = dataclasses.replace(options, vector_wy="mosaic" if auto else "kernel")
+    if options.vector_pullback is None:
+        options = dataclasses.replace(
+            options, vector_pullback="mosaic" if options.vector_wy == "mosaic" else "kernel")
     if options.vector_pullback == "mosaic" and options.vector_wy != "mosaic":
         raise ValueError("Options.vector_pullback='mosaic' needs the Mosaic WY forward "
                          f"(vector_wy='mosaic'), got vector_wy={options.vector_wy!r}")

@@ -169,21 +169,26 @@ def test_default_options_reach_calls_that_name_none(rand, monkeypatch):
     (dict(vector_wy="halving"), True, "halving"),
     (dict(vector_wy="mosaic"), False, "mosaic"),
     (dict(vector_pullback="mosaic"), True, "mosaic"),
+    (dict(vector_pullback="kernel"), True, "mosaic"),
 ])
 def test_resolve_picks_the_mosaic_forward_where_it_runs(given, fits, expected):
     """``vector_wy`` None resolves to "mosaic" for 16-bit inputs where the kernel runs, with
     ``precision`` left None, the split pipeline and bf16 WY tensors allowed; else "kernel"; a
-    given value stays."""
+    given value stays. ``vector_pullback`` None follows the forward ("mosaic" with Mosaic's)."""
     options = dr.resolve(dr.Options(**given), sixteen_bit=True, vector_mosaic_fits=fits)
     assert options.vector_wy == expected
+    assert options.vector_pullback == given.get("vector_pullback",
+                                                "mosaic" if expected == "mosaic" else "kernel")
     if given.get("vector_pullback") == "mosaic":  # the Mosaic pullback needs the Mosaic forward
         with pytest.raises(ValueError, match="vector_pullback='mosaic' needs the Mosaic WY "
                                              "forward \\(vector_wy='mosaic'\\), got "
                                              "vector_wy='kernel'"):
             dr.resolve(dr.Options(**given), sixteen_bit=False)
         return
-    assert dr.resolve(dr.Options(**given), sixteen_bit=False).vector_wy == given.get(
-        "vector_wy", "kernel")
+    options = dr.resolve(dr.Options(**given), sixteen_bit=False)
+    assert options.vector_wy == given.get("vector_wy", "kernel")
+    assert options.vector_pullback == given.get(
+        "vector_pullback", "mosaic" if options.vector_wy == "mosaic" else "kernel")
 
 
 @pytest.mark.parametrize("change, runs", [

@@ -88,8 +88,9 @@ def test_lowers_for_cuda():
 
 
 def test_options_name_the_pullbacks():
-    """``Options.vector_pullback`` takes "kernel" or "mosaic" and says so otherwise."""
-    with pytest.raises(ValueError, match="vector_pullback must be 'kernel' or 'mosaic', got 'x'"):
+    """``Options.vector_pullback`` takes None, "kernel" or "mosaic" and says so otherwise."""
+    with pytest.raises(ValueError, match="vector_pullback must be None, 'kernel' or 'mosaic', "
+                                         "got 'x'"):
         dr.Options(vector_pullback="x")
 
 
