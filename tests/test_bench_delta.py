@@ -35,6 +35,7 @@ from pallas_kernels.delta_rule import Options
     ("auto/64/4/vhalving/dsm", dict(vector_wy="halving", decay_scan="mosaic")),
     ("auto/64/4/vmosaic/wbf16", dict(vector_wy="mosaic", wy_dtype="bfloat16")),
     ("auto/64/4/vmosaic/vpull", dict(vector_wy="mosaic", vector_pullback="mosaic")),
+    ("auto/64/4/vmosaic/vkpull", dict(vector_wy="mosaic", vector_pullback="kernel")),
     ("auto/64/4/fused/recompute/vxla/pbf16/hbf16/wbf16/qbf16",
      dict(split=False, save_wy=False, vector_wy="xla", parallel_precision="bf16",
           state_dtype="bfloat16", wy_dtype="bfloat16", serial_precision="bf16")),
