@@ -44,7 +44,10 @@ they put dq, dk̃ and dg at ~1.15x the Triton pullback's errors in the op).
 The exact path's factors go in as bf16 hi / lo parts (two passes), the other paths' in one,
 as the Triton pullback's. A slab's three sums run one after another, each with one float32
 accumulator taken into its outputs before the next starts (dK̃_AP, then Z, then dQ_P: the
-registers of one sum, not three), dL and G_Q waiting in shared memory as bf16. Tiles of [C, 64]
+registers of one sum, not three), dL and G_Q waiting in shared memory as bf16. The slabs are
+a loop, and so are Z and dQ_P (one code, its outputs through a ``lax.cond``): unrolled, the
+straight-line code outgrew the instruction cache and instruction fetches bound the kernel
+(benchmarks/NOTES.md session 30: 1.55 -> 0.93 ms from the two loops). Tiles of [C, 64]
 in swizzled shared memory (TMA in, tiled loads and stores, outputs written in place and sent by
 TMA). As in ``state_mosaic``, wgmma has no CPU
 lowering in jax 0.11.2: in interpret mode the products run as ``jnp.dot`` of the same bf16
