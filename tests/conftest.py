@@ -142,6 +142,13 @@ def fixed_loss_run(f, x):
     return o, final, grads
 
 
+def jitted_vjp(f, *args):
+    """``jax.vjp(f, *args)`` with the forward and the pullback each run as one jitted program (op
+    by op, every primitive of a plain-JAX reference compiles on its own: most of a test's time)."""
+    pullback = jax.jit(lambda args, cts: jax.vjp(f, *args)[1](cts))
+    return jax.jit(f)(*args), lambda cts: pullback(args, cts)
+
+
 def assert_close(actual, expected, tol, name):
     """``actual`` is finite and rel_err(actual, expected) <= tol."""
     assert np.all(np.isfinite(np.asarray(actual, np.float64))), name

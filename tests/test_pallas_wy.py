@@ -13,7 +13,7 @@ from pallas_kernels.triton_common import Dots, unit_lower_inverse
 from pallas_kernels.wy_triton import wy_bwd, wy_fwd, wy_inverse
 from pallas_kernels.wy_vector_triton import wy_vector_bwd, wy_vector_fwd
 from precond_linattn.chunked.delta import chunk_grams, decay_sums
-from conftest import rel_err, triton_kernels_lowered_for_cuda
+from conftest import jitted_vjp, rel_err, triton_kernels_lowered_for_cuda
 
 B, NC, H, K, V, C = 2, 3, 3, 16, 32, 16
 DOTS = Dots("tf32x3", interpret=True)
@@ -47,7 +47,7 @@ def oracle(decay, ins, dtype=jnp.float32):
     float32)."""
     cfg = dr._Config(C, decay, 1.0, None, dr.Options(), DOTS, DOTS)
     cast = [None if x is None else x.astype(dtype) for x in ins[:5]] + list(ins[5:])
-    return jax.vjp(functools.partial(dr.prepare, cfg), *cast)
+    return jitted_vjp(functools.partial(dr.prepare, cfg), *cast)
 
 
 def kernels(ins, cts, block_v, block_k=64):
@@ -203,8 +203,8 @@ def vector_case(rand, c, k_dim, dtype, block_k, decays, bound=None):
     g = -(lo + (hi - lo) * jnp.asarray(rand.rng.uniform(size=(B, NC, c, H, k_dim)), jnp.float32))
     ins = (x["q"], x["k"], x["write_key"], x["v"], x["beta"], *gamma_sigma(g))
     cfg = dr._Config(c, "vector", 1.0, None, dr.Options(), DOTS, DOTS)
-    want_wy, pullback = jax.vjp(functools.partial(dr.prepare_sums, cfg),
-                                *(a.astype(jnp.float32) for a in ins))
+    want_wy, pullback = jitted_vjp(functools.partial(dr.prepare_sums, cfg),
+                                   *(a.astype(jnp.float32) for a in ins))
     cts = tuple(rand.normal(*w.shape) for w in want_wy)
     opts = dict(chunk=c, block_v=16, block_k=block_k, dots=DOTS, num_warps=4, num_stages=1)
     opts |= {} if bound is None else dict(bound=bound)
@@ -318,7 +318,7 @@ def test_dg_where_every_channel_decays_away(rand, monkeypatch, decay):
     ins = base + (gamma_sigma(g) if vector else (flat(g),))
     oracle = dr.prepare_sums if vector else dr.prepare  # the per-channel kernels take γ, σ
     cfg = dr._Config(c, decay, 1.0, None, dr.Options(), DOTS, DOTS)
-    wy32, pullback32 = jax.vjp(functools.partial(oracle, cfg), *ins)
+    wy32, pullback32 = jitted_vjp(functools.partial(oracle, cfg), *ins)
     cts = tuple(rand.normal(*w.shape) for w in wy32)
     opts = dict(chunk=c, block_v=16, block_k=64, dots=DOTS, num_warps=4, num_stages=1)
     fwd, bwd = (wy_vector_fwd, wy_vector_bwd) if vector else (wy_fwd, wy_bwd)
@@ -328,8 +328,8 @@ def test_dg_where_every_channel_decays_away(rand, monkeypatch, decay):
     real_view = dr._chunk_view
     monkeypatch.setattr(dr, "_chunk_view", lambda a, chunk: real_view(a, chunk).astype(jnp.float64))
     with jax.enable_x64(True):
-        wy64, pullback64 = jax.vjp(functools.partial(oracle, cfg),
-                                   *(a.astype(jnp.float64) for a in ins))
+        wy64, pullback64 = jitted_vjp(functools.partial(oracle, cfg),
+                                      *(a.astype(jnp.float64) for a in ins))
         want = pullback64(tuple(ct.astype(w.dtype) for ct, w in zip(cts, wy64)))
         want = [np.asarray(w, np.float64) for w in want]
     names = GRADS_SUMS if vector else GRADS

@@ -12,7 +12,7 @@ import pytest
 from pallas_kernels import delta_rule as dr
 from pallas_kernels import wy_vector_mosaic, wy_vector_pullback_mosaic, wy_vector_triton
 from pallas_kernels.triton_common import Dots
-from conftest import mosaic_kernels_lowered_for_cuda
+from conftest import jitted_vjp, mosaic_kernels_lowered_for_cuda
 from test_pallas_precision import rel_rms
 
 B, NC, C = 1, 2, 64
@@ -35,7 +35,7 @@ def case(rand, K, V):
         q, k, kw, v, beta, gamma)
     cfg = dr._Config(C, "vector", 1.0, None, dr.Options(), EXACT, EXACT)
     f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
-    wy, pullback = jax.vjp(functools.partial(dr.prepare, cfg), *map(f32, (q, k, kw, v, beta, g)))
+    wy, pullback = jitted_vjp(functools.partial(dr.prepare, cfg), *map(f32, (q, k, kw, v, beta, g)))
     cts = [rand.normal(*w.shape) for w in wy]
     cts = [c.astype(jnp.bfloat16).astype(jnp.float32) for c in cts[:5]] + cts[5:]
     return (q, k, kw, v, beta, gamma, T_inv, *cts), pullback(tuple(cts))
@@ -95,8 +95,9 @@ def test_options_name_the_pullbacks():
 
 
 def test_kernel_checks_its_arguments(rand):
-    """A cotangent of the wrong shape, or rows not in whole chunks: a ValueError naming it."""
-    ins, _ = case(rand, 64, 64)
+    """A cotangent of the wrong shape, or rows not in whole chunks: a ValueError naming it (the
+    arguments: zeros of ``case``'s shapes and dtypes, the kernels traced, not run)."""
+    ins = [jnp.zeros(a.shape, a.dtype) for a in jax.eval_shape(lambda: case(rand, 64, 64)[0])]
     bwd = functools.partial(wy_vector_pullback_mosaic.wy_vector_bwd, interpret=True)
     with pytest.raises(ValueError, match="dP must have shape"):
         bwd(*ins[:11], ins[11][..., :32], ins[12])
