@@ -301,8 +301,9 @@ def variant(v):
     """Options from precision/block_v/num_warps[/num_stages][/fused][/recompute]
     [/vxla|/vkernel|/vhalving|/vmosaic][/pP][/kN][/wkN][/bwN][/wwN][/sN][/hbf16|/h32][/wbf16][/qP]
     [/oserial|/okernel][/dserial|/dkernel][/mosaic|/triton][/cpN][/fg|/nofg][/gw1][/wyP][/waP]
-    [/wis][/invm][/dsx|/dsm][/vpull|/vkpull] (vxla / vkernel / vhalving / vmosaic: ``Options.vector_wy`` =
-    "xla" / "kernel" / "halving" / "mosaic"; pP: ``Options.parallel_precision`` = P, e.g. ptf32, pbf16;
+    [/wis][/invm][/ipN][/dsx|/dsm][/vpull|/vkpull] (vxla / vkernel / vhalving / vmosaic:
+    ``Options.vector_wy`` = "xla" / "kernel" / "halving" / "mosaic"; pP:
+    ``Options.parallel_precision`` = P, e.g. ptf32, pbf16;
     kN: ``Options.block_k`` = N; wkN: ``Options.wy_block_k`` = N; bwN:
     ``Options.pullback_warps`` = N; wwN: ``Options.wy_warps`` = N; sN:
     ``Options.serial_block_v`` = N; hbf16 / h32:
@@ -315,8 +316,9 @@ def variant(v):
     ``Options.fused_grads`` True / False; gw1:
     ``Options.grads_warpgroups`` = 1; wyP / waP: ``Options.wy_precision`` /
     ``wy_apply_precision`` = P; wis: ``Options.wy_in_serial``; invm:
-    ``Options.inverse_backend`` = "mosaic"; dsx / dsm: ``Options.decay_scan`` = "xla" /
-    "mosaic"; vpull / vkpull: ``Options.vector_pullback`` = "mosaic" / "kernel"). Unnamed options keep their
+    ``Options.inverse_backend`` = "mosaic"; ipN: ``Options.inverse_passes`` = N; dsx / dsm:
+    ``Options.decay_scan`` = "xla" / "mosaic"; vpull / vkpull: ``Options.vector_pullback`` =
+    "mosaic" / "kernel"). Unnamed options keep their
     defaults."""
     f = v.split("/")
     flags = [t for t in f[3:] if not t.isdigit()]
@@ -328,6 +330,7 @@ def variant(v):
     serial_dots = [t[1:] for t in flags if t[0] == "q"]
     serial = [int(t[1:]) for t in flags if t[0] == "s" and t[1:].isdigit()]
     pieces = [int(t[2:]) for t in flags if t[:2] == "cp" and t[2:].isdigit()]
+    passes = [int(t[2:]) for t in flags if t[:2] == "ip" and t[2:].isdigit()]
     wy_dots = [t[2:] for t in flags if t[:2] == "wy"]
     apply_dots = [t[2:] for t in flags if t[:2] == "wa"]
     stages = int(f[3]) if len(f) > 3 and f[3].isdigit() else Options().num_stages
@@ -357,6 +360,7 @@ def variant(v):
                    wy_apply_precision=apply_dots[0] if apply_dots else None,
                    wy_in_serial=True if "wis" in flags else None,
                    inverse_backend="mosaic" if "invm" in flags else None,
+                   inverse_passes=passes[0] if passes else None,
                    decay_scan="xla" if "dsx" in flags else "mosaic" if "dsm" in flags else None,
                    vector_pullback=("mosaic" if "vpull" in flags else
                                     "kernel" if "vkpull" in flags else None))
@@ -386,6 +390,7 @@ def variant_tag(opt):
             + (f"/wa{opt.wy_apply_precision}" if opt.wy_apply_precision else "")
             + ("/wis" if opt.wy_in_serial else "")
             + ("/invm" if opt.inverse_backend == "mosaic" else "")
+            + (f"/ip{opt.inverse_passes}" if opt.inverse_passes else "")
             + {"xla": "/dsx", "mosaic": "/dsm", None: ""}[opt.decay_scan]
             + {"mosaic": "/vpull", "kernel": "/vkpull", None: ""}[opt.vector_pullback])
 

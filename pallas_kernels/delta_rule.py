@@ -146,11 +146,16 @@ class Options:
     DeltaNet / GDN forwards 0.261 / 0.281 -> 0.212 / 0.229 ms, fwd+bwd 0.622 / 0.651 -> 0.549 /
     0.579, run 79); None: on wherever it applies, True: ValueError where it does not, False:
     off. ``inverse_backend``: with ``wy_in_serial``, T and P from the Triton kernel
-    (``wy_triton.wy_inverse``, tf32 merges) or from ``inverse_mosaic`` (bf16 wgmmas, three
-    hi / lo passes a merge product: at least as accurate); None: "mosaic" with
+    (``wy_triton.wy_inverse``, tf32 merges) or from ``inverse_mosaic`` (bf16 wgmmas,
+    ``inverse_passes`` a merge product); None: "mosaic" with
     ``wy_in_serial`` (forwards -2 % / -5 %, fwd+bwd -3 % / -5 % for DeltaNet / GDN in run 81,
     one call: near the run-to-run noise, but all four in one direction), else "triton";
-    "mosaic" without ``wy_in_serial``: ValueError. ``decay_scan``: with a per-channel decay,
+    "mosaic" without ``wy_in_serial``: ValueError. ``inverse_passes``: that Mosaic inverse's
+    bf16 wgmmas a merge product (``inverse_mosaic.unit_lower_inverse``): 3 (hi / lo splits of
+    both factors), 2 (L's side split; None: the default: DeltaNet / GDN forwards 0.177 / 0.180
+    -> 0.148 / 0.150 ms at 8x2048x8x128 in RESULTS run 154, the bf16 errors unchanged, keys
+    sharing a direction included) or 1 (jax-linear-attention's choice: faster still, but past
+    FLA's bars with keys sharing a direction, run 153). ``decay_scan``: with a per-channel decay,
     its in-chunk sums γ (forward) and their pullback to g (backward) as XLA's batched 0/1-mask
     matmuls ("xla") or as ``decay_scan_mosaic``'s kernels ("mosaic": one thread a channel
     walking the chunk; H K a multiple of 128, ValueError otherwise); None: "mosaic" compiled on
@@ -183,6 +188,7 @@ class Options:
     wy_precision: str | None = None  # split: the scalar / no-decay WY forward's dots
     wy_in_serial: bool | None = None  # fused_grads: the state passes apply T (no W, U, K̃', Q')
     inverse_backend: str | None = None  # wy_in_serial: "triton" | "mosaic" wy_inverse
+    inverse_passes: int | None = None  # the Mosaic inverse's bf16 wgmmas a merge product
     wy_apply_precision: str | None = None  # split: that forward's W and U dots
     decay_scan: str | None = None  # per-channel decay: "xla" | "mosaic" in-chunk sums of g
     vector_pullback: str | None = None  # vector_wy="mosaic": its pullback, "kernel" | "mosaic"
@@ -194,6 +200,9 @@ class Options:
         if self.decay_scan not in (None, "xla", "mosaic"):
             raise ValueError("Options.decay_scan must be None, 'xla' or 'mosaic', got "
                              f"{self.decay_scan!r}")
+        if self.inverse_passes not in (None, 1, 2, 3):
+            raise ValueError("Options.inverse_passes must be None, 1, 2 or 3, got "
+                             f"{self.inverse_passes!r}")
         if self.inverse_backend not in (None, "triton", "mosaic"):
             raise ValueError("Options.inverse_backend must be None, 'triton' or 'mosaic', got "
                              f"{self.inverse_backend!r}")
@@ -556,7 +565,8 @@ def _inverse_and_vectors(cfg, ins):
         sums = (jnp.zeros(beta.shape, jnp.float32),) * 2 if g is None else _decay_sums(cfg, g)
         args |= dict(zip(("gamma", "sigma"), sums))
         axes |= dict(gamma="b t h", sigma="b t h")
-        kernel, static = inverse_mosaic.wy_inverse, dict(mosaic=True, interpret=cfg.dots.interpret)
+        kernel, static = inverse_mosaic.wy_inverse, dict(
+            mosaic=True, interpret=cfg.dots.interpret, passes=o.inverse_passes or 2)
     else:
         args["g"] = g
         kernel, static = wy_inverse, dict(

@@ -14,7 +14,11 @@ FlashQLA's ``kkt_solve`` split the inverse the same way). The grams take the bf1
 they are (exact products, float32 sums). Each merge product is three bf16 wgmmas over hi / lo
 splits of its float32 operands, a_hi b_hi + a_hi b_lo + a_lo b_hi (``split_product``: ~2^-16
 relative, against tf32's 2^-11 in the Triton kernel; one bf16 pass would put T's error at ~5e-3
-for keys sharing a direction, benchmarks/NOTES.md sessions 14-15). T and P are stored in bf16.
+for keys sharing a direction, benchmarks/NOTES.md sessions 14-15); ``passes=2`` splits L's side only;
+``passes=1`` is one bf16 wgmma of the rounded operands (jax-linear-attention's ``kkt_fwd``:
+the forward 0.162 -> 0.133 ms at 8x2048x8x128, but past FLA's bars with keys sharing a
+direction, RESULTS run 153; two passes, the op's default, kept the op's bf16 errors of
+three there, runs 154-155). T and P are stored in bf16.
 
 A CTA walks ``chunks_per_cta`` consecutive chunks: once a chunk's two grams are formed, its
 input tiles are free and the next chunk's loads fly while this one's inverse is solved; the
@@ -125,16 +129,43 @@ def diagonal_inverse(L, l_buf, x_buf, interpret):
     return _diagonal_inverse_mgpu(neg_l, l_buf.at[:, :C], x_buf.at[:, :C])
 
 
-def unit_lower_inverse(L, hi, lo, l_buf, x_buf, interpret):
+def merge_product(a, b, hi, lo, interpret, passes, split):
+    """a @ b of float32 register tiles for the merges in ``passes`` bf16 wgmmas: 3,
+    ``split_product``; 2, the operand named by ``split`` ("a" or "b") as hi + lo and the other
+    rounded once; 1, both rounded once (~2^-9 relative a product). b is staged in hi (and lo)."""
+    if passes == 3:
+        return split_product(a, b, hi, lo, interpret)
+    shape = (C, b.shape[1])
+    if passes == 2 and split == "b":
+        b_hi, b_lo = split_bf16(b)
+        hi[...], lo[...] = b_hi, b_lo
+        plgpu.commit_smem()
+        a_lo = a.astype(BF16)
+        return matmul([(a_lo, hi), (a_lo, lo)], shape, None, interpret)
+    hi[...] = b.astype(BF16)
+    plgpu.commit_smem()
+    if passes == 2:
+        a_hi, a_lo = split_bf16(a)
+        return matmul([(a_hi, hi), (a_lo, hi)], shape, None, interpret)
+    return matmul([(a.astype(BF16), hi)], shape, None, interpret)
+
+
+def unit_lower_inverse(L, hi, lo, l_buf, x_buf, interpret, passes=3):
     """(I + L)^-1 of a strictly lower-triangular float32 [C, C] register tile: the 16x16
     diagonal blocks by ``diagonal_inverse``, then the merges X_2n = X_n − X_n (L_n X_n) for
-    n = 16, 32 (module docstring), each product a ``split_product`` through hi, lo."""
+    n = 16, 32 (module docstring), each product a ``merge_product`` of ``passes`` bf16
+    wgmmas through hi, lo (with 2, L_n and L_n X split and X rounded once: on the CPU tests'
+    inputs 93 % of T's elements round to float64's bf16 bits, against 97 % with 3, 86 % with 1
+    and 87 % splitting X instead)."""
+    if passes not in (1, 2, 3):
+        raise ValueError(f"passes must be 1, 2 or 3 (bf16 wgmmas a merge product), got {passes!r}")
     i, j = tile_iotas()
     X = diagonal_inverse(L, l_buf, x_buf, interpret)
     for size in (BLOCK, 2 * BLOCK):
         Ln = jnp.where((lax.div(i, 2 * size) == lax.div(j, 2 * size))
                        & (lax.div(i, size) != lax.div(j, size)), L, 0.0)
-        X = X - split_product(X, split_product(Ln, X, hi, lo, interpret), hi, lo, interpret)
+        link = merge_product(Ln, X, hi, lo, interpret, passes, split="a")
+        X = X - merge_product(X, link, hi, lo, interpret, passes, split="b")
     return X
 
 
@@ -148,10 +179,11 @@ def chunks_per_cta(B, H, nc, sms=SMS):
     return 1
 
 
-def inverse(q, k, kw, beta, gamma, *, interpret, chunks=None):
+def inverse(q, k, kw, beta, gamma, *, interpret, chunks=None, passes=3):
     """T = (I + L)^-1 and P [B, H, Tp, C] bf16 (module docstring) of q, k, kw [B, Tp, H, K]
     (bf16), beta and gamma (the in-chunk cumsum of the log decays, zeros without a decay)
-    [B, H, Tp] float32. ``chunks``: chunks a CTA (None: ``chunks_per_cta``)."""
+    [B, H, Tp] float32. ``chunks``: chunks a CTA (None: ``chunks_per_cta``); ``passes``: bf16
+    wgmmas a merge product (``unit_lower_inverse``)."""
     B, Tp, H, K = q.shape
     nc = Tp // C
     cpc = chunks_per_cta(B, H, nc) if chunks is None else chunks
@@ -199,7 +231,7 @@ def inverse(q, k, kw, beta, gamma, *, interpret, chunks=None):
             p_out[...] = (qk * D).astype(BF16)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(p_out, P_ref.at[bi, h, rows])
-            X = unit_lower_inverse(L, hi, lo, l_buf, x_buf, interpret)
+            X = unit_lower_inverse(L, hi, lo, l_buf, x_buf, interpret, passes)
             hi[...] = X.astype(BF16)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(hi, T_ref.at[bi, h, rows])
@@ -211,14 +243,14 @@ def inverse(q, k, kw, beta, gamma, *, interpret, chunks=None):
                   grid_names=("b", "h", "c"))(q, k, kw, beta, gamma)
 
 
-def wy_inverse(q, k, kw, beta, gamma, sigma, *, interpret):
+def wy_inverse(q, k, kw, beta, gamma, sigma, *, interpret, passes=3):
     """``wy_triton.wy_inverse``'s results (P, Γ_C [B, H, NC, K], T, rows β, βΓ, Γ, Γ_C/Γ
-    [B, H, 4, Tp]) with T and P from ``inverse``, from the in-chunk sums γ, σ of the log decays
-    [B, Tp, H] (``delta_rule._decay_sums``; zeros without a decay)."""
+    [B, H, 4, Tp]) with T and P from ``inverse`` (its ``passes``), from the in-chunk sums γ, σ
+    of the log decays [B, Tp, H] (``delta_rule._decay_sums``; zeros without a decay)."""
     B, Tp, H, K = q.shape
     heads = lambda x: jnp.moveaxis(x, 2, 1).astype(F32)  # noqa: E731  [B, Tp, H] -> [B, H, Tp]
     beta, gamma, sigma = heads(beta), heads(gamma), heads(sigma)
-    T, P = inverse(q, k, kw, beta, gamma, interpret=interpret)
+    T, P = inverse(q, k, kw, beta, gamma, interpret=interpret, passes=passes)
     Gam = jnp.exp(gamma)
     gc = jnp.broadcast_to(Gam.reshape(B, H, Tp // C, C)[..., -1:], (B, H, Tp // C, K))
     return P, gc, T, jnp.stack([beta, beta * Gam, Gam, jnp.exp(sigma)], axis=2)
