@@ -155,7 +155,11 @@ class Options:
     both factors), 2 (L's side split; None: the default: DeltaNet / GDN forwards 0.177 / 0.180
     -> 0.148 / 0.150 ms at 8x2048x8x128 in RESULTS run 154, the bf16 errors unchanged, keys
     sharing a direction included) or 1 (jax-linear-attention's choice: faster still, but past
-    FLA's bars with keys sharing a direction, run 153). ``decay_scan``: with a per-channel decay,
+    FLA's bars with keys sharing a direction, run 153). ``p_in_serial``: with the Mosaic
+    inverse, P = (Q K̃ᵀ) ⊙ D formed by the state passes, which load q and k̃ anyway, instead of
+    by the inverse (no q load, no P store or load, and the backward's A = scale Pᵀ dO formed in
+    its state pass: no ``dout_products`` kernel, no A through HBM); None: on with the Mosaic
+    inverse, True: ValueError elsewhere, False: off. ``decay_scan``: with a per-channel decay,
     its in-chunk sums γ (forward) and their pullback to g (backward) as XLA's batched 0/1-mask
     matmuls ("xla") or as ``decay_scan_mosaic``'s kernels ("mosaic": one thread a channel
     walking the chunk; H K a multiple of 128, ValueError otherwise); None: "mosaic" compiled on
@@ -189,6 +193,7 @@ class Options:
     wy_in_serial: bool | None = None  # fused_grads: the state passes apply T (no W, U, K̃', Q')
     inverse_backend: str | None = None  # wy_in_serial: "triton" | "mosaic" wy_inverse
     inverse_passes: int | None = None  # the Mosaic inverse's bf16 wgmmas a merge product
+    p_in_serial: bool | None = None  # inverse_backend="mosaic": P formed in the state passes
     wy_apply_precision: str | None = None  # split: that forward's W and U dots
     decay_scan: str | None = None  # per-channel decay: "xla" | "mosaic" in-chunk sums of g
     vector_pullback: str | None = None  # vector_wy="mosaic": its pullback, "kernel" | "mosaic"
@@ -200,6 +205,9 @@ class Options:
         if self.decay_scan not in (None, "xla", "mosaic"):
             raise ValueError("Options.decay_scan must be None, 'xla' or 'mosaic', got "
                              f"{self.decay_scan!r}")
+        if self.p_in_serial is not None and not isinstance(self.p_in_serial, bool):
+            raise ValueError(f"Options.p_in_serial must be None, True or False, got "
+                             f"{self.p_in_serial!r}")
         if self.inverse_passes not in (None, 1, 2, 3):
             raise ValueError("Options.inverse_passes must be None, 1, 2 or 3, got "
                              f"{self.inverse_passes!r}")
@@ -557,7 +565,8 @@ _ROWS = dict(T="b h t s", P="b h t s", gc="b h c k", vecs="b h r t")  # _inverse
 def _inverse_and_vectors(cfg, ins):
     """``Options.wy_in_serial``'s WY step on ``ins`` = (q, k, kw, v, beta, g): T (bf16), P, Γ_C
     and the row vectors β, βΓ, Γ, Γ_C/Γ, from ``Options.inverse_backend``'s ``wy_inverse``
-    (the Mosaic one given the in-chunk sums of g, the Triton one summing g itself)."""
+    (the Mosaic one given the in-chunk sums of g, the Triton one summing g itself); with
+    ``Options.p_in_serial`` P is None and the rows end with γ, for the passes to form P."""
     q, k, kw, _, beta, g = ins
     o, bf16 = cfg.options, jnp.dtype(jnp.bfloat16)
     args, axes = dict(q=q, k=k, kw=kw, beta=beta), dict(_WY_IN)
@@ -565,8 +574,13 @@ def _inverse_and_vectors(cfg, ins):
         sums = (jnp.zeros(beta.shape, jnp.float32),) * 2 if g is None else _decay_sums(cfg, g)
         args |= dict(zip(("gamma", "sigma"), sums))
         axes |= dict(gamma="b t h", sigma="b t h")
-        kernel, static = inverse_mosaic.wy_inverse, dict(
-            mosaic=True, interpret=cfg.dots.interpret, passes=o.inverse_passes or 2)
+        static = dict(mosaic=True, interpret=cfg.dots.interpret, passes=o.inverse_passes or 2)
+        if o.p_in_serial:  # T and the rows with γ; P formed by the state passes
+            del args["q"]
+            gc, T, vecs = _kernel_call(cfg, inverse_mosaic.wy_inverse_rows, args, axes,
+                                       tuple(_ROWS[n] for n in ("gc", "T", "vecs")), **static)
+            return T, None, gc, vecs
+        kernel = inverse_mosaic.wy_inverse
     else:
         args["g"] = g
         kernel, static = wy_inverse, dict(
@@ -644,11 +658,11 @@ def _fused_bwd(cfg, res, cts):
     if cfg.options.wy_in_serial:
         T, P = wy[:2]
         o = cfg.options
-        (A,) = _kernel_call(cfg, dout_products, dict(P=P, do=do), dict(P="b h t s", do="b t h v"),
-                            ("b h t v",), q=None, chunk=cfg.chunk, scale=cfg.scale,
-                            block_v=o.block_v, dots=cfg.pdots, num_warps=o.num_warps,
-                            num_stages=o.num_stages, state_dtype=jnp.dtype(jnp.bfloat16),
-                            transposed=True, with_G=False)
+        A = None if P is None else _kernel_call(  # None: formed in the pass from P's inputs
+            cfg, dout_products, dict(P=P, do=do), dict(P="b h t s", do="b t h v"), ("b h t v",),
+            q=None, chunk=cfg.chunk, scale=cfg.scale, block_v=o.block_v, dots=cfg.pdots,
+            num_warps=o.num_warps, num_stages=o.num_stages,
+            state_dtype=jnp.dtype(jnp.bfloat16), transposed=True, with_G=False)[0]
         args = dict(T=T, gc=wy[2], vecs=wy[3], k=k, kw=kw, q=q, A=A, do=do16, dfinal=cts[1],
                     doc=doc, first=first, last=last)
         axes = _ROWS | dict(_WY_IN, A="b h t v", do="b t h v", dfinal="n h k v", **_FLAGS)
@@ -847,6 +861,10 @@ def delta_rule_pallas(q, k, kw, v, beta, log_decay, scale, initial_state, cu_seq
                          "sequence piece)")
     options = dataclasses.replace(options, inverse_backend=options.inverse_backend or (
         "mosaic" if options.wy_in_serial else "triton"))
+    if options.p_in_serial and options.inverse_backend != "mosaic":
+        raise ValueError("Options.p_in_serial needs inverse_backend='mosaic' (and so wy_in_serial)")
+    options = dataclasses.replace(options, p_in_serial=options.inverse_backend == "mosaic" if
+                                  options.p_in_serial is None else options.p_in_serial)
     cfg = _Config(chunk_size, decay, float(scale),
                   None if cu_seqlens is None else layout.num_docs, options,
                   Dots(options.precision, interpret), Dots(options.parallel_precision, interpret))

@@ -182,31 +182,37 @@ def chunks_per_cta(B, H, nc, sms=SMS):
 def inverse(q, k, kw, beta, gamma, *, interpret, chunks=None, passes=3):
     """T = (I + L)^-1 and P [B, H, Tp, C] bf16 (module docstring) of q, k, kw [B, Tp, H, K]
     (bf16), beta and gamma (the in-chunk cumsum of the log decays, zeros without a decay)
-    [B, H, Tp] float32. ``chunks``: chunks a CTA (None: ``chunks_per_cta``); ``passes``: bf16
-    wgmmas a merge product (``unit_lower_inverse``)."""
-    B, Tp, H, K = q.shape
-    nc = Tp // C
+    [B, H, Tp] float32; q None: T alone (P None: the state passes form it). ``chunks``: chunks
+    a CTA (None: ``chunks_per_cta``); ``passes``: bf16 wgmmas a merge product
+    (``unit_lower_inverse``)."""
+    B, Tp, H, K = k.shape
+    nc, with_p = Tp // C, q is not None
     cpc = chunks_per_cta(B, H, nc) if chunks is None else chunks
     if nc % cpc:
         raise ValueError(f"chunks ({cpc}) must divide the {nc} chunks of a row")
-    ins = (q, k, kw, beta, gamma)
-    out_type = tuple(out_struct((B, H, Tp, C), BF16, *ins) for _ in range(2))
+    ins = (q, k, kw, beta, gamma) if with_p else (k, kw, beta, gamma)
+    out_type = tuple(out_struct((B, H, Tp, C), BF16, *ins) for _ in range(1 + with_p))
     vec, pad = plgpu.SMEM((C,), F32), plgpu.SMEM((C, C + PAD), F32)
-    scratch = dict(q=smem((C, K), BF16), k=smem((C, K), BF16), kw=smem((C, K), BF16),
+    scratch = dict(k=smem((C, K), BF16), kw=smem((C, K), BF16),
                    b=vec, g_r=vec, g_c=vec, hi=smem((C, C), BF16), lo=smem((C, C), BF16),
-                   p_out=smem((C, C), BF16), l_buf=pad, x_buf=pad,
-                   bar=plgpu.Barrier(num_arrivals=6))
+                   l_buf=pad, x_buf=pad, bar=plgpu.Barrier(num_arrivals=5 + with_p))
+    if with_p:
+        scratch.update(q=smem((C, K), BF16), p_out=smem((C, C), BF16))
     sq = (C, C)
 
-    def body(q_ref, k_ref, kw_ref, b_ref, g_ref, T_ref, P_ref, *, q, k, kw, b, g_r, g_c, hi, lo,
-             p_out, l_buf, x_buf, bar):
+    def body(*refs, k, kw, b, g_r, g_c, hi, lo, l_buf, x_buf, bar, q=None, p_out=None):
+        refs = list(refs)
+        q_ref = refs.pop(0) if with_p else None
+        k_ref, kw_ref, b_ref, g_ref, T_ref = refs[:5]
+        P_ref = refs[5] if with_p else None
         bi, h, first = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("c") * cpc
 
         def issue(c):
             rows = pl.ds(c * C, C)
-            for src, dst in ((q_ref.at[bi, rows, h], q), (k_ref.at[bi, rows, h], k),
-                             (kw_ref.at[bi, rows, h], kw), (b_ref.at[bi, h, rows], b),
-                             (g_ref.at[bi, h, rows], g_r), (g_ref.at[bi, h, rows], g_c)):
+            copies = [(k_ref.at[bi, rows, h], k), (kw_ref.at[bi, rows, h], kw),
+                      (b_ref.at[bi, h, rows], b), (g_ref.at[bi, h, rows], g_r),
+                      (g_ref.at[bi, h, rows], g_c)]
+            for src, dst in copies + ([(q_ref.at[bi, rows, h], q)] if with_p else []):
                 plgpu.copy_gmem_to_smem(src, dst, bar)
 
         issue(first)
@@ -219,7 +225,8 @@ def inverse(q, k, kw, beta, gamma, *, interpret, chunks=None, passes=3):
             plgpu.barrier_wait(bar)
             beta_r = plgpu.load(b, layout=ROWS)
             D = decay_matrix(i, j, plgpu.load(g_r, layout=ROWS), plgpu.load(g_c, layout=COLS))
-            gram, qk = products([(k, kw.T, sq), (q, kw.T, sq)], interpret)
+            gram, *qk = products([(k, kw.T, sq)] + ([(q, kw.T, sq)] if with_p else []),
+                                 interpret)
 
             @pl.when(n + 1 < cpc)
             def _next():  # the tiles were read (the vectors before the wgmmas' wait)
@@ -228,9 +235,10 @@ def inverse(q, k, kw, beta, gamma, *, interpret, chunks=None, passes=3):
 
             L = jnp.where(i > j, bcast_rows(beta_r, sq) * gram * D, 0.0)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's T, P were sent
-            p_out[...] = (qk * D).astype(BF16)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(p_out, P_ref.at[bi, h, rows])
+            if with_p:
+                p_out[...] = (qk[0] * D).astype(BF16)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(p_out, P_ref.at[bi, h, rows])
             X = unit_lower_inverse(L, hi, lo, l_buf, x_buf, interpret, passes)
             hi[...] = X.astype(BF16)
             plgpu.commit_smem()
@@ -238,19 +246,39 @@ def inverse(q, k, kw, beta, gamma, *, interpret, chunks=None, passes=3):
 
         plgpu.wait_smem_to_gmem(0)
 
-    return kernel(body, name="wy_inverse_mosaic", out_type=out_type, scratch=scratch,
+    outs = kernel(body, name="wy_inverse_mosaic", out_type=out_type, scratch=scratch,
                   grid=(B, H, nc // cpc), interpret=interpret,
-                  grid_names=("b", "h", "c"))(q, k, kw, beta, gamma)
+                  grid_names=("b", "h", "c"))(*ins)
+    return (outs[0], outs[1] if with_p else None)
+
+
+def _heads(x):
+    """[B, Tp, H] -> [B, H, Tp] float32."""
+    return jnp.moveaxis(x, 2, 1).astype(F32)
+
+
+def _rows(beta, gamma, sigma, K):
+    """Γ_C [B, H, NC, K] and the rows β, βΓ, Γ, Γ_C/Γ [B, H, 4, Tp] from β, γ, σ [B, H, Tp]."""
+    B, H, Tp = beta.shape
+    Gam = jnp.exp(gamma)
+    gc = jnp.broadcast_to(Gam.reshape(B, H, Tp // C, C)[..., -1:], (B, H, Tp // C, K))
+    return gc, jnp.stack([beta, beta * Gam, Gam, jnp.exp(sigma)], axis=2)
 
 
 def wy_inverse(q, k, kw, beta, gamma, sigma, *, interpret, passes=3):
     """``wy_triton.wy_inverse``'s results (P, Γ_C [B, H, NC, K], T, rows β, βΓ, Γ, Γ_C/Γ
     [B, H, 4, Tp]) with T and P from ``inverse`` (its ``passes``), from the in-chunk sums γ, σ
     of the log decays [B, Tp, H] (``delta_rule._decay_sums``; zeros without a decay)."""
-    B, Tp, H, K = q.shape
-    heads = lambda x: jnp.moveaxis(x, 2, 1).astype(F32)  # noqa: E731  [B, Tp, H] -> [B, H, Tp]
-    beta, gamma, sigma = heads(beta), heads(gamma), heads(sigma)
+    beta, gamma, sigma = _heads(beta), _heads(gamma), _heads(sigma)
     T, P = inverse(q, k, kw, beta, gamma, interpret=interpret, passes=passes)
-    Gam = jnp.exp(gamma)
-    gc = jnp.broadcast_to(Gam.reshape(B, H, Tp // C, C)[..., -1:], (B, H, Tp // C, K))
-    return P, gc, T, jnp.stack([beta, beta * Gam, Gam, jnp.exp(sigma)], axis=2)
+    gc, vecs = _rows(beta, gamma, sigma, k.shape[-1])
+    return P, gc, T, vecs
+
+
+def wy_inverse_rows(k, kw, beta, gamma, sigma, *, interpret, passes=3):
+    """``wy_inverse`` without P (the state passes form it from q, k̃ and γ): Γ_C, T and the
+    rows β, βΓ, Γ, Γ_C/Γ, γ [B, H, 5, Tp]."""
+    beta, gamma, sigma = _heads(beta), _heads(gamma), _heads(sigma)
+    T, _ = inverse(None, k, kw, beta, gamma, interpret=interpret, passes=passes)
+    gc, vecs = _rows(beta, gamma, sigma, k.shape[-1])
+    return gc, T, jnp.concatenate([vecs, gamma[:, :, None]], axis=2)

@@ -32,14 +32,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.state_mosaic import (BF16, BV, C, F32, FLAGS, WGMMA, _doc_state_in,
-                                         _doc_state_out, _doc_states, _flags, _loop,
-                                         _start, backward_call, check_shapes, columns, kernel, matmul,
-                                         products, restart_cotangent, restart_state, smem,
-                                         store_cotangents)
+from pallas_kernels.state_mosaic import (BF16, BV, C, COLS, F32, FLAGS, ROWS, WGMMA,
+                                         _doc_state_in, _doc_state_out, _doc_states, _flags,
+                                         _loop, _start, backward_call, check_shapes, columns,
+                                         decay_matrix, kernel, matmul, products,
+                                         restart_cotangent, restart_state, smem,
+                                         store_cotangents, tile_iotas)
 from pallas_kernels.triton_common import out_struct
 
-BETA, BETA_GAMMA, GAMMA, TAIL = range(4)  # rows of the vectors (``wy_inverse``'s)
+BETA, BETA_GAMMA, GAMMA, TAIL, LOG_GAMMA = range(5)  # rows of the vectors (``wy_inverse``'s;
+#   γ, the fifth, from ``inverse_mosaic.wy_inverse_rows`` only: for P formed in the passes)
 
 
 def _issue(c, slot, bar, position, pairs, vec_ref, vec_bufs):
@@ -68,44 +70,56 @@ def state_fwd(T, k, kw, v, q, P, vecs, gc, initial_state, doc, first, last, *, s
     a list, if ``store`` the chunk-start states [B, H, NC, V, K] (transposed) and R [B, H, Tp,
     V], both bf16 (the backward's; a forward alone needs neither), then the final states [N,
     H, K, V] float32 and o = scale (Q' S + P R) [B, Tp, H, V] in ``out_dtype`` (module
-    docstring). ``initial_state``: None or [N, H, K, V]; ``num_docs``: N, or None for one
-    document per batch row."""
+    docstring). P None: formed here, P = (Q K̃ᵀ) ⊙ D with D_ij = exp(γ_i − γ_j) (i >= j) from
+    the fifth row of ``vecs``, γ (``inverse_mosaic.wy_inverse_rows``), in the first product
+    group of the step, so no P goes through HBM. ``initial_state``: None or [N, H, K, V];
+    ``num_docs``: N, or None for one document per batch row."""
     B, H, Tp, _ = T.shape
     K, V, nc = k.shape[-1], v.shape[-1], Tp // C
     check_shapes(chunk=Tp // gc.shape[2], K=K, V=V)
-    N, has_init = B if num_docs is None else num_docs, initial_state is not None
+    N, has_init, form_p = B if num_docs is None else num_docs, initial_state is not None, P is None
     ins = (T, k, kw, v, q, P, vecs, gc, initial_state)
     out_type = [out_struct((N, H, V, K), F32, *ins), out_struct((B, Tp, H, V), out_dtype, *ins)]
     vec = plgpu.SMEM((2, C), F32)
-    scratch = dict(t=smem((2, C, C), BF16), p=smem((2, C, C), BF16), k=smem((2, C, K), BF16),
-                   kw=smem((2, C, K), BF16), q=smem((2, C, K), BF16), v=smem((2, C, BV), BF16),
-                   vb=vec, vbg=vec, vg=vec, vt=vec, g=plgpu.SMEM((2, K), F32),
-                   fl=plgpu.SMEM((2, FLAGS), jnp.int32), doc_buf=plgpu.SMEM((BV, K), F32),
-                   doc_bar=plgpu.Barrier(), in_bar=plgpu.Barrier(num_arrivals=12, num_barriers=2),
+    scratch = dict(t=smem((2, C, C), BF16), p=smem((C, C) if form_p else (2, C, C), BF16),
+                   k=smem((2, C, K), BF16), kw=smem((2, C, K), BF16), q=smem((2, C, K), BF16),
+                   v=smem((2, C, BV), BF16), vb=vec, vbg=vec, vg=vec, vt=vec,
+                   g=plgpu.SMEM((2, K), F32), fl=plgpu.SMEM((2, FLAGS), jnp.int32),
+                   doc_buf=plgpu.SMEM((BV, K), F32), doc_bar=plgpu.Barrier(),
+                   in_bar=plgpu.Barrier(num_arrivals=12 + form_p, num_barriers=2),
                    o_out=smem((C, BV), out_dtype))
+    if form_p:
+        scratch.update(g_r=vec, g_c=vec)
     if store:
         out_type[:0] = [out_struct((B, H, nc, V, K), BF16, *ins),
                         out_struct((B, H, Tp, V), BF16, *ins)]
         scratch.update(s_out=smem((BV, K), BF16), r_out=smem((C, BV), BF16))
-    args = [T, P, k, kw, q, v, vecs, gc, _flags(doc, first, last)]
+    args = [T] + ([] if form_p else [P]) + [k, kw, q, v, vecs, gc, _flags(doc, first, last)]
     args += [_doc_states(initial_state)] if has_init else []
 
     def body(*refs, t, p, k, kw, q, v, vb, vbg, vg, vt, g, fl, doc_buf, doc_bar, in_bar, o_out,
-             s_out=None, r_out=None):
+             s_out=None, r_out=None, g_r=None, g_c=None):
         refs = list(refs)
-        T_ref, P_ref, k_ref, kw_ref, q_ref, v_ref, vec_ref, gc_ref, f_ref = (
-            refs.pop(0) for _ in range(9))
+        T_ref = refs.pop(0)
+        P_ref = None if form_p else refs.pop(0)
+        k_ref, kw_ref, q_ref, v_ref, vec_ref, gc_ref, f_ref = (refs.pop(0) for _ in range(7))
         init_ref = refs.pop(0) if has_init else None
         states_ref, R_ref = (refs.pop(0), refs.pop(0)) if store else (None, None)
         final_ref, o_ref = refs
         b, h, v0 = _start(doc_buf)
+        i, j = tile_iotas()
 
         def issue(c, slot):
             bar = in_bar.at[slot]
-            _issue(c, slot, bar, (b, h, v0),
-                   [(T_ref, t, None), (P_ref, p, None), (k_ref, k, "all"), (kw_ref, kw, "all"),
-                    (q_ref, q, "all"), (v_ref, v, "v")],
-                   vec_ref, {BETA: vb, BETA_GAMMA: vbg, GAMMA: vg, TAIL: vt})
+            tiles = [(T_ref, t, None)] + ([] if form_p else [(P_ref, p, None)])
+            rows = {BETA: vb, BETA_GAMMA: vbg, GAMMA: vg, TAIL: vt} | (
+                {LOG_GAMMA: g_r} if form_p else {})
+            _issue(c, slot, bar, (b, h, v0), tiles + [
+                (k_ref, k, "all"), (kw_ref, kw, "all"), (q_ref, q, "all"), (v_ref, v, "v")],
+                vec_ref, rows)
+            if form_p:  # γ by columns too (one buffer a layout)
+                plgpu.copy_gmem_to_smem(vec_ref.at[b, h, LOG_GAMMA, pl.ds(c * C, C)],
+                                        g_c.at[slot], bar)
             plgpu.copy_gmem_to_smem(gc_ref.at[b, h, c], g.at[slot], bar)
             plgpu.copy_gmem_to_smem(f_ref.at[b, c], fl.at[slot], bar)
 
@@ -114,8 +128,15 @@ def state_fwd(T, k, kw, v, q, P, vecs, gc, initial_state, doc, first, last, *, s
             rows = pl.ds(c * C, C)
             S = restart_state(S, init_ref, d, h, v0, (doc_buf, doc_bar), is_first)
             s_lo = S.astype(BF16)
-            ks_t, qs_t = products([(s_lo, k.at[slot].T, (BV, C)), (s_lo, q.at[slot].T, (BV, C))],
-                                  interpret)  # Sᵀ Kᵀ, Sᵀ Qᵀ
+            ks_t, qs_t, *qk = products(
+                [(s_lo, k.at[slot].T, (BV, C)), (s_lo, q.at[slot].T, (BV, C))]
+                + ([(q.at[slot], kw.at[slot].T, (C, C))] if form_p else []),
+                interpret)  # Sᵀ Kᵀ, Sᵀ Qᵀ (and Q K̃ᵀ)
+            if form_p:  # P into its buffer (the last step's product read it: waited)
+                D = decay_matrix(i, j, plgpu.load(g_r.at[slot], layout=ROWS),
+                                 plgpu.load(g_c.at[slot], layout=COLS))
+                p[...] = (qk[0] * D).astype(BF16)
+                plgpu.commit_smem()
             v_t = plgpu.load(v.at[slot].T, layout=WGMMA).astype(F32)
             y_lo = (v_t * columns(vb, slot) - ks_t * columns(vbg, slot)).astype(BF16)
             r_t = matmul([(y_lo, t.at[slot].T)], (BV, C), None, interpret)  # Rᵀ = Yᵀ Tᵀ
@@ -124,8 +145,8 @@ def state_fwd(T, k, kw, v, q, P, vecs, gc, initial_state, doc, first, last, *, s
             if store:
                 s_out[...] = s_lo
                 r_out.T[...] = r_lo
-            o_t = matmul([(r_lo, p.at[slot].T)], (BV, C), qs_t * columns(vg, slot),
-                         interpret)  # Oᵀ / scale = (Sᵀ Qᵀ) Diag(Γ) + Rᵀ Pᵀ
+            o_t = matmul([(r_lo, p.T if form_p else p.at[slot].T)], (BV, C),
+                         qs_t * columns(vg, slot), interpret)  # Oᵀ / scale = (Sᵀ Qᵀ) Diag(Γ) + Rᵀ Pᵀ
             o_out.T[...] = (scale * o_t).astype(o_out.dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_out, o_ref.at[b, rows, h, pl.ds(v0, BV)], commit_group=False)
@@ -152,36 +173,50 @@ def state_fwd(T, k, kw, v, q, P, vecs, gc, initial_state, doc, first, last, *, s
 def state_bwd(T, k, kw, q, vecs, gc, A, do, dfinal, doc, first, last, *, scale, interpret):
     """Backward pass: dU = dR [B, H, Tp, V] and the chunk-end cotangents dS_C [B, H, NC, V, K]
     (transposed), both bf16; dS_0 [N, H, K, V] float32 (module docstring). T, k, k̃, q, vecs,
-    Γ_C as for ``state_fwd``; A = scale Pᵀ dO [B, H, Tp, V] bf16; dO [B, Tp, H, V] 16-bit;
-    dfinal [N, H, K, V]."""
+    Γ_C as for ``state_fwd``; A = scale Pᵀ dO [B, H, Tp, V] bf16, or None: Aᵀ = scale dOᵀ P
+    formed here from P = (Q K̃ᵀ) ⊙ D (D from γ, ``vecs``' fifth row, as ``state_fwd`` forms
+    it) and the bf16 dO, in float32 (no A through HBM, no ``dout_products`` kernel); dO [B, Tp,
+    H, V] 16-bit; dfinal [N, H, K, V]."""
     B, H, Tp, _ = T.shape
-    K, V, nc, N = k.shape[-1], A.shape[-1], Tp // C, dfinal.shape[0]
+    K, V, nc, N = k.shape[-1], do.shape[-1], Tp // C, dfinal.shape[0]
     check_shapes(chunk=Tp // gc.shape[2], K=K, V=V)
+    form_a = A is None
     ins = (T, k, kw, q, vecs, gc, A, do, dfinal)
     out_type = (out_struct((B, H, Tp, V), BF16, *ins), out_struct((B, H, nc, V, K), BF16, *ins),
                 out_struct((N, H, V, K), F32, *ins))
     vec = plgpu.SMEM((2, C), F32)
     scratch = dict(t=smem((2, C, C), BF16), k=smem((2, C, K), BF16), kw=smem((2, C, K), BF16),
-                   q=smem((2, C, K), BF16), a=smem((2, C, BV), BF16),
-                   dout=smem((2, C, BV), do.dtype), vbg=vec, vg=vec, vt=vec,
-                   g=plgpu.SMEM((2, K), F32), fl=plgpu.SMEM((2, FLAGS), jnp.int32),
+                   q=smem((2, C, K), BF16), dout=smem((2, C, BV), do.dtype), vbg=vec, vg=vec,
+                   vt=vec, g=plgpu.SMEM((2, K), F32), fl=plgpu.SMEM((2, FLAGS), jnp.int32),
                    ds_out=smem((BV, K), BF16), du_out=smem((C, BV), BF16),
                    doc_buf=plgpu.SMEM((BV, K), F32), doc_bar=plgpu.Barrier(),
-                   in_bar=plgpu.Barrier(num_arrivals=11, num_barriers=2))
-    args = [T, k, kw, q, A, do, vecs, gc, _flags(doc, first, last), _doc_states(dfinal)]
+                   in_bar=plgpu.Barrier(num_arrivals=11 + form_a, num_barriers=2))
+    scratch.update(dict(p=smem((C, C), BF16), g_r=vec, g_c=vec) if form_a else
+                   dict(a=smem((2, C, BV), BF16)))
+    args = [T, k, kw, q] + ([] if form_a else [A]) + [do, vecs, gc, _flags(doc, first, last),
+                                                     _doc_states(dfinal)]
 
-    def body(T_ref, k_ref, kw_ref, q_ref, A_ref, do_ref, vec_ref, gc_ref, f_ref, dfinal_ref,
-             dU_ref, dstates_ref, dinit_ref, *, t, k, kw, q, a, dout, vbg, vg, vt, g, fl, ds_out,
-             du_out, doc_buf, doc_bar, in_bar):
+    def body(*refs, t, k, kw, q, dout, vbg, vg, vt, g, fl, ds_out, du_out, doc_buf, doc_bar,
+             in_bar, a=None, p=None, g_r=None, g_c=None):
+        refs = list(refs)
+        T_ref, k_ref, kw_ref, q_ref = (refs.pop(0) for _ in range(4))
+        A_ref = None if form_a else refs.pop(0)
+        (do_ref, vec_ref, gc_ref, f_ref, dfinal_ref, dU_ref, dstates_ref, dinit_ref) = refs
         b, h, v0 = _start(doc_buf)
+        i, j = tile_iotas()
 
         def issue(c, slot):
             bar = in_bar.at[slot]
+            rows = {BETA_GAMMA: vbg, GAMMA: vg, TAIL: vt} | ({LOG_GAMMA: g_r} if form_a else {})
             _issue(c, slot, bar, (b, h, v0),
                    [(T_ref, t, None), (k_ref, k, "all"), (kw_ref, kw, "all"), (q_ref, q, "all"),
-                    (do_ref, dout, "v")], vec_ref, {BETA_GAMMA: vbg, GAMMA: vg, TAIL: vt})
-            plgpu.copy_gmem_to_smem(A_ref.at[b, h, pl.ds(c * C, C), pl.ds(v0, BV)], a.at[slot],
-                                    bar)
+                    (do_ref, dout, "v")], vec_ref, rows)
+            if form_a:  # γ by columns too (one buffer a layout)
+                plgpu.copy_gmem_to_smem(vec_ref.at[b, h, LOG_GAMMA, pl.ds(c * C, C)],
+                                        g_c.at[slot], bar)
+            else:
+                plgpu.copy_gmem_to_smem(A_ref.at[b, h, pl.ds(c * C, C), pl.ds(v0, BV)],
+                                        a.at[slot], bar)
             plgpu.copy_gmem_to_smem(gc_ref.at[b, h, c], g.at[slot], bar)
             plgpu.copy_gmem_to_smem(f_ref.at[b, c], fl.at[slot], bar)
 
@@ -190,8 +225,19 @@ def state_bwd(T, k, kw, q, vecs, gc, A, do, dfinal, doc, first, last, *, scale, 
             dS = dS * (1 - is_last).astype(F32) + _doc_state_in(
                 dfinal_ref, d, h, v0, doc_buf, doc_bar, is_last) * is_last.astype(F32)
             ds_lo = dS.astype(BF16)
-            a_t = plgpu.load(a.at[slot].T, layout=WGMMA).astype(F32)
-            dsk_t = matmul([(ds_lo, kw.at[slot].T)], (BV, C), None, interpret)  # dSᵀ K̃ᵀ
+            if form_a:  # P into its buffer (the last step's product read it: waited), then
+                qk = matmul([(q.at[slot], kw.at[slot].T)], (C, C), None, interpret)  # Aᵀ with
+                D = decay_matrix(i, j, plgpu.load(g_r.at[slot], layout=ROWS),  # dSᵀ K̃ᵀ
+                                 plgpu.load(g_c.at[slot], layout=COLS))
+                p[...] = (qk * D).astype(BF16)
+                plgpu.commit_smem()
+                do_lo = plgpu.load(dout.at[slot].T, layout=WGMMA).astype(BF16)
+                dsk_t, pdo_t = products([(ds_lo, kw.at[slot].T, (BV, C)), (do_lo, p, (BV, C))],
+                                        interpret)  # dSᵀ K̃ᵀ, dOᵀ P
+                a_t = scale * pdo_t
+            else:
+                a_t = plgpu.load(a.at[slot].T, layout=WGMMA).astype(F32)
+                dsk_t = matmul([(ds_lo, kw.at[slot].T)], (BV, C), None, interpret)  # dSᵀ K̃ᵀ
             dr_lo = (a_t + dsk_t * columns(vt, slot)).astype(BF16)
             store_cotangents(ds_lo, dr_lo, (ds_out, du_out), (dstates_ref, dU_ref), (b, h, v0),
                              c, pending=0)

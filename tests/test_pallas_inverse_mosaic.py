@@ -135,20 +135,23 @@ MOSAIC_INVERSE_KW = dict(serial_backend="mosaic", fused_grads=True, inverse_back
 MOSAIC_INVERSE = Options(**MOSAIC_INVERSE_KW)
 
 
-@pytest.mark.parametrize("decay", [None, "scalar"])
-def test_op_within_fla_bars(rand, decay, monkeypatch):
+@pytest.mark.parametrize("decay, p_in_serial", [(None, None), ("scalar", None),
+                                                ("scalar", False)])
+def test_op_within_fla_bars(rand, decay, p_in_serial, monkeypatch):
     """The op with ``inverse_backend="mosaic"`` (T = 150, K = 40 and V = 48 padded to 64, an
-    initial state): outputs, final state and every gradient within FLA's bars of the float32
-    reference and no more than 1.25x as far from it as with the Triton inverse; the kernel was
-    traced for the forward only (twice: in the op's own jaxpr under ``partition.lowered_once``'s
-    jit, and in its VJP's forward): the backward reuses T."""
+    initial state), P formed by the state passes (the default) or by the inverse: outputs,
+    final state and every gradient within FLA's bars of the float32 reference and no more than
+    1.25x as far from it as with the Triton inverse; the kernel was traced for the forward only
+    (twice: in the op's own jaxpr under ``partition.lowered_once``'s jit, and in its VJP's
+    forward), with q only where it forms P: the backward reuses T."""
     calls = []
     real = inverse_mosaic.inverse
     monkeypatch.setattr(inverse_mosaic, "inverse",
-                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+                        lambda q, *a, **kw: calls.append(q is not None) or real(q, *a, **kw))
     triton = Options(serial_backend="mosaic", fused_grads=True, inverse_backend="triton")
-    mosaic, base, ref = kernel_runs(rand, decay, 7, MOSAIC_INVERSE, triton, K=40)
-    assert calls == [1, 1]
+    options = Options(p_in_serial=p_in_serial, **MOSAIC_INVERSE_KW)
+    mosaic, base, ref = kernel_runs(rand, decay, 7, options, triton, K=40)
+    assert calls == [p_in_serial is False] * 2
     assert_within_fla_bars(mosaic, ref)
     pairs = [(mosaic[0], base[0], ref[0]), (mosaic[1], base[1], ref[1])]
     pairs += [(mosaic[2][n], base[2][n], ref[2][n]) for n in ref[2]]

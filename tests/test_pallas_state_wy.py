@@ -97,9 +97,53 @@ def test_backward_pass_matches_the_wy_pass(rand, K):
     assert_close(got, want, ("dR", "dS_C", "dS_0"))
 
 
+def mosaic_inputs(rand, K):
+    """``inputs`` with T, P from ``inverse_mosaic`` (two passes) and its rows for P formed in
+    the passes (``wy_inverse_rows``: the same rows and γ fifth)."""
+    x = inputs(rand, K)
+    sums = [a.reshape(x["g"].shape) for a in decay_sums(x["g"].reshape(B, NC, C, H), 2)]
+    P, gc, T, vecs = inverse_mosaic.wy_inverse(x["q"], x["k"], x["kw"], x["beta"], *sums,
+                                               interpret=True, passes=2)
+    gc5, T5, vecs5 = inverse_mosaic.wy_inverse_rows(x["k"], x["kw"], x["beta"], *sums,
+                                                    interpret=True, passes=2)
+    for a, b in ((gc, gc5), (T, T5), (vecs, vecs5[:, :, :4])):
+        np.testing.assert_array_equal(np.asarray(a, F32), np.asarray(b, F32))
+    np.testing.assert_array_equal(vecs5[:, :, 4], jnp.moveaxis(sums[0], 2, 1))
+    return x | dict(T=T, P=P, gc=gc, vecs=vecs, vecs5=vecs5)
+
+
+def test_passes_form_p_as_the_inverse_does(rand):
+    """With P None the forward forms P = (Q K̃ᵀ) ⊙ D from γ (the rows' fifth) and gives the
+    bits of the pass fed the inverse's P; the backward forms Aᵀ = scale dOᵀ P in float32 and
+    gives what the pass fed A = scale Pᵀ dO rounded to bf16 gives, to that rounding (dR is
+    rounded to bf16 after A joins it, so mostly the same bits)."""
+    x = mosaic_inputs(rand, 128)
+    init = rand.normal(3, H, 128, V)
+    common = dict(scale=SCALE, out_dtype=BF16, num_docs=3, interpret=True)
+    fed = state_wy_mosaic.state_fwd(*[x[n] for n in ("T", "k", "kw", "v", "q", "P", "vecs")],
+                                    x["gc"], init, *FLAGS, **common)
+    formed = state_wy_mosaic.state_fwd(*[x[n] for n in ("T", "k", "kw", "v", "q")], None,
+                                       x["vecs5"], x["gc"], init, *FLAGS, **common)
+    for a, b in zip(fed, formed):
+        np.testing.assert_array_equal(np.asarray(a, F32), np.asarray(b, F32))
+    do = rand.normal(B, TP, H, V, dtype=BF16)
+    dfinal = rand.normal(3, H, 128, V)
+    P = x["P"].astype(F32)
+    A = (SCALE * jnp.einsum("bhnij,bnihv->bhnjv", P.reshape(B, H, NC, C, C),
+                            do.astype(F32).reshape(B, NC, C, H, V), precision="highest"))
+    args = [x[n] for n in ("T", "k", "kw", "q")]
+    fed = state_wy_mosaic.state_bwd(*args, x["vecs"], x["gc"], A.reshape(B, H, TP, V).astype(BF16),
+                                    do, dfinal, *FLAGS, scale=SCALE, interpret=True)
+    formed = state_wy_mosaic.state_bwd(*args, x["vecs5"], x["gc"], None, do, dfinal, *FLAGS,
+                                       scale=SCALE, interpret=True)
+    for a, b, name in zip(formed, fed, ("dR", "dS_C", "dS_0")):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert rel_rms(a, b) <= 4e-3, (name, rel_rms(a, b))
+
+
 def test_passes_lower_for_cuda():
-    """Both passes (the forward with and without its stores) through Mosaic GPU's own passes
-    (layout inference) at K = V = 128."""
+    """Both passes (the forward with and without its stores, and forming P; the backward fed A
+    and forming it) through Mosaic GPU's own passes (layout inference) at K = V = 128."""
     K = 128
     s = jax.ShapeDtypeStruct
     tok = lambda d: s((B, TP, H, d), BF16)  # noqa: E731
@@ -107,17 +151,26 @@ def test_passes_lower_for_cuda():
     common = dict(T=rows(C), k=tok(K), kw=tok(K))
     flags = tuple(s(f.shape, jnp.int32) for f in FLAGS)
     vecs, gc = s((B, H, 4, TP), F32), s((B, H, NC, K), F32)
-    for store in (True, False):
-        fwd = lambda T, k, kw, v, q, P, vecs, gc, *fl, store=store: state_wy_mosaic.state_fwd(  # noqa: E731
-            T, k, kw, v, q, P, vecs, gc, None, *fl, scale=SCALE, out_dtype=BF16, num_docs=None,
-            interpret=False, store=store)
+    vecs5 = s((B, H, 5, TP), F32)
+    for store, formed in ((True, False), (False, False), (True, True)):  # formed: P None
+        def fwd(T, k, kw, v, q, *rest, store=store, formed=formed):
+            P, vecs, gc, *fl = (None, *rest) if formed else rest
+            return state_wy_mosaic.state_fwd(T, k, kw, v, q, P, vecs, gc, None, *fl, scale=SCALE,
+                                             out_dtype=BF16, num_docs=None, interpret=False,
+                                             store=store)
+        P = () if formed else (rows(C),)
         assert mosaic_kernels_lowered_for_cuda(
-            fwd, (*common.values(), tok(V), tok(K), rows(C), vecs, gc, *flags)) == 1
-    bwd = lambda T, k, kw, q, vecs, gc, A, do, df, *fl: state_wy_mosaic.state_bwd(  # noqa: E731
-        T, k, kw, q, vecs, gc, A, do, df, *fl, scale=SCALE, interpret=False)
-    assert mosaic_kernels_lowered_for_cuda(
-        bwd, (*common.values(), tok(K), vecs, gc, rows(V), tok(V), s((B, H, K, V), F32),
-              *flags)) == 1
+            fwd, (*common.values(), tok(V), tok(K), *P, vecs5 if formed else vecs, gc,
+                  *flags)) == 1
+    for formed in (False, True):  # formed: A None
+        def bwd(T, k, kw, q, vecs, gc, *rest, formed=formed):
+            A, do, df, *fl = (None, *rest) if formed else rest
+            return state_wy_mosaic.state_bwd(T, k, kw, q, vecs, gc, A, do, df, *fl, scale=SCALE,
+                                             interpret=False)
+        A = () if formed else (rows(V),)
+        assert mosaic_kernels_lowered_for_cuda(
+            bwd, (*common.values(), tok(K), vecs5 if formed else vecs, gc, *A, tok(V),
+                  s((B, H, K, V), F32), *flags)) == 1
 
 
 def test_row_vectors(rand):
@@ -194,6 +247,31 @@ def test_refused_where_it_does_not_apply(rand):
     finally:
         delta_rule._core = real
     assert seen == [True, False, False]
+
+
+def test_p_in_serial_resolves_and_refuses(rand, monkeypatch):
+    """``Options.p_in_serial``: None resolves to True with the Mosaic inverse (the default
+    here) and to False with the Triton one; True with the Triton inverse is a ValueError naming
+    what it needs, a non-bool one naming the choices. The op with it never runs
+    ``dout_products`` (its backward forms A in the pass)."""
+    x = rand.delta_inputs(1, 64, 1, 64, 64, dtype=BF16)
+    args = (x["q"], x["k"], x["write_key"], x["v"], x["beta"], None, 0.125, None, None, 64)
+    seen = []
+    real = delta_rule._core
+    monkeypatch.setattr(delta_rule, "_core",
+                        lambda cfg, *a: seen.append(cfg.options.p_in_serial) or real(cfg, *a))
+    for options in (FUSED_GRADS, SERIAL_WY, Options(serial_backend="mosaic", fused_grads=True,
+                                                    p_in_serial=False)):
+        jax.eval_shape(lambda *a: delta_rule_pallas(*a, *args[5:], options), *args[:5])
+    assert seen == [True, False, False]
+    with pytest.raises(ValueError, match="p_in_serial needs inverse_backend='mosaic'"):
+        delta_rule_pallas(*args, Options(serial_backend="mosaic", fused_grads=True,
+                                         inverse_backend="triton", p_in_serial=True))
+    with pytest.raises(ValueError, match="p_in_serial must be None, True or False"):
+        Options(p_in_serial=1)
+    monkeypatch.setattr(delta_rule, "dout_products", None)  # called: a TypeError
+    jax.eval_shape(jax.grad(lambda q: jnp.sum(delta_rule_pallas(
+        q, *args[1:], FUSED_GRADS)[0].astype(F32))), args[0])
 
 
 def test_under_vmap_repeat_bitwise_and_effect_free(rand):
