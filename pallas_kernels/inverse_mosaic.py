@@ -9,7 +9,8 @@ of the log decays, from XLA), with D_ij = exp(γ_i − γ_j) (i >= j, else 0):
                      substitution in float32 (``diagonal_inverse``), then the block merges
                      X_2n = X_n − X_n (L_n X_n) for n = 16, 32
 
-(L_n holds L's entries below the diagonal n-blocks of each 2n-block; jax-linear-attention's and
+(P only when q is given: by default the state passes form it, ``wy_inverse_rows``; L_n holds
+L's entries below the diagonal n-blocks of each 2n-block; jax-linear-attention's and
 FlashQLA's ``kkt_solve`` split the inverse the same way). The grams take the bf16 inputs as
 they are (exact products, float32 sums). Each merge product is three bf16 wgmmas over hi / lo
 splits of its float32 operands, a_hi b_hi + a_hi b_lo + a_lo b_hi (``split_product``: ~2^-16

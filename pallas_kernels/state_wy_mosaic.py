@@ -24,8 +24,11 @@ accumulators float32, as in ``state_mosaic``. The stored results are those of
 ``grads_mosaic`` reads them unchanged. The per-row vectors come as one float32 array
 [B, H, 4, Tp] (from either ``wy_inverse``: ``inverse_mosaic``'s or ``wy_triton``'s), each
 loaded once a chunk into its own buffer (Mosaic's layout inference fails on one buffer loaded
-twice, benchmarks/NOTES.md session 14). Dense rows or chunk-aligned documents (the flags of
-``state_mosaic``); no sequence pieces.
+twice, benchmarks/NOTES.md session 14). Given no P (``Options.p_in_serial``), the passes form
+P = (Q K̃ᵀ) ⊙ D, D_ij = exp(γ_i − γ_j) (i >= j), from the q and k̃ tiles they load anyway and
+γ, a fifth row (``inverse_mosaic.wy_inverse_rows``), and the backward forms Aᵀ = scale dOᵀ P
+itself (no P or A through HBM: DeltaNet / GDN f+b -5 % / -7 %, RESULTS run 158). Dense rows or
+chunk-aligned documents (the flags of ``state_mosaic``); no sequence pieces.
 """
 
 import jax.numpy as jnp
