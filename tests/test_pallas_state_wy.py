@@ -278,7 +278,8 @@ def test_under_vmap_repeat_bitwise_and_effect_free(rand):
     """Gradients of a loss of the op with ``wy_in_serial`` (and the default Mosaic inverse):
     ``jax.vmap`` over rows as [1, T] sequences equals the rows one by one, a second run
     (compiled afresh) is bitwise the first, and traced for the GPU both passes and the inverse
-    carry no effects (so ``jax.checkpoint`` and ``custom_partitioning`` take them there)."""
+    (fed P / A and forming them) carry no effects (so ``jax.checkpoint`` and
+    ``custom_partitioning`` take them there)."""
     x = rand.delta_inputs(2, 100, 2, 64, 64, decay="scalar", dtype=BF16)
     names = ("q", "k", "write_key", "v", "beta", "log_decay")
 
@@ -302,7 +303,17 @@ def test_under_vmap_repeat_bitwise_and_effect_free(rand):
                                           tok, s((1, 1, 64, 64), F32), *flags)
     inverse = jax.make_jaxpr(lambda *a: inverse_mosaic.inverse(*a, interpret=False))(
         tok, tok, tok, s((1, 1, C), F32), s((1, 1, C), F32))
-    assert not fwd.effects and not bwd.effects and not inverse.effects
+    vecs5 = s((1, 1, 5, C), F32)  # the default path: P formed in the passes, no q in the inverse
+    fwd_p = jax.make_jaxpr(lambda *a: state_wy_mosaic.state_fwd(
+        *a[:5], None, *a[5:7], None, *a[7:], scale=0.1, out_dtype=BF16, num_docs=None,
+        interpret=False))(rows, tok, tok, tok, tok, vecs5, gc, *flags)
+    bwd_a = jax.make_jaxpr(lambda *a: state_wy_mosaic.state_bwd(
+        *a[:6], None, *a[6:], scale=0.1, interpret=False))(rows, tok, tok, tok, vecs5, gc, tok,
+                                                           s((1, 1, 64, 64), F32), *flags)
+    inverse_t = jax.make_jaxpr(lambda *a: inverse_mosaic.inverse(None, *a, interpret=False))(
+        tok, tok, s((1, 1, C), F32), s((1, 1, C), F32))
+    for jaxpr in (fwd, bwd, inverse, fwd_p, bwd_a, inverse_t):
+        assert not jaxpr.effects
 
 
 def test_forward_without_gradients_stores_nothing_else(rand, monkeypatch):
