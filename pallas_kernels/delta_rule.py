@@ -155,7 +155,9 @@ class Options:
     both factors), 2 (L's side split; None: the default: DeltaNet / GDN forwards 0.177 / 0.180
     -> 0.148 / 0.150 ms at 8x2048x8x128 in RESULTS run 154, the bf16 errors unchanged, keys
     sharing a direction included) or 1 (jax-linear-attention's choice: faster still, but past
-    FLA's bars with keys sharing a direction, run 153). ``p_in_serial``: with the Mosaic
+    FLA's bars with keys sharing a direction, run 153); the per-channel Mosaic forward
+    (``vector_wy="mosaic"``) takes it too, None: 3 there (fewer not yet timed or checked on
+    the device). ``p_in_serial``: with the Mosaic
     inverse, P = (Q K̃ᵀ) ⊙ D formed by the state passes, which load q and k̃ anyway, instead of
     by the inverse (no q load, no P store or load, and the backward's A = scale Pᵀ dO formed in
     its state pass: no ``dout_products`` kernel, no A through HBM); None: on with the Mosaic
@@ -192,7 +194,7 @@ class Options:
     wy_precision: str | None = None  # split: the scalar / no-decay WY forward's dots
     wy_in_serial: bool | None = None  # fused_grads: the state passes apply T (no W, U, K̃', Q')
     inverse_backend: str | None = None  # wy_in_serial: "triton" | "mosaic" wy_inverse
-    inverse_passes: int | None = None  # the Mosaic inverse's bf16 wgmmas a merge product
+    inverse_passes: int | None = None  # the Mosaic inverses' bf16 wgmmas a merge product
     p_in_serial: bool | None = None  # inverse_backend="mosaic": P formed in the state passes
     wy_apply_precision: str | None = None  # split: that forward's W and U dots
     decay_scan: str | None = None  # per-channel decay: "xla" | "mosaic" in-chunk sums of g
@@ -456,7 +458,7 @@ def _wy(cfg, ins):
     if cfg.decay == "vector" and cfg.options.vector_wy == "mosaic":
         wy = _kernel_call(cfg, wy_vector_mosaic.wy_vector_fwd, dict(zip(_WY_VECTOR_IN, kins)),
                           _WY_VECTOR_IN, tuple(_WY_OUT.values()) + tuple(_WY_T.values()), mosaic=True,
-                          interpret=cfg.dots.interpret,
+                          interpret=cfg.dots.interpret, passes=cfg.options.inverse_passes or 3,
                           t_dtype=jnp.bfloat16 if _mosaic_pullback(cfg) else jnp.float32)
     else:
         wy = _wy_kernel(cfg, _wy_kernels(cfg)[0], kins)

@@ -114,12 +114,13 @@ def _band(grams, k, q, g, kw_buf, g_buf, interpret):
     return A, P
 
 
-def wy_vector_fwd(q, k, kw, v, beta, gamma, *, interpret, t_dtype=F32):
+def wy_vector_fwd(q, k, kw, v, beta, gamma, *, interpret, t_dtype=F32, passes=3):
     """``wy_vector_triton.wy_vector_fwd``'s outputs (W, U, K̃', Q', P [B, H, Tp, ·] bf16,
     Γ_C [B, H, NC, K] float32 and T [B, H, Tp, C] in ``t_dtype``: float32 for the Triton
     pullback, bf16 for ``wy_vector_pullback_mosaic``; module docstring) of q, k, kw
     [B, Tp, H, K], v [B, Tp, H, V] (bf16), beta [B, Tp, H] and gamma [B, Tp, H, K] (the
-    in-chunk cumsum of the per-channel log decays)."""
+    in-chunk cumsum of the per-channel log decays). ``passes``: bf16 wgmmas a merge product
+    of the inverse (``inverse_mosaic.unit_lower_inverse``; W and U keep three)."""
     B, Tp, H, K = q.shape
     V = v.shape[-1]
     check_shapes(chunk=C, K=K, V=V, dtype=q.dtype)
@@ -225,7 +226,7 @@ def wy_vector_fwd(q, k, kw, v, beta, gamma, *, interpret, t_dtype=F32):
             p_out[...] = P.astype(BF16)
             L = jnp.where(i > j, bcast_rows(beta_r, sq) * A, 0.0)
             X = unit_lower_inverse(L, *(inverse_bufs[n] for n in ("hi", "lo", "l_buf", "x_buf")),
-                                   interpret)
+                                   interpret, passes)
             t_out = out_bufs["t_out"]
             t_out[...] = X.astype(t_dtype)
         # the scaled inputs (q's and k̃'s buffers take Q' and K̃'), W into k's, U into v's

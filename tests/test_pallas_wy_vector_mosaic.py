@@ -44,7 +44,8 @@ def kernel_inputs(rand, K, V):
 def test_matches_prepare_on_each_path(rand, K, V):
     """W, U, K̃', Q', P within one bf16 rounding of ``prepare_sums``' float32 values (plus 1e-4
     of their largest: W and U are sums that cancel), Γ_C exact to rounding, and T (I + L) = I
-    to 1e-5 for ``chunk_grams``' L; head h's chunks take path h (whole, halves, exact)."""
+    to 1e-5 for ``chunk_grams``' L (to 1e-4 with two bf16 passes a merge product instead of
+    three, further than three); head h's chunks take path h (whole, halves, exact)."""
     ins = kernel_inputs(rand, K, V)
     q, k, kw, v, beta, gamma = ins
     assert (wy_vector_mosaic.paths(gamma) == np.arange(H)).all()
@@ -59,16 +60,24 @@ def test_matches_prepare_on_each_path(rand, K, V):
     views = dr._views(cfg, q, k, kw, beta, gamma)
     L, _ = chunk_grams(*views)
     eye = jnp.eye(C)
-    TL = jnp.einsum("bhncd,bhnde->bhnce", T.reshape(L.shape), L + eye, precision="highest")
-    assert rel_err(TL, jnp.broadcast_to(eye, L.shape)) <= 1e-5
+    def residual(T):
+        TL = jnp.einsum("bhncd,bhnde->bhnce", T.reshape(L.shape), L + eye, precision="highest")
+        return rel_err(TL, jnp.broadcast_to(eye, L.shape))
+
+    T2 = jax.jit(functools.partial(wy_vector_mosaic.wy_vector_fwd, interpret=True,
+                                   passes=2))(*ins)[-1]
+    assert residual(T) <= 1e-5 and residual(T) < residual(T2) <= 1e-4
 
 
-def test_lowers_for_cuda():
+@pytest.mark.parametrize("passes", [3, 2])
+def test_lowers_for_cuda(passes):
     """Through Mosaic GPU's own passes (layout inference: the padded buffers' reads at 16 row
-    offsets, the cond's two paths, the phases' shared buffers) at K = 128, V = 64."""
+    offsets, the cond's two paths, the phases' shared buffers) at K = 128, V = 64, with three
+    and two bf16 passes a merge product of the inverse."""
     s = jax.ShapeDtypeStruct
     tok = lambda d: s((B, NC * C, H, d), jnp.bfloat16)  # noqa: E731
-    fn = lambda *a: wy_vector_mosaic.wy_vector_fwd(*a, interpret=False)  # noqa: E731
+    fn = lambda *a: wy_vector_mosaic.wy_vector_fwd(*a, interpret=False,  # noqa: E731
+                                                   passes=passes)
     args = (tok(128), tok(128), tok(128), tok(64), s((B, NC * C, H), jnp.float32),
             s((B, NC * C, H, 128), jnp.float32))
     assert mosaic_kernels_lowered_for_cuda(fn, args) == 1
@@ -137,11 +146,12 @@ def test_default_options_reach_calls_that_name_none(rand, monkeypatch):
     """``delta_rule.default_options``: the public op (``impl="pallas"``, as the layers and
     models call it) runs the Triton WY forward outside and the Mosaic one inside
     ``default_options(Options(vector_wy="mosaic"))`` (a nested ``default_options(None)`` keeps
-    the enclosing options); anything but Options is refused naming the setter."""
+    the enclosing options), with ``Options.inverse_passes`` reaching it; anything but Options
+    is refused naming the setter."""
     calls = []
     real = wy_vector_mosaic.wy_vector_fwd
     monkeypatch.setattr(wy_vector_mosaic, "wy_vector_fwd",
-                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+                        lambda *a, **kw: calls.append(kw["passes"]) or real(*a, **kw))
     x = rand.delta_inputs(1, 64, 1, 64, 64, decay="vector", dtype=jnp.bfloat16)
 
     def trace():  # a new function each time: eval_shape caches traces by the function
@@ -153,7 +163,10 @@ def test_default_options_reach_calls_that_name_none(rand, monkeypatch):
     assert not calls
     with dr.default_options(dr.Options(vector_wy="mosaic")), dr.default_options(None):
         trace()
-    assert calls
+    assert calls and set(calls) == {3}  # the inverse's passes: 3 unless named
+    with dr.default_options(dr.Options(vector_wy="mosaic", inverse_passes=2)):
+        trace()
+    assert calls[-1] == 2
     with pytest.raises(ValueError, match="default_options"):
         with dr.default_options(dict(vector_wy="mosaic")):
             pass
