@@ -157,11 +157,11 @@ class Options:
     sharing a direction included) or 1 (jax-linear-attention's choice: faster still, but past
     FLA's bars with keys sharing a direction, run 153); the per-channel Mosaic forward
     (``vector_wy="mosaic"``) takes it too, None: 3 there (fewer not yet timed or checked on
-    the device). ``p_in_serial``: with the Mosaic
-    inverse, P = (Q K̃ᵀ) ⊙ D formed by the state passes, which load q and k̃ anyway, instead of
-    by the inverse (no q load, no P store or load, and the backward's A = scale Pᵀ dO formed in
-    its state pass: no ``dout_products`` kernel, no A through HBM); None: on with the Mosaic
-    inverse, True: ValueError elsewhere, False: off. ``decay_scan``: with a per-channel decay,
+    the device). ``p_in_serial``: with the Mosaic inverse, P = (Q K̃ᵀ) ⊙ D formed by the
+    state passes, which load q and k̃ anyway, instead of by the inverse (no q load, no P store
+    or load, and the backward's A = scale Pᵀ dO formed in its state pass: no ``dout_products``
+    kernel, no A through HBM: DeltaNet / GDN f+b -5 % / -7 %, RESULTS run 158); None: on with
+    the Mosaic inverse, True: ValueError elsewhere, False: off. ``decay_scan``: with a per-channel decay,
     its in-chunk sums γ (forward) and their pullback to g (backward) as XLA's batched 0/1-mask
     matmuls ("xla") or as ``decay_scan_mosaic``'s kernels ("mosaic": one thread a channel
     walking the chunk; H K a multiple of 128, ValueError otherwise); None: "mosaic" compiled on

@@ -141,8 +141,8 @@ def merge_product(a, b, hi, lo, interpret, passes, split):
         b_hi, b_lo = split_bf16(b)
         hi[...], lo[...] = b_hi, b_lo
         plgpu.commit_smem()
-        a_lo = a.astype(BF16)
-        return matmul([(a_lo, hi), (a_lo, lo)], shape, None, interpret)
+        a_16 = a.astype(BF16)
+        return matmul([(a_16, hi), (a_16, lo)], shape, None, interpret)
     hi[...] = b.astype(BF16)
     plgpu.commit_smem()
     if passes == 2:
