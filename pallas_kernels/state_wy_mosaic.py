@@ -49,8 +49,9 @@ BETA, BETA_GAMMA, GAMMA, TAIL, LOG_GAMMA = range(5)  # rows of the vectors (``wy
 
 def _issue(c, slot, bar, position, pairs, vec_ref, vec_bufs):
     """TMA copies of chunk ``c``: (GMEM ref, SMEM buffer, columns: None for a [B, H, Tp, ·]
-    tensor, else the V columns of a [B, Tp, H, ·] one or ``"all"``) and the named rows of the
-    vectors into their own buffers."""
+    tensor, else the V columns of a [B, Tp, H, ·] one or ``"all"``) and, for each (row, buffer)
+    of ``vec_bufs``, that row of the vectors into its own buffer (a row read by rows and by
+    columns goes to two)."""
     b, h, v0 = position
     rows = pl.ds(c * C, C)
     for src, dst, cols in pairs:
@@ -61,8 +62,18 @@ def _issue(c, slot, bar, position, pairs, vec_ref, vec_bufs):
         else:
             tile = src.at[b, rows, h, pl.ds(v0, BV)]
         plgpu.copy_gmem_to_smem(tile, dst.at[slot], bar)
-    for row, buf in vec_bufs.items():
+    for row, buf in vec_bufs:
         plgpu.copy_gmem_to_smem(vec_ref.at[b, h, row, rows], buf.at[slot], bar)
+
+
+def _stage_p(qk, g_r, g_c, slot, p):
+    """P = (Q K̃ᵀ) ⊙ D, D_ij = exp(γ_i − γ_j) (i >= j), into the bf16 buffer ``p`` from the
+    product ``qk`` and the slot's γ by rows (``g_r``) and by columns (``g_c``)."""
+    i, j = tile_iotas()
+    D = decay_matrix(i, j, plgpu.load(g_r.at[slot], layout=ROWS),
+                     plgpu.load(g_c.at[slot], layout=COLS))
+    p[...] = (qk * D).astype(BF16)
+    plgpu.commit_smem()
 
 
 def state_fwd(T, k, kw, v, q, P, vecs, gc, initial_state, doc, first, last, *, scale, out_dtype,
@@ -110,19 +121,15 @@ def state_fwd(T, k, kw, v, q, P, vecs, gc, initial_state, doc, first, last, *, s
         states_ref, R_ref = (refs.pop(0), refs.pop(0)) if store else (None, None)
         final_ref, o_ref = refs
         b, h, v0 = _start(doc_buf)
-        i, j = tile_iotas()
 
         def issue(c, slot):
             bar = in_bar.at[slot]
             tiles = [(T_ref, t, None)] + ([] if form_p else [(P_ref, p, None)])
-            rows = {BETA: vb, BETA_GAMMA: vbg, GAMMA: vg, TAIL: vt} | (
-                {LOG_GAMMA: g_r} if form_p else {})
+            rows = [(BETA, vb), (BETA_GAMMA, vbg), (GAMMA, vg), (TAIL, vt)]
+            rows += [(LOG_GAMMA, g_r), (LOG_GAMMA, g_c)] if form_p else []
             _issue(c, slot, bar, (b, h, v0), tiles + [
                 (k_ref, k, "all"), (kw_ref, kw, "all"), (q_ref, q, "all"), (v_ref, v, "v")],
                 vec_ref, rows)
-            if form_p:  # γ by columns too (one buffer a layout)
-                plgpu.copy_gmem_to_smem(vec_ref.at[b, h, LOG_GAMMA, pl.ds(c * C, C)],
-                                        g_c.at[slot], bar)
             plgpu.copy_gmem_to_smem(gc_ref.at[b, h, c], g.at[slot], bar)
             plgpu.copy_gmem_to_smem(f_ref.at[b, c], fl.at[slot], bar)
 
@@ -135,11 +142,8 @@ def state_fwd(T, k, kw, v, q, P, vecs, gc, initial_state, doc, first, last, *, s
                 [(s_lo, k.at[slot].T, (BV, C)), (s_lo, q.at[slot].T, (BV, C))]
                 + ([(q.at[slot], kw.at[slot].T, (C, C))] if form_p else []),
                 interpret)  # Sᵀ Kᵀ, Sᵀ Qᵀ (and Q K̃ᵀ)
-            if form_p:  # P into its buffer (the last step's product read it: waited)
-                D = decay_matrix(i, j, plgpu.load(g_r.at[slot], layout=ROWS),
-                                 plgpu.load(g_c.at[slot], layout=COLS))
-                p[...] = (qk[0] * D).astype(BF16)
-                plgpu.commit_smem()
+            if form_p:  # (the last step's product read P's buffer: waited)
+                _stage_p(qk[0], g_r, g_c, slot, p)
             v_t = plgpu.load(v.at[slot].T, layout=WGMMA).astype(F32)
             y_lo = (v_t * columns(vb, slot) - ks_t * columns(vbg, slot)).astype(BF16)
             r_t = matmul([(y_lo, t.at[slot].T)], (BV, C), None, interpret)  # Rᵀ = Yᵀ Tᵀ
@@ -206,18 +210,15 @@ def state_bwd(T, k, kw, q, vecs, gc, A, do, dfinal, doc, first, last, *, scale, 
         A_ref = None if form_a else refs.pop(0)
         (do_ref, vec_ref, gc_ref, f_ref, dfinal_ref, dU_ref, dstates_ref, dinit_ref) = refs
         b, h, v0 = _start(doc_buf)
-        i, j = tile_iotas()
 
         def issue(c, slot):
             bar = in_bar.at[slot]
-            rows = {BETA_GAMMA: vbg, GAMMA: vg, TAIL: vt} | ({LOG_GAMMA: g_r} if form_a else {})
+            rows = [(BETA_GAMMA, vbg), (GAMMA, vg), (TAIL, vt)]
+            rows += [(LOG_GAMMA, g_r), (LOG_GAMMA, g_c)] if form_a else []
             _issue(c, slot, bar, (b, h, v0),
                    [(T_ref, t, None), (k_ref, k, "all"), (kw_ref, kw, "all"), (q_ref, q, "all"),
                     (do_ref, dout, "v")], vec_ref, rows)
-            if form_a:  # γ by columns too (one buffer a layout)
-                plgpu.copy_gmem_to_smem(vec_ref.at[b, h, LOG_GAMMA, pl.ds(c * C, C)],
-                                        g_c.at[slot], bar)
-            else:
+            if not form_a:
                 plgpu.copy_gmem_to_smem(A_ref.at[b, h, pl.ds(c * C, C), pl.ds(v0, BV)],
                                         a.at[slot], bar)
             plgpu.copy_gmem_to_smem(gc_ref.at[b, h, c], g.at[slot], bar)
@@ -228,12 +229,9 @@ def state_bwd(T, k, kw, q, vecs, gc, A, do, dfinal, doc, first, last, *, scale, 
             dS = dS * (1 - is_last).astype(F32) + _doc_state_in(
                 dfinal_ref, d, h, v0, doc_buf, doc_bar, is_last) * is_last.astype(F32)
             ds_lo = dS.astype(BF16)
-            if form_a:  # P into its buffer (the last step's product read it: waited), then
-                qk = matmul([(q.at[slot], kw.at[slot].T)], (C, C), None, interpret)  # Aᵀ with
-                D = decay_matrix(i, j, plgpu.load(g_r.at[slot], layout=ROWS),  # dSᵀ K̃ᵀ
-                                 plgpu.load(g_c.at[slot], layout=COLS))
-                p[...] = (qk * D).astype(BF16)
-                plgpu.commit_smem()
+            if form_a:  # P (the last step's product read its buffer: waited), then Aᵀ = dOᵀ P
+                qk = matmul([(q.at[slot], kw.at[slot].T)], (C, C), None, interpret)  # Q K̃ᵀ
+                _stage_p(qk, g_r, g_c, slot, p)
                 do_lo = plgpu.load(dout.at[slot].T, layout=WGMMA).astype(BF16)
                 dsk_t, pdo_t = products([(ds_lo, kw.at[slot].T, (BV, C)), (do_lo, p, (BV, C))],
                                         interpret)  # dSᵀ K̃ᵀ, dOᵀ P
