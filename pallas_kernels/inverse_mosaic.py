@@ -57,16 +57,18 @@ def split_bf16(x):
     return hi, (x - hi.astype(F32)).astype(BF16)
 
 
-def split_product(a, b, b_hi, b_lo, interpret):
-    """a @ b of float32 register tiles ([C, C] @ [C, n]) by three bf16 wgmmas (a_hi b_hi +
-    a_hi b_lo + a_lo b_hi; a_lo b_lo, ~2^-16 relative, left out), b staged in the buffers b_hi,
-    b_lo."""
-    hi, lo = split_bf16(b)
-    b_hi[...] = hi
-    b_lo[...] = lo
+def split_product(a, b, b_hi, b_lo, interpret, split_a=True, split_b=True):
+    """a @ b of float32 register tiles ([C, C] @ [C, n]) by bf16 wgmmas over hi / lo parts:
+    a_hi b_hi + a_hi b_lo + a_lo b_hi (a_lo b_lo, ~2^-16 relative, left out); an operand not
+    split (``split_a`` / ``split_b`` False) is rounded to bf16 once and its lo terms drop. b is
+    staged in the buffers b_hi (and b_lo)."""
+    b_parts = split_bf16(b) if split_b else (b.astype(BF16),)
+    for buf, part in zip((b_hi, b_lo), b_parts):
+        buf[...] = part
     plgpu.commit_smem()
-    a_hi, a_lo = split_bf16(a)
-    return matmul([(a_hi, b_hi), (a_hi, b_lo), (a_lo, b_hi)], (C, b.shape[1]), None, interpret)
+    a_hi, a_lo = split_bf16(a) if split_a else (a.astype(BF16), None)
+    terms = [(a_hi, b_hi)] + [(a_hi, b_lo)] * split_b + [(a_lo, b_hi)] * split_a
+    return matmul(terms, (C, b.shape[1]), None, interpret)
 
 
 @plgpu.inline_mgpu(
@@ -130,34 +132,13 @@ def diagonal_inverse(L, l_buf, x_buf, interpret):
     return _diagonal_inverse_mgpu(neg_l, l_buf.at[:, :C], x_buf.at[:, :C])
 
 
-def merge_product(a, b, hi, lo, interpret, passes, split):
-    """a @ b of float32 register tiles for the merges in ``passes`` bf16 wgmmas: 3,
-    ``split_product``; 2, the operand named by ``split`` ("a" or "b") as hi + lo and the other
-    rounded once; 1, both rounded once (~2^-9 relative a product). b is staged in hi (and lo)."""
-    if passes == 3:
-        return split_product(a, b, hi, lo, interpret)
-    shape = (C, b.shape[1])
-    if passes == 2 and split == "b":
-        b_hi, b_lo = split_bf16(b)
-        hi[...], lo[...] = b_hi, b_lo
-        plgpu.commit_smem()
-        a_16 = a.astype(BF16)
-        return matmul([(a_16, hi), (a_16, lo)], shape, None, interpret)
-    hi[...] = b.astype(BF16)
-    plgpu.commit_smem()
-    if passes == 2:
-        a_hi, a_lo = split_bf16(a)
-        return matmul([(a_hi, hi), (a_lo, hi)], shape, None, interpret)
-    return matmul([(a.astype(BF16), hi)], shape, None, interpret)
-
-
 def unit_lower_inverse(L, hi, lo, l_buf, x_buf, interpret, passes=3):
     """(I + L)^-1 of a strictly lower-triangular float32 [C, C] register tile: the 16x16
     diagonal blocks by ``diagonal_inverse``, then the merges X_2n = X_n − X_n (L_n X_n) for
-    n = 16, 32 (module docstring), each product a ``merge_product`` of ``passes`` bf16
-    wgmmas through hi, lo (with 2, L_n and L_n X split and X rounded once: on the CPU tests'
-    inputs 93 % of T's elements round to float64's bf16 bits, against 97 % with 3, 86 % with 1
-    and 87 % splitting X instead)."""
+    n = 16, 32 (module docstring), each product a ``split_product`` through hi, lo in
+    ``passes`` bf16 wgmmas: 3, both factors split; 2, L_n and L_n X split and X rounded once (on
+    the CPU tests' inputs 93 % of T's elements round to float64's bf16 bits, against 97 % with
+    3, 86 % with 1 and 87 % splitting X instead); 1, nothing split."""
     if passes not in (1, 2, 3):
         raise ValueError(f"passes must be 1, 2 or 3 (bf16 wgmmas a merge product), got {passes!r}")
     i, j = tile_iotas()
@@ -165,8 +146,9 @@ def unit_lower_inverse(L, hi, lo, l_buf, x_buf, interpret, passes=3):
     for size in (BLOCK, 2 * BLOCK):
         Ln = jnp.where((lax.div(i, 2 * size) == lax.div(j, 2 * size))
                        & (lax.div(i, size) != lax.div(j, size)), L, 0.0)
-        link = merge_product(Ln, X, hi, lo, interpret, passes, split="a")
-        X = X - merge_product(X, link, hi, lo, interpret, passes, split="b")
+        link = split_product(Ln, X, hi, lo, interpret, split_a=passes >= 2, split_b=passes == 3)
+        X = X - split_product(X, link, hi, lo, interpret, split_a=passes == 3,
+                              split_b=passes >= 2)
     return X
 
 
