@@ -132,7 +132,6 @@ def test_inverse_lowers_for_cuda(chunks, passes):
 
 
 MOSAIC_INVERSE_KW = dict(serial_backend="mosaic", fused_grads=True, inverse_backend="mosaic")
-MOSAIC_INVERSE = Options(**MOSAIC_INVERSE_KW)
 
 
 @pytest.mark.parametrize("decay, p_in_serial", [(None, None), ("scalar", None),
