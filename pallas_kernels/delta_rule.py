@@ -161,12 +161,14 @@ class Options:
     state passes, which load q and k̃ anyway, instead of by the inverse (no q load, no P store
     or load, and the backward's A = scale Pᵀ dO formed in its state pass: no ``dout_products``
     kernel, no A through HBM: DeltaNet / GDN f+b -5 % / -7 %, RESULTS run 158); None: on with
-    the Mosaic inverse, True: ValueError elsewhere, False: off. ``decay_scan``: with a per-channel decay,
-    its in-chunk sums γ (forward) and their pullback to g (backward) as XLA's batched 0/1-mask
-    matmuls ("xla") or as ``decay_scan_mosaic``'s kernels ("mosaic": one thread a channel
-    walking the chunk; H K a multiple of 128, ValueError otherwise); None: "mosaic" compiled on
-    a Hopper GPU where it fits (KDA fwd / fwd+bwd 0.767 / 3.017 -> 0.700 / 2.809 ms at
-    8x2048x8x128, RESULTS run 128), else "xla" (so in interpret mode: the kernels' own tests
+    the Mosaic inverse, True: ValueError elsewhere, False: off. ``forward_warpgroups``: with
+    ``p_in_serial``, the forward state pass in one warpgroup or two (the chain and the output
+    side by side, ``state_wy_mosaic.state_fwd``; untimed on the device). ``decay_scan``: with a
+    per-channel decay, its in-chunk sums γ (forward) and their pullback to g (backward) as XLA's
+    batched 0/1-mask matmuls ("xla") or as ``decay_scan_mosaic``'s kernels ("mosaic": one thread
+    a channel walking the chunk; H K a multiple of 128, ValueError otherwise); None: "mosaic"
+    compiled on a Hopper GPU where it fits (KDA fwd / fwd+bwd 0.767 / 3.017 -> 0.700 / 2.809 ms
+    at 8x2048x8x128, RESULTS run 128), else "xla" (so in interpret mode: the kernels' own tests
     run them there). Other decays sum in their kernels and ignore it."""
 
     precision: str | None = None
@@ -196,6 +198,7 @@ class Options:
     inverse_backend: str | None = None  # wy_in_serial: "triton" | "mosaic" wy_inverse
     inverse_passes: int | None = None  # the Mosaic inverses' bf16 wgmmas a merge product
     p_in_serial: bool | None = None  # inverse_backend="mosaic": P formed in the state passes
+    forward_warpgroups: int = 1  # p_in_serial: the forward pass's output in a second warpgroup
     wy_apply_precision: str | None = None  # split: that forward's W and U dots
     decay_scan: str | None = None  # per-channel decay: "xla" | "mosaic" in-chunk sums of g
     vector_pullback: str | None = None  # vector_wy="mosaic": its pullback, "kernel" | "mosaic"
@@ -210,6 +213,9 @@ class Options:
         if self.p_in_serial is not None and not isinstance(self.p_in_serial, bool):
             raise ValueError(f"Options.p_in_serial must be None, True or False, got "
                              f"{self.p_in_serial!r}")
+        if self.forward_warpgroups not in (1, 2):
+            raise ValueError(f"Options.forward_warpgroups must be 1 or 2, got "
+                             f"{self.forward_warpgroups!r}")
         if self.inverse_passes not in (None, 1, 2, 3):
             raise ValueError("Options.inverse_passes must be None, 1, 2 or 3, got "
                              f"{self.inverse_passes!r}")
@@ -605,7 +611,7 @@ def _serial_wy_forward(cfg, ins, wy, init, doc, first, last, store):
         cfg, state_wy_mosaic.state_fwd, args, axes,
         (_STATE_AXES["mosaic"], "b h t v")[:2 * store] + ("n h k v", "b t h v"), mosaic=True,
         scale=cfg.scale, out_dtype=v.dtype, num_docs=cfg.num_docs,
-        interpret=cfg.dots.interpret, store=store)
+        interpret=cfg.dots.interpret, store=store, warpgroups=cfg.options.forward_warpgroups)
     return (o, final, *saved)
 
 
@@ -867,6 +873,8 @@ def delta_rule_pallas(q, k, kw, v, beta, log_decay, scale, initial_state, cu_seq
         raise ValueError("Options.p_in_serial needs inverse_backend='mosaic' (and so wy_in_serial)")
     options = dataclasses.replace(options, p_in_serial=options.inverse_backend == "mosaic" if
                                   options.p_in_serial is None else options.p_in_serial)
+    if options.forward_warpgroups == 2 and not options.p_in_serial:
+        raise ValueError("Options.forward_warpgroups=2 needs p_in_serial (the Mosaic inverse)")
     cfg = _Config(chunk_size, decay, float(scale),
                   None if cu_seqlens is None else layout.num_docs, options,
                   Dots(options.precision, interpret), Dots(options.parallel_precision, interpret))

@@ -275,16 +275,22 @@ def columns(buf, slot):
     return bcast_cols(vec, (BV, vec.shape[0]))
 
 
-def _loop(nc, reverse, issue, in_bar, step, K):
+def _loop(nc, reverse, issue, in_bar, step, K, released=None):
     """The chunk loop: chunk tiles double-buffered (slot i % 2), the next chunk's issued right
     after the current one's arrive; ``step(c, slot, carry)`` returns the next carry, the
-    transposed [BV, K] float32 state or cotangent, zeros before the first chunk."""
+    transposed [BV, K] float32 state or cotangent, zeros before the first chunk.
+    ``released``: a barrier another warpgroup arrives on once done with a chunk's slot, waited
+    for before every step but the first (the other slot is refilled then)."""
     chunk_at = (lambda i: nc - 1 - i) if reverse else (lambda i: i)
     issue(chunk_at(0), 0)
 
     def body(i, carry):
         slot = lax.rem(i, 2)
         plgpu.barrier_wait(in_bar.at[slot])
+        if released is not None:
+            @pl.when(i > 0)
+            def _released():
+                plgpu.barrier_wait(released)
 
         @pl.when(i + 1 < nc)
         def _prefetch():

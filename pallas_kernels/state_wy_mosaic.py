@@ -32,6 +32,7 @@ chunk-aligned documents (the flags of ``state_mosaic``); no sequence pieces.
 """
 
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -77,7 +78,7 @@ def _stage_p(qk, g_r, g_c, slot, p):
 
 
 def state_fwd(T, k, kw, v, q, P, vecs, gc, initial_state, doc, first, last, *, scale, out_dtype,
-              num_docs, interpret, store=True):
+              num_docs, interpret, store=True, warpgroups=1):
     """Forward pass from T, P [B, H, Tp, C] (bf16, ``wy_inverse``), the inputs k, k̃, q
     [B, Tp, H, K] and v [B, Tp, H, V] (bf16), ``vecs`` (rows β, βΓ, Γ, Γ_C/Γ [B, H, 4, Tp]
     float32) and Γ_C [B, H, NC, K]:
@@ -87,7 +88,16 @@ def state_fwd(T, k, kw, v, q, P, vecs, gc, initial_state, doc, first, last, *, s
     docstring). P None: formed here, P = (Q K̃ᵀ) ⊙ D with D_ij = exp(γ_i − γ_j) (i >= j) from
     the fifth row of ``vecs``, γ (``inverse_mosaic.wy_inverse_rows``), in the first product
     group of the step, so no P goes through HBM. ``initial_state``: None or [N, H, K, V];
-    ``num_docs``: N, or None for one document per batch row."""
+    ``num_docs``: N, or None for one document per batch row. ``warpgroups`` 2 (P None only):
+    jax-linear-attention's split, the chain (Sᵀ Kᵀ, R, the state update, the stores of S and R)
+    in warpgroup 0, the output (Sᵀ Qᵀ, P, Oᵀ, o's store) in warpgroup 1: warpgroup 0 publishes
+    each chunk's bf16 S at the step's start and R once formed (``s_ready``, ``r_ready``), so
+    warpgroup 1's Sᵀ Qᵀ and P run beside the chain's Sᵀ Kᵀ and R, and its Rᵀ Pᵀ beside the
+    state update; it releases the chunk's slot and S, R once read (``released``), which
+    warpgroup 0 waits for before refilling that slot (the next step's start)."""
+    if warpgroups not in (1, 2) or (warpgroups == 2 and P is not None):
+        raise ValueError(f"warpgroups must be 1, or 2 with P None (formed here), got "
+                         f"{warpgroups!r} with P {'None' if P is None else 'given'}")
     B, H, Tp, _ = T.shape
     K, V, nc = k.shape[-1], v.shape[-1], Tp // C
     check_shapes(chunk=Tp // gc.shape[2], K=K, V=V)
@@ -107,12 +117,17 @@ def state_fwd(T, k, kw, v, q, P, vecs, gc, initial_state, doc, first, last, *, s
     if store:
         out_type[:0] = [out_struct((B, H, nc, V, K), BF16, *ins),
                         out_struct((B, H, Tp, V), BF16, *ins)]
+    if store or warpgroups == 2:  # the stores' staging, with two warpgroups the publications
         scratch.update(s_out=smem((BV, K), BF16), r_out=smem((C, BV), BF16))
+    if warpgroups == 2:
+        scratch.update(s_ready=plgpu.Barrier(), r_ready=plgpu.Barrier(),
+                       released=plgpu.Barrier())
     args = [T] + ([] if form_p else [P]) + [k, kw, q, v, vecs, gc, _flags(doc, first, last)]
     args += [_doc_states(initial_state)] if has_init else []
 
     def body(*refs, t, p, k, kw, q, v, vb, vbg, vg, vt, g, fl, doc_buf, doc_bar, in_bar, o_out,
-             s_out=None, r_out=None, g_r=None, g_c=None):
+             s_out=None, r_out=None, g_r=None, g_c=None, s_ready=None, r_ready=None,
+             released=None):
         refs = list(refs)
         T_ref = refs.pop(0)
         P_ref = None if form_p else refs.pop(0)
@@ -120,7 +135,7 @@ def state_fwd(T, k, kw, v, q, P, vecs, gc, initial_state, doc, first, last, *, s
         init_ref = refs.pop(0) if has_init else None
         states_ref, R_ref = (refs.pop(0), refs.pop(0)) if store else (None, None)
         final_ref, o_ref = refs
-        b, h, v0 = _start(doc_buf)
+        b, h, v0 = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v") * BV
 
         def issue(c, slot):
             bar = in_bar.at[slot]
@@ -169,10 +184,68 @@ def state_fwd(T, k, kw, v, q, P, vecs, gc, initial_state, doc, first, last, *, s
             _doc_state_out(S, final_ref, d, h, v0, doc_buf, is_last)
             return S
 
-        _loop(nc, False, issue, in_bar, step, K)
+        def chain_step(c, slot, S):  # warpgroup 0 of two
+            d, is_first, is_last = fl[slot, 0], fl[slot, 1], fl[slot, 2]
+            rows = pl.ds(c * C, C)
+            S = restart_state(S, init_ref, d, h, v0, (doc_buf, doc_bar), is_first)
+            s_lo = S.astype(BF16)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's stores were read
+            s_out[...] = s_lo
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(s_ready)
+            ks_t = matmul([(s_lo, k.at[slot].T)], (BV, C), None, interpret)  # Sᵀ Kᵀ
+            v_t = plgpu.load(v.at[slot].T, layout=WGMMA).astype(F32)
+            y_lo = (v_t * columns(vb, slot) - ks_t * columns(vbg, slot)).astype(BF16)
+            r_t = matmul([(y_lo, t.at[slot].T)], (BV, C), None, interpret)  # Rᵀ = Yᵀ Tᵀ
+            r_out.T[...] = r_t.astype(BF16)
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(r_ready)
+            if store:
+                plgpu.copy_smem_to_gmem(s_out, states_ref.at[b, h, c, pl.ds(v0, BV)],
+                                        commit_group=False)
+                plgpu.copy_smem_to_gmem(r_out, R_ref.at[b, h, rows, pl.ds(v0, BV)],
+                                        commit_group=False)
+                plgpu.commit_smem_to_gmem_group()
+            rt_lo = (r_t * columns(vt, slot)).astype(BF16)
+            S = matmul([(rt_lo, kw.at[slot])], (BV, K), S * columns(g, slot), interpret)
+            _doc_state_out(S, final_ref, d, h, v0, doc_buf, is_last)
+            return S
+
+        def output(n, carry):  # warpgroup 1 of two: chunk n's Oᵀ from the published S, R
+            slot, rows = lax.rem(n, 2), pl.ds(n * C, C)
+            plgpu.barrier_wait(in_bar.at[slot])
+            plgpu.barrier_wait(s_ready)
+            qs_t, qk = products([(s_out, q.at[slot].T, (BV, C)),
+                                 (q.at[slot], kw.at[slot].T, (C, C))], interpret)
+            _stage_p(qk, g_r, g_c, slot, p)  # (the last chunk's product read p: waited)
+            plgpu.barrier_wait(r_ready)
+            o_t = matmul([(r_out.T, p.T)], (BV, C), qs_t * columns(vg, slot), interpret)
+            plgpu.barrier_arrive(released)  # the slot, S and R read: the chain may go on
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's o was read
+            o_out.T[...] = (scale * o_t).astype(o_out.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_out, o_ref.at[b, rows, h, pl.ds(v0, BV)])
+            return carry
+
+        if warpgroups == 1:
+            _start(doc_buf)
+            _loop(nc, False, issue, in_bar, step, K)
+            return
+
+        @pl.when(lax.axis_index("wg") == 0)
+        def _chain():
+            _start(doc_buf)
+            _loop(nc, False, issue, in_bar, chain_step, K, released)
+            plgpu.barrier_wait(released)  # the last chunk's: every phase observed
+
+        @pl.when(lax.axis_index("wg") == 1)
+        def _outputs():
+            lax.fori_loop(0, nc, output, None)
+            plgpu.wait_smem_to_gmem(0)
 
     outs = list(kernel(body, name="state_fwd_wy_mosaic", out_type=tuple(out_type),
-                        scratch=scratch, grid=(B, H, V // BV), interpret=interpret)(*args))
+                        scratch=scratch, grid=(B, H, V // BV), interpret=interpret,
+                        warpgroups=warpgroups)(*args))
     outs[2 * store] = _doc_states(outs[2 * store])
     return outs
 

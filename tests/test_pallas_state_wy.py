@@ -141,9 +141,28 @@ def test_passes_form_p_as_the_inverse_does(rand):
         assert rel_rms(a, b) <= 4e-3, (name, rel_rms(a, b))
 
 
+def test_forward_in_two_warpgroups_gives_the_same_bits(rand):
+    """``state_fwd(warpgroups=2)`` (the output in a second warpgroup, P formed there) gives the
+    one-warpgroup pass's bits, with and without its stores, three packed documents and initial
+    states; P given with two warpgroups is refused."""
+    x = mosaic_inputs(rand, 128)
+    init = rand.normal(3, H, 128, V)
+    common = dict(scale=SCALE, out_dtype=BF16, num_docs=3, interpret=True)
+    args = [x[n] for n in ("T", "k", "kw", "v", "q")]
+    for store in (True, False):
+        one, two = (state_wy_mosaic.state_fwd(*args, None, x["vecs5"], x["gc"], init, *FLAGS,
+                                              store=store, warpgroups=w, **common) for w in (1, 2))
+        for a, b in zip(one, two, strict=True):
+            np.testing.assert_array_equal(np.asarray(a, F32), np.asarray(b, F32))
+    with pytest.raises(ValueError, match="warpgroups must be 1, or 2 with P None"):
+        state_wy_mosaic.state_fwd(*args, x["P"], x["vecs"], x["gc"], init, *FLAGS, warpgroups=2,
+                                  **common)
+
+
 def test_passes_lower_for_cuda():
-    """Both passes (the forward with and without its stores, and forming P; the backward fed A
-    and forming it) through Mosaic GPU's own passes (layout inference) at K = V = 128."""
+    """Both passes (the forward with and without its stores, and forming P, in one warpgroup
+    and in two; the backward fed A and forming it) through Mosaic GPU's own passes (layout
+    inference) at K = V = 128."""
     K = 128
     s = jax.ShapeDtypeStruct
     tok = lambda d: s((B, TP, H, d), BF16)  # noqa: E731
@@ -152,12 +171,13 @@ def test_passes_lower_for_cuda():
     flags = tuple(s(f.shape, jnp.int32) for f in FLAGS)
     vecs, gc = s((B, H, 4, TP), F32), s((B, H, NC, K), F32)
     vecs5 = s((B, H, 5, TP), F32)
-    for store, formed in ((True, False), (False, False), (True, True)):  # formed: P None
-        def fwd(T, k, kw, v, q, *rest, store=store, formed=formed):
+    for store, formed, wgs in ((True, False, 1), (False, False, 1), (True, True, 1),
+                               (True, True, 2), (False, True, 2)):  # formed: P None
+        def fwd(T, k, kw, v, q, *rest, store=store, formed=formed, wgs=wgs):
             P, vecs, gc, *fl = (None, *rest) if formed else rest
             return state_wy_mosaic.state_fwd(T, k, kw, v, q, P, vecs, gc, None, *fl, scale=SCALE,
                                              out_dtype=BF16, num_docs=None, interpret=False,
-                                             store=store)
+                                             store=store, warpgroups=wgs)
         P = () if formed else (rows(C),)
         assert mosaic_kernels_lowered_for_cuda(
             fwd, (*common.values(), tok(V), tok(K), *P, vecs5 if formed else vecs, gc,
@@ -252,8 +272,9 @@ def test_refused_where_it_does_not_apply(rand):
 def test_p_in_serial_resolves_and_refuses(rand, monkeypatch):
     """``Options.p_in_serial``: None resolves to True with the Mosaic inverse (the default
     here) and to False with the Triton one; True with the Triton inverse is a ValueError naming
-    what it needs, a non-bool one naming the choices. The op with it never runs
-    ``dout_products`` (its backward forms A in the pass)."""
+    what it needs, a non-bool one naming the choices. ``forward_warpgroups`` reaches the
+    forward pass and needs it. The op with it never runs ``dout_products`` (its backward forms
+    A in the pass)."""
     x = rand.delta_inputs(1, 64, 1, 64, 64, dtype=BF16)
     args = (x["q"], x["k"], x["write_key"], x["v"], x["beta"], None, 0.125, None, None, 64)
     seen = []
@@ -269,6 +290,21 @@ def test_p_in_serial_resolves_and_refuses(rand, monkeypatch):
                                          inverse_backend="triton", p_in_serial=True))
     with pytest.raises(ValueError, match="p_in_serial must be None, True or False"):
         Options(p_in_serial=1)
+    with pytest.raises(ValueError, match="forward_warpgroups=2 needs p_in_serial"):
+        delta_rule_pallas(*args, Options(serial_backend="mosaic", fused_grads=True,
+                                         p_in_serial=False, forward_warpgroups=2))
+    with pytest.raises(ValueError, match="forward_warpgroups must be 1 or 2"):
+        Options(forward_warpgroups=3)
+    wgs = []
+    real_fwd = state_wy_mosaic.state_fwd
+    monkeypatch.setattr(state_wy_mosaic, "state_fwd",
+                        lambda *a, **kw: wgs.append(kw["warpgroups"]) or real_fwd(*a, **kw))
+    jax.clear_caches()  # the traces above, made before this patch
+    for w in (1, 2):
+        jax.eval_shape(lambda *a: delta_rule_pallas(
+            *a, *args[5:], Options(serial_backend="mosaic", fused_grads=True,
+                                   forward_warpgroups=w)), *args[:5])
+    assert wgs == [1, 2]
     monkeypatch.setattr(delta_rule, "dout_products", None)  # called: a TypeError
     jax.eval_shape(jax.grad(lambda q: jnp.sum(delta_rule_pallas(
         q, *args[1:], FUSED_GRADS)[0].astype(F32))), args[0])
