@@ -301,8 +301,8 @@ def variant(v):
     """Options from precision/block_v/num_warps[/num_stages][/fused][/recompute]
     [/vxla|/vkernel|/vhalving|/vmosaic][/pP][/kN][/wkN][/bwN][/wwN][/sN][/hbf16|/h32][/wbf16][/qP]
     [/oserial|/okernel][/dserial|/dkernel][/mosaic|/triton][/cpN][/fg|/nofg][/gw1][/wyP][/waP]
-    [/wis][/invm][/ipN][/serp|/infp][/fw2][/dsx|/dsm][/vpull|/vkpull] (vxla / vkernel / vhalving / vmosaic:
-    ``Options.vector_wy`` = "xla" / "kernel" / "halving" / "mosaic"; pP:
+    [/wis][/invm][/ipN][/serp|/infp][/fw1|/fw2][/dsx|/dsm][/vpull|/vkpull] (vxla / vkernel /
+    vhalving / vmosaic: ``Options.vector_wy`` = "xla" / "kernel" / "halving" / "mosaic"; pP:
     ``Options.parallel_precision`` = P, e.g. ptf32, pbf16;
     kN: ``Options.block_k`` = N; wkN: ``Options.wy_block_k`` = N; bwN:
     ``Options.pullback_warps`` = N; wwN: ``Options.wy_warps`` = N; sN:
@@ -317,7 +317,7 @@ def variant(v):
     ``Options.grads_warpgroups`` = 1; wyP / waP: ``Options.wy_precision`` /
     ``wy_apply_precision`` = P; wis: ``Options.wy_in_serial``; invm:
     ``Options.inverse_backend`` = "mosaic"; ipN: ``Options.inverse_passes`` = N; serp / infp:
-    ``Options.p_in_serial`` True / False; fw2: ``Options.forward_warpgroups`` = 2; dsx / dsm:
+    ``Options.p_in_serial`` True / False; fw1 / fw2: ``Options.forward_warpgroups`` = 1 / 2; dsx / dsm:
     ``Options.decay_scan`` = "xla" / "mosaic"; vpull / vkpull: ``Options.vector_pullback`` =
     "mosaic" / "kernel"). Unnamed options keep their
     defaults."""
@@ -363,7 +363,7 @@ def variant(v):
                    inverse_backend="mosaic" if "invm" in flags else None,
                    inverse_passes=passes[0] if passes else None,
                    p_in_serial=True if "serp" in flags else False if "infp" in flags else None,
-                   forward_warpgroups=2 if "fw2" in flags else 1,
+                   forward_warpgroups=2 if "fw2" in flags else 1 if "fw1" in flags else None,
                    decay_scan="xla" if "dsx" in flags else "mosaic" if "dsm" in flags else None,
                    vector_pullback=("mosaic" if "vpull" in flags else
                                     "kernel" if "vkpull" in flags else None))
@@ -395,7 +395,7 @@ def variant_tag(opt):
             + ("/invm" if opt.inverse_backend == "mosaic" else "")
             + (f"/ip{opt.inverse_passes}" if opt.inverse_passes else "")
             + {True: "/serp", False: "/infp", None: ""}[opt.p_in_serial]
-            + ("/fw2" if opt.forward_warpgroups == 2 else "")
+            + (f"/fw{opt.forward_warpgroups}" if opt.forward_warpgroups else "")
             + {"xla": "/dsx", "mosaic": "/dsm", None: ""}[opt.decay_scan]
             + {"mosaic": "/vpull", "kernel": "/vkpull", None: ""}[opt.vector_pullback])
 

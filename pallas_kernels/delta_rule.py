@@ -163,7 +163,9 @@ class Options:
     kernel, no A through HBM: DeltaNet / GDN f+b -5 % / -7 %, RESULTS run 158); None: on with
     the Mosaic inverse, True: ValueError elsewhere, False: off. ``forward_warpgroups``: with
     ``p_in_serial``, the forward state pass in one warpgroup or two (the chain and the output
-    side by side, ``state_wy_mosaic.state_fwd``; untimed on the device). ``decay_scan``: with a
+    side by side, ``state_wy_mosaic.state_fwd``); None: two where the pass stores the states
+    for a backward pass (96 -> 86 µs, DeltaNet / GDN f+b -2 to -5 %, RESULTS runs 160-161),
+    one where it does not (84 µs either way: the chain alone sets its pace). ``decay_scan``: with a
     per-channel decay, its in-chunk sums γ (forward) and their pullback to g (backward) as XLA's
     batched 0/1-mask matmuls ("xla") or as ``decay_scan_mosaic``'s kernels ("mosaic": one thread
     a channel walking the chunk; H K a multiple of 128, ValueError otherwise); None: "mosaic"
@@ -198,7 +200,7 @@ class Options:
     inverse_backend: str | None = None  # wy_in_serial: "triton" | "mosaic" wy_inverse
     inverse_passes: int | None = None  # the Mosaic inverses' bf16 wgmmas a merge product
     p_in_serial: bool | None = None  # inverse_backend="mosaic": P formed in the state passes
-    forward_warpgroups: int = 1  # p_in_serial: the forward pass's output in a second warpgroup
+    forward_warpgroups: int | None = None  # p_in_serial: 2, the output beside the chain
     wy_apply_precision: str | None = None  # split: that forward's W and U dots
     decay_scan: str | None = None  # per-channel decay: "xla" | "mosaic" in-chunk sums of g
     vector_pullback: str | None = None  # vector_wy="mosaic": its pullback, "kernel" | "mosaic"
@@ -213,8 +215,8 @@ class Options:
         if self.p_in_serial is not None and not isinstance(self.p_in_serial, bool):
             raise ValueError(f"Options.p_in_serial must be None, True or False, got "
                              f"{self.p_in_serial!r}")
-        if self.forward_warpgroups not in (1, 2):
-            raise ValueError(f"Options.forward_warpgroups must be 1 or 2, got "
+        if self.forward_warpgroups not in (None, 1, 2):
+            raise ValueError(f"Options.forward_warpgroups must be None, 1 or 2, got "
                              f"{self.forward_warpgroups!r}")
         if self.inverse_passes not in (None, 1, 2, 3):
             raise ValueError("Options.inverse_passes must be None, 1, 2 or 3, got "
@@ -611,7 +613,9 @@ def _serial_wy_forward(cfg, ins, wy, init, doc, first, last, store):
         cfg, state_wy_mosaic.state_fwd, args, axes,
         (_STATE_AXES["mosaic"], "b h t v")[:2 * store] + ("n h k v", "b t h v"), mosaic=True,
         scale=cfg.scale, out_dtype=v.dtype, num_docs=cfg.num_docs,
-        interpret=cfg.dots.interpret, store=store, warpgroups=cfg.options.forward_warpgroups)
+        interpret=cfg.dots.interpret, store=store,
+        warpgroups=cfg.options.forward_warpgroups or (2 if store and cfg.options.p_in_serial
+                                                      else 1))
     return (o, final, *saved)
 
 

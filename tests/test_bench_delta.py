@@ -27,6 +27,7 @@ from pallas_kernels.delta_rule import Options
     ("auto/64/4/ip1/infp", dict(inverse_passes=1, p_in_serial=False)),
     ("auto/64/4/serp", dict(p_in_serial=True)),
     ("auto/64/4/fw2", dict(forward_warpgroups=2)),
+    ("auto/64/4/fw1", dict(forward_warpgroups=1)),
     ("auto/64/4/okernel/bw8/dkernel", dict(output_in_serial=False, pullback_warps=8,
                                            dout_in_serial=False)),
     ("tf32/32/8/1/triton/oserial/k128/s32", dict(precision="tf32", block_v=32, num_warps=8,

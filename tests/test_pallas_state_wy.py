@@ -273,7 +273,8 @@ def test_p_in_serial_resolves_and_refuses(rand, monkeypatch):
     """``Options.p_in_serial``: None resolves to True with the Mosaic inverse (the default
     here) and to False with the Triton one; True with the Triton inverse is a ValueError naming
     what it needs, a non-bool one naming the choices. ``forward_warpgroups`` reaches the
-    forward pass and needs it. The op with it never runs ``dout_products`` (its backward forms
+    forward pass and needs it; None gives two warpgroups where the pass stores states (under
+    a gradient) and one where it does not. The op with it never runs ``dout_products`` (its backward forms
     A in the pass)."""
     x = rand.delta_inputs(1, 64, 1, 64, 64, dtype=BF16)
     args = (x["q"], x["k"], x["write_key"], x["v"], x["beta"], None, 0.125, None, None, 64)
@@ -293,18 +294,19 @@ def test_p_in_serial_resolves_and_refuses(rand, monkeypatch):
     with pytest.raises(ValueError, match="forward_warpgroups=2 needs p_in_serial"):
         delta_rule_pallas(*args, Options(serial_backend="mosaic", fused_grads=True,
                                          p_in_serial=False, forward_warpgroups=2))
-    with pytest.raises(ValueError, match="forward_warpgroups must be 1 or 2"):
+    with pytest.raises(ValueError, match="forward_warpgroups must be None, 1 or 2"):
         Options(forward_warpgroups=3)
     wgs = []
     real_fwd = state_wy_mosaic.state_fwd
     monkeypatch.setattr(state_wy_mosaic, "state_fwd",
                         lambda *a, **kw: wgs.append(kw["warpgroups"]) or real_fwd(*a, **kw))
     jax.clear_caches()  # the traces above, made before this patch
-    for w in (1, 2):
-        jax.eval_shape(lambda *a: delta_rule_pallas(
-            *a, *args[5:], Options(serial_backend="mosaic", fused_grads=True,
-                                   forward_warpgroups=w)), *args[:5])
-    assert wgs == [1, 2]
+    for w in (1, 2, None):
+        op = lambda *a: delta_rule_pallas(*a, *args[5:], Options(  # noqa: E731
+            serial_backend="mosaic", fused_grads=True, forward_warpgroups=w))[0]
+        jax.eval_shape(op, *args[:5])
+        jax.eval_shape(jax.grad(lambda *a: jnp.sum(op(*a).astype(F32))), *args[:5])
+    assert wgs == [1, 1, 2, 2, 1, 2]
     monkeypatch.setattr(delta_rule, "dout_products", None)  # called: a TypeError
     jax.eval_shape(jax.grad(lambda q: jnp.sum(delta_rule_pallas(
         q, *args[1:], FUSED_GRADS)[0].astype(F32))), args[0])
