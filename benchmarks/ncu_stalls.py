@@ -1,12 +1,15 @@
 """Launch shape, occupancy, issue rate and the top warp stalls of each kernel in an Nsight
 Compute report printed as CSV (``--csv --page raw``): the table of RESULTS runs 146 and
 150-151, where "no instruction" (instruction-cache misses) or barrier / scoreboard waits say
-what bounds a Mosaic kernel before its registers do. On the device:
+what bounds a Mosaic kernel before its registers do, and the DRAM columns (bytes, share of
+the peak bandwidth, L2 hit rate) whether its bytes do (NOTES, session 32: the forward state
+pass reads 64 KB a CTA-chunk against jla's 48). On the device:
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --profile-from-start off --clock-control none \\
         --kernel-name regex:"wy_inverse|state_fwd_wy" --launch-count 2 \\
         --section LaunchStats --section Occupancy --section WarpStateStats \\
-        --section SchedulerStats --section SpeedOfLight --csv --page raw \\
+        --section SchedulerStats --section SpeedOfLight --section MemoryWorkloadAnalysis \\
+        --csv --page raw \\
         python benchmarks/ncu_kernels.py delta --core deltanet --inner > report.csv
     python benchmarks/ncu_stalls.py report.csv
 
@@ -27,6 +30,10 @@ SHOWN = {  # column: its label in the table
     "sm__warps_active.avg.pct_of_peak_sustained_active": "warps active %",
     "smsp__issue_active.avg.pct_of_peak_sustained_active": "issue active %",
     "gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed": "memory %",
+    "dram__throughput.avg.pct_of_peak_sustained_elapsed": "dram %",
+    "dram__bytes_read.sum": "dram read",
+    "dram__bytes_write.sum": "dram written",
+    "lts__t_sector_hit_rate.pct": "L2 hit %",
 }
 STALL = ("smsp__average_warps_issue_stalled_", "_per_issue_active.ratio")
 

@@ -6,14 +6,15 @@ from benchmarks.ncu_stalls import describe, kernels, stalls
 
 STALL = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
 HEADER = ["ID", "Kernel Name", "launch__registers_per_thread", STALL.format("barrier"),
-          STALL.format("no_instruction"), STALL.format("wait")]
+          STALL.format("no_instruction"), STALL.format("wait"),
+          "dram__throughput.avg.pct_of_peak_sustained_elapsed", "lts__t_sector_hit_rate.pct"]
 REPORT = [
     "wall_ms 0.359",  # the profiled program's own output comes first
     "==PROF== Connected to process 599",
     ",".join(f'"{h}"' for h in HEADER),
-    '"","","register/thread","ratio","ratio","ratio"',
-    '"0","wy_inverse_mosaic","255","1.71","0.05","0.98"',
-    '"1","state_fwd_wy_mosaic","203","1,360.5","","0.65"',
+    '"","","register/thread","ratio","ratio","ratio","%","%"',
+    '"0","wy_inverse_mosaic","255","1.71","0.05","0.98","61.2","48.5"',
+    '"1","state_fwd_wy_mosaic","203","1,360.5","","0.65","84.9","51.0"',
 ]
 
 
@@ -24,6 +25,7 @@ def test_reads_kernels_and_orders_their_stalls():
     assert stalls(found[1], 5) == [("barrier", 1360.5), ("wait", 0.65)]  # empty cells skipped
     text = describe(found[0])
     assert text.splitlines()[0] == "wy_inverse_mosaic" and "regs=255" in text
+    assert "dram %=61.2" in text and "L2 hit %=48.5" in text
     assert "stalls: barrier 1.71, wait 0.98, no_instruction 0.05" in text
 
 
