@@ -28,14 +28,15 @@ from precond_linattn.chunked.osgm_picard import coefficients
 REAL_SETTLE = om._settle
 
 
-def counting_settle(step, x0, carry0, fixed=None):
+def counting_settle(step, x0, carry0, accept, fixed=None):
     """``osgm_mosaic._settle`` (or exactly ``fixed`` sweeps) returning, in place of the
     coupling, n + 1000 m per row: n sweeps run, m the last whose coupling moved."""
     def body(c):
         x, carry, _, n, last = c
         x_new, carry = step(x)
         moved = jnp.max(jnp.abs(x_new - x)) > 0.0
-        return x_new, carry, om._changed(x_new, x), n + 1, jnp.where(moved, n + 1, last)
+        go_on = om._changed(x_new, x) & jnp.logical_not(accept(x_new, x))
+        return x_new, carry, go_on, n + 1, jnp.where(moved, n + 1, last)
 
     def cond(c):
         return (c[2] & (c[3] <= om.TILE)) if fixed is None else c[3] < fixed

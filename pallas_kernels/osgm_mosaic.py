@@ -8,18 +8,20 @@ warpgroup does the per-tile work off that chain, ``warpgroups``); per tile of ``
 tokens, from the exact state d_0 entering it and the per-token w = η g / n̄, g (β or 1), r
 from XLA:
 
-    a_t ← ⟨d_0, s_t⟩                                           (the first guess)
+    a_t ← ⟨clip(p_t d_0), s_t⟩, p_t = Π_{m<t} r_m             (the first guess)
     repeat:  u_t = w_t (1 − g_t a_t)
              a sweep, thread j alone:  D_tj = d_j;  d_j ← clip(r_t d_j + u_t s_tj, d_min, d_max)
              a'_t = Σ_j D_tj s_tj   (row sums of the tile in the WGMMA layout)
-    until a' = a bit for bit;  then k̃_t = D_t ⊙ k_t (or d_t itself), and the tile's last d
-    enters the next.
+    until a' = a bit for bit, or a' − a is small enough that the D this sweep wrote is within
+    a quarter float32 spacing of the fixed point's (``_accepts``: a contraction bound);
+    then k̃_t = D_t ⊙ k_t (or d_t itself), and the tile's last d enters the next.
 
 No reduction sits on the per-token chain (one FMA and the clip). Causality bounds the sweeps:
 after the n-th, a_1 .. a_n equal the fixed point's, so it is reached within TILE sweeps and
 confirmed by one more; as the coupling w g ⟨s_τ, s_t⟩ is small (η = 0.003), it takes a few
-(``chunked/osgm_picard.py``). The result is the token loop's with the row sums' order of
-summation, whatever the number of sweeps. The reverse kernel does the same for the adjoint,
+(``chunked/osgm_picard.py``), and the bound saves the confirming one where the coupling is
+that small. The result is the token loop's with the row sums' order of summation, to within
+that quarter spacing, whatever the number of sweeps. The reverse kernel does the same for the adjoint,
 whose coordinates interact only through γ_t = ⟨μ_t, s_t⟩; it recomputes each tile's d_t by one
 sweep from the tile's entering state and the u_t the forward ended with (its residuals, instead
 of every d_t).
@@ -46,10 +48,11 @@ from pallas_kernels.rows_mosaic import (
     F32, K_THREADS, KP, TILE, VEC, check_shape, cta_kernel, doc_scratch, document_out, flag_mask,
     issue, padded, restart_rows, row, row_sums, rows_layout, send, slot_tile, square_rows, tile,
     tokens, walk_tiles)
-from pallas_kernels.state_mosaic import COLS, ROWS, bcast_cols
+from pallas_kernels.state_mosaic import COLS, ROWS, bcast_cols, bcast_rows
 from pallas_kernels.triton_common import out_struct
 
-W, G, R = 0, 1, 2  # the forward's coefficient rows; with packed documents three more follow:
+SPACING = 2.0 ** -26  # _accepts: a quarter of float32's spacing at 1 (2^-23), relative
+W, G, R, P = 0, 1, 2, 3  # the forward's rows; with packed documents three more follow:
 U, RB, WG, GN = 0, 1, 2, 3  # document, first, last; and the backward's
 
 
@@ -59,11 +62,23 @@ def runs(*, K: int) -> bool:
 
 
 def coefficient_rows(coefs, Tp, docs=None):
-    """The forward's [B, H, 3 (+ 3), Tp] from ``coefs`` = (s, n̄, g, w, r) [B, T, H(, K)]
-    (``osgm_picard.coefficients``): w, g, r per token, padded to Tp tokens with w = 0, g = 0,
-    r = 1; ``docs`` (document ids, first and last flags [B, T]) for packed documents."""
+    """The forward's [B, H, 4 (+ 3), Tp] from ``coefs`` = (s, n̄, g, w, r) [B, T, H(, K)]
+    (``osgm_picard.coefficients``): w, g, r and ``retained(r)`` per token, padded to Tp tokens
+    with w = 0, g = 0, r = 1; ``docs`` (document ids, first and last flags [B, T]) for packed
+    documents."""
     _, _, g, w, r = coefs
-    return rows_layout([w, g, r], docs, Tp, R)
+    return rows_layout([w, g, r, retained(r, Tp)], docs, Tp, R)
+
+
+def retained(r, Tp):
+    """p_t = Π r_m over the tile's tokens m before t [B, T, H] (1 at a tile's first token): the
+    first guess's d_t = clip(p_t d_0) follows the retention, which moves a_t by ~10 % a tile
+    at r ~ 0.998 where the updates u_t s_t move it by ~1e-4 (one sweep fewer a tile)."""
+    B, T, H = r.shape
+    x = jnp.pad(r, [(0, 0), (0, Tp - T), (0, 0)], constant_values=1.0)
+    x = x.reshape(B, Tp // TILE, TILE, H)
+    x = jnp.concatenate([jnp.ones_like(x[:, :, :1]), jnp.cumprod(x[:, :, :-1], axis=2)], axis=2)
+    return x.reshape(B, Tp, H)[:, :T]
 
 
 def backward_rows(coefs, u, a, eps, Tp, docs=None):
@@ -89,6 +104,14 @@ def check_warpgroups(warpgroups, *seqs):
                          f"flight with float32 ones), got {[str(x.dtype) for x in seqs]}")
 
 
+def _check_rows(coefs, rows, packed):
+    """ValueError unless ``coefs`` has the kernel's rows (``coefficient_rows`` /
+    ``backward_rows``, with ``packed`` documents' three)."""
+    if coefs.ndim != 4 or coefs.shape[2] != len(rows):
+        raise ValueError(f"coefs must be [B, H, {len(rows)}, Tp] (packed={packed}), got "
+                         f"{coefs.shape}")
+
+
 def _clip(p, d_min, d_max):
     """``reference.osgm.clip_box``'s values (d_min <= d_max) as a max and a min: on the sweeps'
     chain, two min / max instructions instead of two compare-select pairs."""
@@ -105,16 +128,43 @@ def _changed(new, old):
     return jnp.sum(jnp.where(new != old, 1.0, 0.0)) > 0.0
 
 
-def _settle(step, x0, carry0):
-    """Picard sweeps ``x, carry = step(x)`` from the guess x0 until x comes back bit for bit (at
-    most TILE + 1: causality settles one more token a sweep). Returns (x, carry)."""
+def _accepts(s, wg, r, scale=None):
+    """The test that ends a tile's Picard sweeps before the coupling comes back bit for bit:
+    ``accept(x_new, x)`` for x_new = F(x), F the sweep and its row sums, true where the tile
+    the sweep with x emitted (D, or M in reverse) is within a quarter float32 spacing of the
+    fixed point's. Each token's map is 1-Lipschitz in d (|r_t| <= 1, the clip) and moves with
+    its coupling x_t by |w_t g_t| s_tj, so ‖ΔD‖∞ <= ω ‖Δx‖∞ with ω = max_j Σ_t |w_t g_t| s_tj,
+    and F contracts by κ <= ω max_t Σ_j s_tj; hence ‖x − x*‖∞ <= ‖x_new − x‖∞ / (1 − κ) and
+    the test ω ‖x_new − x‖∞ <= 2⁻²⁶ ``scale`` (1 − κ). ``scale``: the largest |d| the box
+    allows; None (the adjoint): max_t |x_new_t| / max_t Σ_j s_tj, a lower bound of max |M|.
+    s [TILE, 128] (WGMMA layout), wg = w g and r [TILE] (ROWS). Never true where |r_t| > 1
+    or κ >= 1: such a tile settles bit for bit."""
+    omega = jnp.max(jnp.sum(bcast_rows(jnp.abs(wg), s.shape) * s, axis=0))
+    n_max = jnp.max(jnp.sum(s, axis=1))
+    kappa = omega * n_max
+    valid = (jnp.max(jnp.abs(r)) <= 1.0) & (kappa < 1.0)
+
+    def accept(x_new, x):
+        error = omega * jnp.max(jnp.abs(x_new - x))
+        if scale is None:  # error n_max <= 2^-26 max|x_new| (1 - κ), without a division
+            return valid & (error * n_max <= SPACING * jnp.max(jnp.abs(x_new)) * (1.0 - kappa))
+        return valid & (error <= SPACING * scale * (1.0 - kappa))
+
+    return accept
+
+
+def _settle(step, x0, carry0, accept):
+    """Picard sweeps ``x, carry = step(x)`` from the guess x0 until x comes back bit for bit or
+    ``accept(x_new, x)`` (``_accepts``), at most TILE + 1 (causality settles one more token a
+    sweep). Returns (x, carry): the row sums of the tile the last sweep emitted, and what it
+    returned."""
     def cond(c):
         return c[2] & (c[3] <= TILE)
 
     def body(c):
         x, _, _, n = c
         x_new, carry = step(x)
-        return x_new, carry, _changed(x_new, x), n + 1
+        return x_new, carry, _changed(x_new, x) & jnp.logical_not(accept(x_new, x)), n + 1
 
     x, carry, _, _ = lax.while_loop(cond, body, (x0, carry0, jnp.bool_(True), jnp.int32(0)))
     return x, carry
@@ -140,7 +190,7 @@ def _forward_sweep(d0, s_row, u, r, D, bounds, interpret, first=None):
 
 def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residuals=False,
              warpgroups=1):
-    """k [B, Tp, H, 128] (Tp a multiple of TILE), coefs [B, H, 3 (+ 3 if ``packed``), Tp]
+    """k [B, Tp, H, 128] (Tp a multiple of TILE), coefs [B, H, 4 (+ 3 if ``packed``), Tp]
     (``coefficient_rows``), initial_state [N, H, 128] float32 (N = B, or the documents);
     bounds (d_min, d_max). Returns k̃ [B, Tp, H, 128] in k's dtype and the final d [N, H, 128]
     float32; with ``residuals`` also the rows (u_t, a_t) [B, H, 2, Tp] and the state entering
@@ -158,17 +208,18 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
         out_type += (out_struct((B, H, 2, Tp), F32, *ins),
                      out_struct((B, Tp // TILE, H, K), F32, *ins))
     vec = plgpu.SMEM((2, TILE), F32)
-    scratch = dict(k=plgpu.SMEM((2, TILE, K), k.dtype), w=vec, g=vec, r=vec, u=vec, a=vec,
+    scratch = dict(k=plgpu.SMEM((2, TILE, K), k.dtype), w=vec, g=vec, r=vec, p=vec, u=vec, a=vec,
                    out=plgpu.SMEM((2, TILE, K), k.dtype), D=plgpu.SMEM((warpgroups, TILE, KP), F32),
                    S=plgpu.SMEM((warpgroups, TILE, KP), F32), starts=plgpu.SMEM((2, K), F32),
                    **doc_scratch(packed, vec))
-    rows = range(6 if packed else 3)
+    rows = range(7 if packed else 4)
+    _check_rows(coefs, rows, packed)
 
-    def body(k_ref, c_ref, init_ref, out_ref, final_ref, *res_refs, k, w, g, r, u, a, out, D,
+    def body(k_ref, c_ref, init_ref, out_ref, final_ref, *res_refs, k, w, g, r, p, u, a, out, D,
              S, starts, state, start_bar, in_bar, doc_buf, stage, doc=None, first=None,
              last=None, ready=None, done=None):
         b, h = lax.axis_index("b"), lax.axis_index("h")
-        bufs = (w, g, r) + ((doc, first, last) if packed else ())
+        bufs = (w, g, r, p) + ((doc, first, last) if packed else ())
 
         def issue_tile(i, slot):
             issue((b, h), i, slot, in_bar, [(k_ref, k)], rows, c_ref, bufs)
@@ -187,8 +238,9 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
                 s = tile(S_, interpret)
                 w_row = plgpu.load(w.at[slot], layout=ROWS)
                 g_row = plgpu.load(g.at[slot], layout=ROWS)
-                guess = jnp.sum(s * bcast_cols(plgpu.load(starts.at[slot], layout=COLS), s.shape),
-                                axis=1)
+                d_t = (bcast_rows(plgpu.load(p.at[slot], layout=ROWS), s.shape)  # clip(p_t d_0)
+                       * bcast_cols(plgpu.load(starts.at[slot], layout=COLS), s.shape))
+                guess = jnp.sum(s * _clip(d_t, *bounds), axis=1)
 
             def step(a_t):
                 with jax.named_scope("sweep"):
@@ -200,7 +252,9 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
                 with jax.named_scope("row_sums"):
                     return row_sums(D_, s, interpret), d
 
-            a_t, d = _settle(step, guess, d0)
+            accept = _accepts(s, w_row * g_row, plgpu.load(r.at[slot], layout=ROWS),
+                              max(abs(bounds[0]), abs(bounds[1])))
+            a_t, d = _settle(step, guess, d0, accept)
             a.at[slot][...] = a_t
             if packed:  # each document ending here: its state after its last token
                 def ends(t, _):
@@ -277,6 +331,7 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
     if packed and warpgroups == 2:  # the second warpgroup's own restart rows
         scratch.update(form_bar=plgpu.Barrier(), form_stage=plgpu.SMEM((K,), F32))
     rows = range(7 if packed else 4)
+    _check_rows(coefs, rows, packed)
 
     def body(k_ref, dkw_ref, c_ref, st_ref, init_ref, dfinal_ref, dk_ref, rows_ref, dinit_ref,
              *, k, dkw, st, u, r, gw, gn, c, gam, dr, D, M, state, start_bar, in_bar,
@@ -391,7 +446,9 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
                 with jax.named_scope("row_sums"):
                     return row_sums(M, s, interpret), lam
 
-            gam_t, lam = _settle(step, plgpu.layout_cast(jnp.zeros((TILE,), F32), ROWS), lam0)
+            accept = _accepts(s, gw_row, plgpu.load(r.at[slot], layout=ROWS))
+            gam_t, lam = _settle(step, plgpu.layout_cast(jnp.zeros((TILE,), F32), ROWS), lam0,
+                                 accept)
             gam.at[slot][...] = gam_t
             if packed:  # each document starting here: the λ before its first token
                 def starts_(t, _):

@@ -2,7 +2,6 @@
 ``Options.mosaic_loops``), against the token-by-token reference in interpret mode, where they
 apply and where they fall back, and their lowering for CUDA."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -154,8 +153,16 @@ def test_default_options_take_the_mosaic_kernels(b, monkeypatch):
 def test_bad_shapes_raise():
     k = jnp.zeros((1, 64, 1, 64), jnp.float32)
     with pytest.raises(ValueError, match="K = 128"):
-        osgm_mosaic.osgm_fwd(k, jnp.zeros((1, 1, 3, 64)), jnp.ones((1, 1, 64)),
+        osgm_mosaic.osgm_fwd(k, jnp.zeros((1, 1, 4, 64)), jnp.ones((1, 1, 64)),
                              bounds=(0.5, 2.0), interpret=True)
+    k = jnp.zeros((1, 64, 1, 128), jnp.float32)
+    with pytest.raises(ValueError, match=r"coefs must be \[B, H, 4, Tp\]"):  # a row short
+        osgm_mosaic.osgm_fwd(k, jnp.zeros((1, 1, 3, 64)), jnp.ones((1, 1, 128)),
+                             bounds=(0.5, 2.0), interpret=True)
+    with pytest.raises(ValueError, match=r"coefs must be \[B, H, 7, Tp\] \(packed=True\)"):
+        osgm_mosaic.osgm_bwd(k, k, jnp.zeros((1, 1, 4, 64)), jnp.ones((1, 1, 1, 128)),
+                             jnp.ones((2, 1, 128)), jnp.ones((2, 1, 128)), bounds=(0.5, 2.0),
+                             interpret=True, packed=True)
     with pytest.raises(ValueError, match="mosaic_loops must be a bool"):
         Options(mosaic_loops=1)
 
@@ -176,7 +183,7 @@ def test_lowers_for_cuda(dtype, residuals, packed):
                                           packed=packed)
     starts = s((2, 3, 2, 128), jnp.float32)
     for fn, args, name in [
-            (fwd, (seq, s((2, 2, 3 + docs, 192), jnp.float32), state), "osgm_fwd_mosaic"),
+            (fwd, (seq, s((2, 2, 4 + docs, 192), jnp.float32), state), "osgm_fwd_mosaic"),
             (bwd, (seq, seq, s((2, 2, 4 + docs, 192), jnp.float32), starts, state, state),
              "osgm_bwd_mosaic")]:
         found = modules(fn, args)
@@ -184,24 +191,53 @@ def test_lowers_for_cuda(dtype, residuals, packed):
         assert max(barriers(found[name])) == 2
 
 
-def test_sweeps_settle_in_a_few_at_the_paper_settings(monkeypatch):
-    """η = 0.003, unit keys, APF retention (bench_osgm's inputs): every tile settles within 4
-    sweeps each way (on these inputs 2 or 3 that move the coupling, one that confirms it),
-    counted by probe_sweeps' counting ``_settle`` (whose forward results are the real ones)."""
-    x, _ = make_bench_inputs(jax.random.PRNGKey(3), 1, 128, 1, 128, jnp.float32)
+def paper_settings(t):
+    """bench_osgm's inputs (η = 0.003, unit keys, APF retention ~0.998) at one row and head of
+    t tokens: (the forward's arguments, the backward's given the forward's residuals)."""
+    x, _ = make_bench_inputs(jax.random.PRNGKey(3), 1, t, 1, 128, jnp.float32)
     coefs = coefficients(x["k"], x["beta"], x["r"], 0.003, True, 1e-6)
-    rows, init = osgm_mosaic.coefficient_rows(coefs, 128), jnp.ones((1, 1, 128), jnp.float32)
-    fwd = functools.partial(osgm_mosaic.osgm_fwd, bounds=(0.5, 2.0), interpret=True,
-                            residuals=True)
-    real = fwd(x["k"], rows, init)
-    u, a = (jnp.moveaxis(real[2][:, :, i], 1, 2) for i in range(2))
-    bwd_args = (x["k"], x["k"] * 0.5, osgm_mosaic.backward_rows(coefs, u, a, 1e-6, 128),
-                real[3], init, init * 0.1)
+    rows, init = osgm_mosaic.coefficient_rows(coefs, t), jnp.ones((1, 1, 128), jnp.float32)
+    _, _, res, starts = osgm_mosaic.osgm_fwd(x["k"], rows, init, bounds=(0.5, 2.0),
+                                             interpret=True, residuals=True)
+    u, a = (jnp.moveaxis(res[:, :, i], 1, 2) for i in range(2))
+    return ((x["k"], rows, init), (x["k"], x["k"] * 0.5,
+            osgm_mosaic.backward_rows(coefs, u, a, 1e-6, t), starts, init, init * 0.1))
+
+
+def both_ways(fwd_args, bwd_args):
+    kw = dict(bounds=(0.5, 2.0), interpret=True)
+    return (osgm_mosaic.osgm_fwd(*fwd_args, residuals=True, **kw),
+            osgm_mosaic.osgm_bwd(*bwd_args, **kw))
+
+
+def test_sweeps_settle_in_a_few_at_the_paper_settings(monkeypatch):
+    """At the paper's settings every tile stops after at most 2 sweeps forward (the guess
+    follows the retention: a sweep moves it by ~1e-4, the next by ~1e-7, which ``_accepts``
+    takes; once d sits on d_min the first sweep's ~3e-5 is taken) and 3 in reverse (from
+    γ = 0), counted by probe_sweeps' counting ``_settle`` (whose forward results are the real
+    ones). Settling bit for bit took up to 4 each way here."""
+    fwd_args, bwd_args = paper_settings(128)
+    real = both_ways(fwd_args, bwd_args)
     monkeypatch.setattr(osgm_mosaic, "_settle", probe_sweeps.counting_settle)
-    counted = fwd(x["k"], rows, init)
-    for got, want in zip(counted[:2], real[:2]):
+    counted = both_ways(fwd_args, bwd_args)
+    for got, want in zip(counted[0][:2], real[0][:2]):
         assert jnp.array_equal(got, want)
-    gamma_rows = osgm_mosaic.osgm_bwd(*bwd_args, bounds=(0.5, 2.0), interpret=True)[1]
-    for code in (counted[2][:, :, 1], gamma_rows[:, :, 0]):  # n + 1000 m, each tile's row
-        code = code[..., ::osgm_mosaic.TILE]
-        assert int(jnp.max(code % 1000)) <= 4 and int(jnp.min(code // 1000)) >= 1
+    for code, most in ((counted[0][2][:, :, 1], 2), (counted[1][1][:, :, 0], 3)):
+        code = code[..., ::osgm_mosaic.TILE]  # n + 1000 m, each tile's row
+        assert int(jnp.max(code % 1000)) <= most and int(jnp.min(code // 1000)) >= 1
+
+
+def test_stopping_early_moves_each_tile_by_a_quarter_spacing(monkeypatch):
+    """What the sweeps emit when ``_accepts`` stops them against sweeping until the coupling
+    comes back bit for bit (one sweep more a tile here): k̃, the final d, the entering states
+    and ∂k, ∂d_1 not bitwise the same, but within 2^-24 of the largest value a tile (4 tiles):
+    a quarter spacing before rounding, at most an ulp after."""
+    fwd_args, bwd_args = paper_settings(256)
+    stopped = both_ways(fwd_args, bwd_args)
+    monkeypatch.setattr(osgm_mosaic, "_accepts", lambda *a, **k: lambda *b: jnp.bool_(False))
+    settled = both_ways(fwd_args, bwd_args)
+    pairs = [(stopped[0][i], settled[0][i]) for i in (0, 1, 3)]
+    pairs += [(stopped[1][i], settled[1][i]) for i in (0, 2)]
+    assert any(not jnp.array_equal(a, b) for a, b in pairs)
+    for a, b in pairs:
+        assert float(jnp.max(jnp.abs(a - b))) <= 4 * 2.0 ** -24 * float(jnp.max(jnp.abs(b)))
