@@ -15,7 +15,7 @@ preconditioner (none, OSGM, OSGM with APF retention, ATK), phase 1 then the delt
 against the chunked form at ``--check-shape``, for each ``--atk-pieces`` entry: a count of
 sequence pieces for the Triton kernels
 (``atk_precond.Options.sequence_pieces``; "auto": ``auto_pieces``) or "mosaic" (the Mosaic
-kernels of ``atk_mosaic``, ``Options(mosaic=True)``).
+kernels of ``atk_mosaic``, ``Options(mosaic=True)``; "mosaic2" on two warpgroups).
 Timings run first, then checks (one time budget for both). Checks: ``--impl`` against
 ``impl="chunked"`` on the same fresh inputs at ``--check-shape`` (bf16; bars of bench_delta:
 outputs 6e-3, gradients of every input 8e-3). Timings: forward and
@@ -75,9 +75,11 @@ def composed(precond, impl):
 
 def atk_phase(pieces):
     """(inputs) -> (k̃, final A) of the ATK phase on the Triton kernels cut into ``pieces``, or
-    with "mosaic" on the Mosaic ones."""
+    with "mosaic" on the Mosaic ones ("mosaic2": on two warpgroups)."""
     from pallas_kernels.atk_precond import Options, atk_pallas
-    options = Options(mosaic=True) if pieces == "mosaic" else Options(
+    mosaic = {"mosaic": Options(mosaic=True),
+              "mosaic2": Options(mosaic=True, mosaic_warpgroups=2)}
+    options = mosaic.get(pieces) or Options(
         sequence_pieces=None if pieces == "auto" else int(pieces), mosaic=False)
 
     def f(x):
@@ -92,7 +94,7 @@ def main():
     p.add_argument("--models", default=",".join(NAMES.values()))
     p.add_argument("--sections", default="checks,time", help="checks, time, phase")
     p.add_argument("--atk-pieces", default="auto,mosaic",
-                   help="the phase rows' sequence pieces (Triton), or mosaic")
+                   help="the phase rows' sequence pieces (Triton), or mosaic / mosaic2")
     p.add_argument("--impl", default="auto")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--budget-s", type=float, default=300)

@@ -54,7 +54,10 @@ class Options:
     benchmarks/RESULTS.md run 47; packed documents never split). ``mosaic``: the Mosaic GPU
     kernels of ``atk_mosaic`` (one thread a coordinate) where they run (K padded to 128,
     16-bit keys, a per-head decay), else the Triton ones; on by default since they passed the
-    device checks and ran the phase 2x faster (benchmarks/RESULTS.md runs 97 and 99)."""
+    device checks and ran the phase 2x faster (benchmarks/RESULTS.md runs 97 and 99).
+    ``mosaic_warpgroups``: 2 runs them on two warpgroups, A's chain (forward) and λ's
+    (backward) on one, the squash and the gradients of neighbouring tiles on the other
+    (``atk_mosaic``; off until timed on the device)."""
 
     block_t: int = 16
     block_k: int = 32
@@ -62,9 +65,13 @@ class Options:
     num_warps: int = 1
     sequence_pieces: int | None = None
     mosaic: bool = True
+    mosaic_warpgroups: int = 1
 
     def __post_init__(self):
         bk, p = self.block_k, self.sequence_pieces
+        if self.mosaic_warpgroups not in (1, 2) or isinstance(self.mosaic_warpgroups, bool):
+            raise ValueError(f"Options.mosaic_warpgroups must be 1 or 2, got "
+                             f"{self.mosaic_warpgroups!r}")
         if bk < 16 or bk & (bk - 1) or self.block_t < 1 or self.prefetch < 1:
             raise ValueError(f"options: block_k must be a power of two >= 16 and block_t, "
                              f"prefetch >= 1, got {self}")
@@ -177,7 +184,8 @@ _scan = lowered_once(_scan)
 
 def _mosaic_call(cfg, kernel, args, in_axes, out_axes):
     """A kernel of ``atk_mosaic`` through ``rows_mosaic.call``."""
-    fn = functools.partial(kernel, hyper=cfg.hyper, interpret=cfg.interpret, packed=cfg.packed)
+    fn = functools.partial(kernel, hyper=cfg.hyper, interpret=cfg.interpret, packed=cfg.packed,
+                           warpgroups=cfg.options.mosaic_warpgroups)
     return rows_mosaic.call(fn, args, in_axes, out_axes, packed=cfg.packed,
                             interpret=cfg.interpret)
 

@@ -45,9 +45,9 @@ from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.rows_mosaic import (
-    F32, K_THREADS, KP, TILE, VEC, check_shape, cta_kernel, doc_scratch, document_out, flag_mask,
-    issue, padded, restart_rows, row, row_sums, rows_layout, send, slot_tile, square_rows, tile,
-    tokens, walk_tiles)
+    F32, K_THREADS, KP, TILE, VEC, check_shape, check_warpgroups, cta_kernel, doc_scratch,
+    document_out, flag_mask, issue, padded, restart_rows, row, row_sums, rows_layout,
+    send, slot_tile, square_rows, tile, tokens, walk_tiles)
 from pallas_kernels.state_mosaic import COLS, ROWS, bcast_cols, bcast_rows
 from pallas_kernels.triton_common import out_struct
 
@@ -87,21 +87,6 @@ def backward_rows(coefs, u, a, eps, Tp, docs=None):
     r = 1 (a padded token passes λ on unchanged); ``docs`` as ``coefficient_rows``'s."""
     _, n, g, w, r = coefs
     return rows_layout([u, r, w * g, jnp.where(n > eps, (1.0 - g * a) * w / n, 0.0)], docs, Tp, RB)
-
-
-def pair_fits(*seqs):
-    """Whether two warpgroups fit with these sequence inputs: 16-bit ones (float32 ones leave
-    no shared memory for a second tile of the buffers two warpgroups keep in flight)."""
-    return all(x.dtype.itemsize <= 2 for x in seqs)
-
-
-def check_warpgroups(warpgroups, *seqs):
-    """ValueError unless ``warpgroups`` is 1, or 2 where ``pair_fits(*seqs)``."""
-    if warpgroups not in (1, 2):
-        raise ValueError(f"warpgroups must be 1 or 2, got {warpgroups!r}")
-    if warpgroups == 2 and not pair_fits(*seqs):
-        raise ValueError(f"warpgroups=2 takes 16-bit inputs (no shared memory for two tiles in "
-                         f"flight with float32 ones), got {[str(x.dtype) for x in seqs]}")
 
 
 def _check_rows(coefs, rows, packed):

@@ -203,7 +203,7 @@ def _mosaic_runs(cfg, k):
 
 def _warpgroups(cfg, *seqs):
     """``Options.mosaic_warpgroups`` where two fit with the sequences ``seqs``, else 1."""
-    return cfg.options.mosaic_warpgroups if osgm_mosaic.pair_fits(*seqs) else 1
+    return cfg.options.mosaic_warpgroups if rows_mosaic.pair_fits(*seqs) else 1
 
 
 def _mosaic_call(cfg, kernel, args, in_axes, out_axes):

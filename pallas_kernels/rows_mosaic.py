@@ -63,6 +63,21 @@ def token_rows(rows, T):
     return tuple(jnp.moveaxis(rows[:, :, j, :T], 1, 2) for j in range(rows.shape[2]))
 
 
+def pair_fits(*seqs):
+    """Whether two warpgroups fit with these sequence inputs: 16-bit ones (float32 ones leave
+    no shared memory for a second tile of the buffers two warpgroups keep in flight)."""
+    return all(x.dtype.itemsize <= 2 for x in seqs)
+
+
+def check_warpgroups(warpgroups, *seqs):
+    """ValueError unless ``warpgroups`` is 1, or 2 where ``pair_fits(*seqs)``."""
+    if warpgroups not in (1, 2):
+        raise ValueError(f"warpgroups must be 1 or 2, got {warpgroups!r}")
+    if warpgroups == 2 and not pair_fits(*seqs):
+        raise ValueError(f"warpgroups=2 takes 16-bit inputs (no shared memory for two tiles in "
+                         f"flight with float32 ones), got {[str(x.dtype) for x in seqs]}")
+
+
 def call(kernel, args, in_axes, out_axes, *, packed, interpret):
     """``kernel(*args)`` (its static arguments bound) through ``partition.sharded_call``: batch
     rows and heads stay sharded (heads only with packed documents); unpartitioned in interpret

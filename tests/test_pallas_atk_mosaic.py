@@ -25,26 +25,27 @@ def triton_refused(monkeypatch):
 
 
 MOSAIC = atk_precond.Options(mosaic=True)
+PAIR = atk_precond.Options(mosaic=True, mosaic_warpgroups=2)
 
 
-def precondition(impl, x, cu_seqlens=None):
-    """(k̃, final A) of the reference (impl "reference") or of the kernels with ``MOSAIC``."""
+def precondition(impl, x, cu_seqlens=None, options=MOSAIC):
+    """(k̃, final A) of the reference (impl "reference") or of the kernels with ``options``."""
     if impl == "reference":
         return pla.atk_precondition(x["k"], x["log_decay"], x["gain"], x["center"], x=1.5,
                                     initial_state=x["initial_state"], output_final_state=True,
                                     cu_seqlens=cu_seqlens, impl="reference")
     return atk_precond.atk_pallas(x["k"], x["log_decay"], x["gain"], x["center"], 1.5, 1e-6,
-                                  x["initial_state"], cu_seqlens, 64, MOSAIC)
+                                  x["initial_state"], cu_seqlens, 64, options)
 
 
-def run(impl, x, cu_seqlens=None):
+def run(impl, x, cu_seqlens=None, options=MOSAIC):
     """(k̃, final A, gradients of every input) for a loss linear in k̃ and the final state with
     weights exact in bf16 (so the kernels' bf16 cotangent of k̃ is the reference's)."""
     kw_weight = jax.random.normal(jax.random.PRNGKey(5), x["k"].shape).astype(jnp.bfloat16)
     final_weight = jax.random.normal(jax.random.PRNGKey(6), x["initial_state"].shape)
 
     def loss(x):
-        kw, final = precondition(impl, x, cu_seqlens)
+        kw, final = precondition(impl, x, cu_seqlens, options)
         value = jnp.sum(kw.astype(F32) * kw_weight.astype(F32)) + jnp.sum(final * final_weight)
         return value, (kw, final)
 
@@ -52,10 +53,10 @@ def run(impl, x, cu_seqlens=None):
     return kw, final, grads
 
 
-def assert_matches_reference(x, cu_seqlens=None):
+def assert_matches_reference(x, cu_seqlens=None, options=MOSAIC):
     """bf16 keys on the kernels, the same values in float32 through the reference: k̃ and ∂k
     (bf16 results) within bf16's rounding, everything else within 2e-5."""
-    got = run("pallas", x, cu_seqlens)
+    got = run("pallas", x, cu_seqlens, options)
     want = run("reference", dict(x, k=x["k"].astype(F32)), cu_seqlens)
     assert got[0].dtype == jnp.bfloat16 and got[2]["k"].dtype == jnp.bfloat16
     assert_close(got[0], want[0], 4e-3, "k̃")
@@ -65,23 +66,25 @@ def assert_matches_reference(x, cu_seqlens=None):
         assert_close(got[2][name], want[2][name], 2e-5, f"d{name}")
 
 
-def test_matches_reference(monkeypatch):
+@pytest.mark.parametrize("options", [MOSAIC, PAIR], ids=["one", "two warpgroups"])
+def test_matches_reference(options, monkeypatch):
     """Two rows, two heads, K = 100 padded to 128, T = 150 (a partial last tile), decays with
-    some α tiny: forward, final state and every gradient."""
+    some α tiny: forward, final state and every gradient, on one warpgroup and on two."""
     triton_refused(monkeypatch)
     x = make_inputs(3, b=2, t=150, h=2, k_dim=100, dtype=jnp.bfloat16)
     x = dict(x, **{n: x[n].astype(F32) for n in ("log_decay", "gain", "center")})
-    assert_matches_reference(x)
+    assert_matches_reference(x, options=options)
 
 
-def test_packed_documents(monkeypatch):
+@pytest.mark.parametrize("options", [MOSAIC, PAIR], ids=["one", "two warpgroups"])
+def test_packed_documents(options, monkeypatch):
     """One row of documents whose boundaries fall inside tiles (one of a single token), each
     with its initial state: the restarts of A and λ, the final states and their gradients."""
     triton_refused(monkeypatch)
     cu = jnp.asarray([0, 37, 38, 100, 171], jnp.int32)
     x = make_inputs(4, b=1, t=171, h=2, k_dim=128, n_init=4, dtype=jnp.bfloat16)
     x = dict(x, **{n: x[n].astype(F32) for n in ("log_decay", "gain", "center")})
-    assert_matches_reference(x, cu)
+    assert_matches_reference(x, cu, options)
 
 
 def lowered(k_dtype, g_shape, packed=False):

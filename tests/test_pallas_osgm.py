@@ -250,10 +250,10 @@ def test_picard_sweeps_match_reference(case, options, monkeypatch):
     """The forward and backward by Picard sweeps (4 programs a head), the token loops poisoned so
     that only the sweeps can give finite results: with the clip active (η = 2) k̃, the final d
     and all gradients within 2e-5 of the reference; at the paper's η = 0.003 k̃ and the final d.
-    Also exactly 6 sweeps each way without early exit, with scalar aux loads (T = 21 there: a
-    group of 16 tokens and a shorter one; the suite's time)."""
+    Also exactly 6 sweeps each way without early exit, with scalar aux loads. T = 21: a group
+    of 16 tokens and a shorter one (the suite's time: interpret mode runs each sweep)."""
     poison_token_loops(monkeypatch.setattr)
-    x, kw = unrolled_case(case, 37 if options.picard_early_exit else 21)
+    x, kw = unrolled_case(case, 21)
     paper = dict(kw, eta=0.003)
     # each impl's two runs (η = 2 differentiated, η = 0.003 forward) compiled as one program
     got, want = (jax.jit(lambda x, o=o: (run(o, x, **kw), precondition(o, x, **paper)))(x)
