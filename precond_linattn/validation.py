@@ -88,17 +88,19 @@ def check_tensor(name: str, x, expected: Sequence[int], layout: str) -> None:
     check_shape(name, x, expected, layout)
 
 
-def check_decay(log_decay, B: int, T: int, H: int, K: int) -> None:
-    """log_decay is None, [B, T, H] (scalar per head) or [B, T, H, K] (per channel)."""
+def check_decay(log_decay, B: int, T: int, H: int, K: int, heads: str = "H") -> None:
+    """log_decay is None, [B, T, H] (scalar per head) or [B, T, H, K] (per channel); ``heads``:
+    the heads' name in the messages ("HV": the value heads of grouped ones)."""
     if log_decay is None:
         return
     if not hasattr(log_decay, "ndim") or log_decay.ndim not in (3, 4):
-        raise ValueError("log_decay must be None, [B, T, H] (scalar decay, GDN) or [B, T, H, K] "
-                         f"(per-channel decay, KDA), got {getattr(log_decay, 'shape', log_decay)}")
+        raise ValueError(f"log_decay must be None, [B, T, {heads}] (scalar decay, GDN) or [B, T, "
+                         f"{heads}, K] (per-channel decay, KDA), got "
+                         f"{getattr(log_decay, 'shape', log_decay)}")
     if log_decay.ndim == 3:
-        check_tensor("log_decay", log_decay, (B, T, H), "[B, T, H]")
+        check_tensor("log_decay", log_decay, (B, T, H), f"[B, T, {heads}]")
     else:
-        check_tensor("log_decay", log_decay, (B, T, H, K), "[B, T, H, K]")
+        check_tensor("log_decay", log_decay, (B, T, H, K), f"[B, T, {heads}, K]")
 
 
 def check_chunk_size(chunk_size) -> None:

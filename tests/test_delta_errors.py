@@ -23,7 +23,7 @@ def call(args, **kw):
     ("q", lambda a: a["q"][0], r"q must have shape \[B, T, H, K\]"),
     ("k", lambda a: a["k"][:, :, :, :4], r"k must have shape"),
     ("v", lambda a: a["v"][:, :5], r"v must have shape"),
-    ("beta", lambda a: a["beta"][..., None], r"beta must have shape \[B, T, H\]"),
+    ("beta", lambda a: a["beta"][..., None], r"beta must have shape \[B, T, HV\]"),
     ("q", lambda a: a["q"].astype(jnp.int32), r"q has unsupported dtype int32"),
 ])
 def test_bad_tensor(args, name, bad, match):
@@ -37,9 +37,9 @@ def test_bad_keywords(args, rand):
         call(args, write_key=rand.unit(B, T, H, K + 1))
     with pytest.raises(ValueError, match="log_decay must be None"):
         call(args, log_decay=rand.normal(B, T))
-    with pytest.raises(ValueError, match=r"log_decay must have shape \[B, T, H, K\]"):
+    with pytest.raises(ValueError, match=r"log_decay must have shape \[B, T, HV, K\]"):
         call(args, log_decay=rand.normal(B, T, H, K + 1))
-    with pytest.raises(ValueError, match=r"initial_state must have shape \[N, H, K, V\]"):
+    with pytest.raises(ValueError, match=r"initial_state must have shape \[N, HV, K, V\]"):
         call(args, initial_state=rand.normal(B, H, V, K))
     with pytest.raises(ValueError, match="impl must be one of"):
         pla.delta_rule(args["q"], args["k"], args["v"], args["beta"], impl="fast")
@@ -74,7 +74,7 @@ def test_cu_seqlens_needs_batch_one(rand):
 def test_step_errors(rand):
     q = rand.unit(B, H, K)
     S = jnp.zeros((B, H, K, V))
-    with pytest.raises(ValueError, match=r"state must have shape \[B, H, K, V\]"):
+    with pytest.raises(ValueError, match=r"state must have shape \[B, HV, K, V\]"):
         pla.delta_rule_step(q, q, rand.normal(B, H, V), rand.beta(B, H), S[..., :2])
     with pytest.raises(ValueError, match="log_decay must be None"):
         pla.delta_rule_step(q, q, rand.normal(B, H, V), rand.beta(B, H), S,
