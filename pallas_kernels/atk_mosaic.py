@@ -254,7 +254,8 @@ def atk_bwd(k, dkw, coefs, starts, init, dfinal, *, hyper, interpret, packed=Fal
 
 def _pair_bwd(ins, out_type, *, hyper, interpret, packed):
     """``atk_bwd`` on two warpgroups (``rows_mosaic.walk_pair``, tiles in reverse), with the
-    one-warpgroup kernel's arithmetic (the same bits). Warpgroup 1 forms a tile: its A_{t−1}
+    one-warpgroup kernel's arithmetic (tests/test_pallas_atk_pair.py: where interpret mode
+    differs). Warpgroup 1 forms a tile: its A_{t−1}
     rows (``prev``, by a forward walk from the state entering it), q_t by rows into ``Q`` and
     the row sums −Σ q; warpgroup 0 walks λ back through it, Λ_t = λ + q_t / (A_t + ε) written
     over q_t's row, λ ← α_t Λ_t; warpgroup 1 then finishes it: the row sums Σ Λ s and α Σ Λ
