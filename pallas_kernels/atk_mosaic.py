@@ -55,6 +55,16 @@ def coefficient_rows(gain, log_decay, center, Tp, docs=None):
     return rows_layout([gain, jnp.exp(log_decay), center], docs, Tp, ALPHA)
 
 
+def _advance(A, k_t, gain_t, alpha_t):
+    """A_t = α_t A_{t−1} + gain_t (k_t ⊙ k_t): one token of the recurrence (every walk's)."""
+    return alpha_t * A + gain_t * (k_t * k_t)
+
+
+def _coefs_at(c, slot, t):
+    """Token t's (gain, α, c_h) from the coefficient rows' buffers ``c`` (c0, c1, c2)."""
+    return tuple(c[f"c{j}"][slot, t] for j in range(N_ROWS))
+
+
 def _squash(A, c, log_x, eps):
     """(B_t, 1 + |ρ_t|) of the state A_t (float32 row) and centre c."""
     rho = jnp.log(A + eps) - c
@@ -102,13 +112,13 @@ def atk_fwd(k, coefs, initial_state, *, hyper, interpret, packed=False, residual
             issue((b, h), i, slot, in_bar, [(k_ref, k)], rows, c_ref, bufs)
 
         def coefs_at(slot, t):
-            return tuple(c[f"c{j}"][slot, t] for j in range(N_ROWS))  # gain, α, c_h
+            return _coefs_at(c, slot, t)
 
         def advance(slot, t, k_t, gain_t, alpha_t, A_t):
             """A_t from A_{t−1} (a document's first token: its initial state first)."""
             if packed:
                 A_t = restart(A_t, init_ref, h, doc[slot, t], first[slot, t], start_bar, stage)
-            A_t = alpha_t * A_t + gain_t * (k_t * k_t)
+            A_t = _advance(A_t, k_t, gain_t, alpha_t)
             if packed:  # a document ending here: its final state
                 document_out(A_t, final_ref, h, doc[slot, t].astype(jnp.int32), last[slot, t],
                              doc_buf)
@@ -156,7 +166,7 @@ def atk_fwd(k, coefs, initial_state, *, hyper, interpret, packed=False, residual
 def _pullback(k_t, delta, A_prev, gain_t, alpha_t, center_t, log_x, eps):
     """(s_t, A_t, B_t, q_t) of token t from its key, ∂k̃_t = δ and A_{t−1} (module docstring)."""
     s_t = k_t * k_t
-    A = alpha_t * A_prev + gain_t * s_t
+    A = _advance(A_prev, k_t, gain_t, alpha_t)
     B_t, den = _squash(A, center_t, log_x, eps)
     return s_t, A, B_t, -log_x * delta * k_t * B_t / (den * den)
 
@@ -204,7 +214,7 @@ def atk_bwd(k, dkw, coefs, starts, init, dfinal, *, hyper, interpret, packed=Fal
                 if packed:
                     A = restart(A, init_ref, h, doc[slot, t], first[slot, t], start_bar, stage)
                 prev.at[t][...] = A
-                return a_t * A + g_t * (k_t * k_t)
+                return _advance(A, k_t, g_t, a_t)
 
             tokens(lambda t: (row(k.at[slot, t]), gain[t], alpha[t]), recompute,
                    plgpu.load(st.at[slot], layout=VEC), interpret)
@@ -282,7 +292,7 @@ def _pair_bwd(ins, out_type, *, hyper, interpret, packed):
                   [(st_ref, st)])
 
         def coefs_at(slot, t):
-            return tuple(c[f"c{j}"][slot, t] for j in range(N_ROWS))  # gain, α, c_h
+            return _coefs_at(c, slot, t)
 
         def terms(slot, t):
             A_prev = row(padded(prev.at[slot]).at[t])
@@ -297,7 +307,7 @@ def _pair_bwd(ins, out_type, *, hyper, interpret, packed):
                     A = restart(A, init_ref, h, doc[slot, t], first[slot, t], form_bar,
                                 form_stage)
                 P.at[t][...] = A
-                return a_t * A + g_t * (k_t * k_t)
+                return _advance(A, k_t, g_t, a_t)
 
             with jax.named_scope("recompute"):
                 tokens(lambda t: (row(k.at[slot, t]),) + coefs_at(slot, t)[:2], recompute,
@@ -319,7 +329,7 @@ def _pair_bwd(ins, out_type, *, hyper, interpret, packed):
             def load(t):
                 k_t, A_prev, q = (row(x.at[t]) for x in (k.at[slot], padded(prev.at[slot]), Qs))
                 g_t, a_t, _ = coefs_at(slot, t)
-                A = a_t * A_prev + g_t * (k_t * k_t)
+                A = _advance(A_prev, k_t, g_t, a_t)
                 return a_t, q / (A + eps)
 
             def step(t, values, lam):
@@ -348,7 +358,7 @@ def _pair_bwd(ins, out_type, *, hyper, interpret, packed):
 
             def dk_row(t, values, carry):
                 k_t, delta, A_prev, g_t, a_t, c_t, big_t = values
-                B_t = _squash(a_t * A_prev + g_t * (k_t * k_t), c_t, log_x, eps)[0]
+                B_t = _squash(_advance(A_prev, k_t, g_t, a_t), c_t, log_x, eps)[0]
                 dkw.at[slot, t][...] = (delta * B_t + 2.0 * g_t * k_t * big_t).astype(dkw.dtype)
                 return carry
 
