@@ -80,13 +80,14 @@ def packed(x, key):
 
 def variant(text):
     """``Options`` from "prefetch/num_warps[/unroll[/bwd_unroll]][/scalar][/pN[/bkM][/fixed]
-    [/cpN|/cpauto]][/mosaic[/wgN]]" (e.g. "4/1", "2/1/4/scalar", "2/1/16/8": the forward 16 tokens an
+    [/cpN|/cpauto]][/mosaic[/wgN][/stN]]" (e.g. "4/1", "2/1/4/scalar", "2/1/16/8": the forward 16 tokens an
     iteration, the backward 8; "2/1/8/p8/bk32": phase 1 by at most 8 Picard sweeps each way over
     blocks of 32 coordinates; "fixed": exactly N sweeps, no early exit; "cp8" / "cpauto": each
     sweep over 8 / ``auto_pieces`` sequence pieces, ``Options.picard_pieces``, auto when not
     named, "cp1": unsplit; "mosaic": both directions on the Mosaic GPU kernels of ``osgm_mosaic``,
     ``Options.mosaic_loops``; "wg1" / "wg2": their forward on one / two warpgroups,
-    ``mosaic_warpgroups``, by default Options'). Without "pN" the token loops (not
+    ``mosaic_warpgroups``, by default Options'; "st1": their calls on XLA GPU stream 1,
+    ``Options.stream``). Without "pN" the token loops (not
     ``picard_iters=None``'s choice by shape: a variant names its kernels)."""
     parts = text.split("/")
     flags = [t for t in parts if not t.isdigit()]
@@ -96,12 +97,13 @@ def variant(text):
     pieces = [None if t == "cpauto" else int(t[2:]) for t in flags
               if t == "cpauto" or (t[:2] == "cp" and t[2:].isdigit())]
     warpgroups = [int(t[2:]) for t in flags if t in ("wg1", "wg2")]
+    stream = [int(t[2:]) for t in flags if t[:2] == "st" and t[2:].isdigit()]
     known = (len(picard) + len(block) + len(pieces) + flags.count("scalar")
-             + flags.count("fixed") + flags.count("mosaic") + len(warpgroups))
+             + flags.count("fixed") + flags.count("mosaic") + len(warpgroups) + len(stream))
     if (not 2 <= len(numbers) <= 4 or known != len(flags)
             or parts[:len(numbers)] != numbers):
         raise ValueError("--variants entries are prefetch/num_warps[/unroll[/bwd_unroll]]"
-                         f"[/scalar][/pN[/bkM][/fixed][/cpN|/cpauto]][/mosaic[/wgN]], got {text!r}")
+                         f"[/scalar][/pN[/bkM][/fixed][/cpN|/cpauto]][/mosaic[/wgN][/stN]], got {text!r}")
     numbers = list(map(int, numbers))
     return Options(*numbers[:3], scalar_aux="scalar" in flags,
                    bwd_unroll=numbers[3] if len(numbers) == 4 else None,
@@ -109,6 +111,7 @@ def variant(text):
                    picard_early_exit=bool(picard) and "fixed" not in flags,
                    mosaic_loops="mosaic" in flags,
                    **({"mosaic_warpgroups": warpgroups[0]} if warpgroups else {}),
+                   **({"stream": stream[0]} if stream else {}),
                    **({"picard_block_k": block[0]} if block else {}),
                    **({"picard_pieces": pieces[0]} if pieces else {}))
 

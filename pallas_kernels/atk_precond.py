@@ -57,7 +57,8 @@ class Options:
     device checks and ran the phase 2x faster (benchmarks/RESULTS.md runs 97 and 99).
     ``mosaic_warpgroups``: 2 runs them on two warpgroups, A's chain (forward) and λ's
     (backward) on one, the squash and the gradients of neighbouring tiles on the other
-    (``atk_mosaic``; off until timed on the device)."""
+    (``atk_mosaic``; off until timed on the device). ``stream``: the Mosaic kernels on that
+    XLA GPU stream (``rows_mosaic.on_stream``); None (the default): on the main stream."""
 
     block_t: int = 16
     block_k: int = 32
@@ -66,9 +67,11 @@ class Options:
     sequence_pieces: int | None = None
     mosaic: bool = True
     mosaic_warpgroups: int = 1
+    stream: int | None = None
 
     def __post_init__(self):
         bk, p = self.block_k, self.sequence_pieces
+        rows_mosaic.check_stream(self.stream)
         if self.mosaic_warpgroups not in (1, 2) or isinstance(self.mosaic_warpgroups, bool):
             raise ValueError(f"Options.mosaic_warpgroups must be 1 or 2, got "
                              f"{self.mosaic_warpgroups!r}")
@@ -187,7 +190,7 @@ def _mosaic_call(cfg, kernel, args, in_axes, out_axes):
     fn = functools.partial(kernel, hyper=cfg.hyper, interpret=cfg.interpret, packed=cfg.packed,
                            warpgroups=cfg.options.mosaic_warpgroups)
     return rows_mosaic.call(fn, args, in_axes, out_axes, packed=cfg.packed,
-                            interpret=cfg.interpret)
+                            interpret=cfg.interpret, stream=cfg.options.stream)
 
 
 def _mosaic_rows(cfg, aux, Tp):

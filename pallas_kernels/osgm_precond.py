@@ -80,7 +80,9 @@ class Options:
     (backward) of neighbouring tiles while the first runs the sweeps; 16-bit keys (and ∂k̃)
     only, float32 ones take 1): APF phase 1 at 8x2048x8x128 bf16, fwd / fwd+bwd 0.215 / 0.454
     ms against 0.249 / 0.517 on one (RESULTS run 125; kernels 0.110 / 0.229 ms against 0.136
-    / 0.266)."""
+    / 0.266). ``stream``: the Mosaic kernels on that XLA GPU stream (``rows_mosaic.on_stream``:
+    asynchronous beside the main stream, e.g. the backward's reverse scan beside a training
+    step's weight gradients); None (the default): on the main stream."""
 
     prefetch: int = 2
     num_warps: int = 1
@@ -93,6 +95,7 @@ class Options:
     picard_pieces: int | None = None
     mosaic_loops: bool = True
     mosaic_warpgroups: int = 2
+    stream: int | None = None
 
     def __post_init__(self):
         n = self.picard_iters
@@ -109,6 +112,7 @@ class Options:
         if self.mosaic_warpgroups not in (1, 2) or isinstance(self.mosaic_warpgroups, bool):
             raise ValueError(f"Options.mosaic_warpgroups must be 1 or 2, got "
                              f"{self.mosaic_warpgroups!r}")
+        rows_mosaic.check_stream(self.stream)
         for name in ("scalar_aux", "picard_early_exit", "mosaic_loops"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Options.{name} must be a bool, got {getattr(self, name)!r}")
@@ -211,7 +215,7 @@ def _mosaic_call(cfg, kernel, args, in_axes, out_axes):
     kernel = functools.partial(kernel, bounds=cfg.hyper[1:3], interpret=cfg.interpret,
                                packed=cfg.packed)
     return rows_mosaic.call(kernel, args, in_axes, out_axes, packed=cfg.packed,
-                            interpret=cfg.interpret)
+                            interpret=cfg.interpret, stream=cfg.options.stream)
 
 
 def _documents(cfg, aux):

@@ -16,6 +16,7 @@ document id, first and last flags) and restart the carry from a document's state
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental.compute_on import compute_on
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -78,12 +79,35 @@ def check_warpgroups(warpgroups, *seqs):
                          f"flight with float32 ones), got {[str(x.dtype) for x in seqs]}")
 
 
-def call(kernel, args, in_axes, out_axes, *, packed, interpret):
+def call(kernel, args, in_axes, out_axes, *, packed, interpret, stream=None):
     """``kernel(*args)`` (its static arguments bound) through ``partition.sharded_call``: batch
     rows and heads stay sharded (heads only with packed documents); unpartitioned in interpret
-    mode, whose I/O callbacks ``custom_partitioning`` cannot lower."""
-    return sharded_call(lambda *xs: tuple(kernel(*xs)), args, in_axes, out_axes,
-                        shard_batch=not packed, direct=interpret)
+    mode, whose I/O callbacks ``custom_partitioning`` cannot lower. ``stream``: the call on
+    that XLA GPU stream (``on_stream``)."""
+    return sharded_call(on_stream(lambda *xs: tuple(kernel(*xs)), stream), args, in_axes,
+                        out_axes, shard_batch=not packed, direct=interpret)
+
+
+def on_stream(fn, stream):
+    """``fn`` as one call on the GPU's stream number ``stream`` (None: ``fn`` as it is).
+
+    ``compute_on("gpu_stream:N")`` makes XLA run the call asynchronously beside the main
+    stream, so that work not waiting on its results can fill the SMs its CTAs leave idle (the
+    per-coordinate kernels run one latency-bound CTA a (row, head): 64 of the H200's 132 SMs
+    at 8 x 8 heads). Values are the same either way; on a CPU the annotation is ignored."""
+    if stream is None:
+        return fn
+    check_stream(stream)
+    return compute_on(compute_type=f"gpu_stream:{stream}",
+                      out_memory_spaces=jax.memory.Space.Device)(fn)
+
+
+def check_stream(stream, name="Options.stream"):
+    """ValueError naming ``name`` unless ``stream`` is None or an int >= 1."""
+    if stream is not None and (not isinstance(stream, int) or isinstance(stream, bool)
+                               or stream < 1):
+        raise ValueError(f"{name} must be None or an int >= 1 (0 is XLA's main stream), "
+                         f"got {stream!r}")
 
 
 def check_shape(name, K, Tp):

@@ -27,13 +27,16 @@ from pallas_kernels.osgm_precond import Options
                                        scalar_aux=True, picard_iters=0, mosaic_loops=True)),
     ("2/1/8/mosaic/wg1", Options(prefetch=2, num_warps=1, unroll=8, scalar_aux=False,
                                  picard_iters=0, mosaic_loops=True, mosaic_warpgroups=1)),
+    ("2/1/16/scalar/mosaic/st1", Options(prefetch=2, num_warps=1, unroll=16, scalar_aux=True,
+                                         picard_iters=0, mosaic_loops=True, stream=1)),
 ])
 def test_variant_strings(text, options):
     assert variant(text) == options
 
 
 @pytest.mark.parametrize("text", ["2", "2/1/8/8/8", "2/x/8", "2/1/0", "2/1/p8/8", "2/1/q4",
-                                  "2/1/8/p4/cpx", "2/1/8/mosaic/wg3"])
+                                  "2/1/8/p4/cpx", "2/1/8/mosaic/wg3",
+                                  "2/1/8/mosaic/st0", "2/1/8/mosaic/stx"])
 def test_bad_variant_strings_raise(text):
     with pytest.raises(ValueError):
         variant(text)
