@@ -97,7 +97,7 @@ def on_stream(fn, stream):
     at 8 x 8 heads). Values are the same either way; on a CPU the annotation is ignored."""
     if stream is None:
         return fn
-    check_stream(stream)
+    check_stream(stream, "stream")
     return compute_on(compute_type=f"gpu_stream:{stream}",
                       out_memory_spaces=jax.memory.Space.Device)(fn)
 

@@ -13,18 +13,17 @@ from conftest import _lowered_for_cuda
 from pallas_kernels import atk_precond, osgm_precond, rows_mosaic
 from pallas_kernels.atk_precond import atk_pallas
 from pallas_kernels.osgm_precond import osgm_pallas
+from test_pallas_osgm import make_inputs
 
 ANNOTATION = '_xla_stream_annotation = "1"'
 OSGM = osgm_precond.Options(picard_iters=0)  # the Mosaic kernels (K = 128)
 
 
 def osgm_inputs(t=70):
-    """One row, two heads, K = 128, T = 70 (a partial second tile), APF retention."""
-    rng = np.random.default_rng(0)
-    k = jnp.asarray(rng.standard_normal((1, t, 2, 128)) / np.sqrt(128), jnp.float32)
-    beta = jnp.asarray(rng.uniform(0.05, 0.95, (1, t, 2)), jnp.float32)
-    r = jnp.asarray(rng.uniform(0.9, 1.0, (1, t, 2)), jnp.float32)
-    return k, beta, r
+    """One row, two heads, K = 128, T = 70 (a partial second tile), APF retention: (k, β, r)
+    of test_pallas_osgm's inputs."""
+    x = make_inputs(0, b=1, n_init=1, t=t, k_dim=128)
+    return x["k"], x["beta"], x["retention"]
 
 
 def osgm_loss(options, interpret=None):
