@@ -8,6 +8,7 @@ tokens per data-parallel device by default; 2 warm-up steps, then the median ste
         [--mesh DATA FSDP TENSOR [--mesh ...]]  # --batch rows per data-parallel device
         [--losses N] [--compare-mesh DATA FSDP TENSOR [--no-parity]]
         [--osgm-variant 2/1/16/8/scalar/p4/cpauto]  # OSGM kernel options (bench_osgm's strings)
+        [--atk-stream N]  # the ATK phase's Mosaic kernels on XLA GPU stream N (PDN's phase 1)
         [--layers N] [--impl pallas|chunked]  # a memory probe: the peak of an N-block step
         [--profile DIR]  # 3 more steps traced: device time by kernel, the device's idle gaps
         [--hlo DIR]  # the compiled steps' HLO, to read the profile's fusion names against
@@ -55,6 +56,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from benchmarks.bench_osgm import variant as osgm_variant
 from benchmarks.kernel_times import idle_table, kernel_table, trace_events
+from pallas_kernels import atk_precond
 from pallas_kernels.osgm_precond import default_options
 from precond_linattn.models import LanguageModel, count_params, preset
 from train.build import flops_per_token
@@ -277,6 +279,8 @@ def parse_args(argv=None):
                     help="the ops' impl (default: the preset's)")
     ap.add_argument("--osgm-variant", type=osgm_variant,
                     help="the OSGM kernels' options, as bench_osgm's variant strings")
+    ap.add_argument("--atk-stream", type=int, metavar="N",
+                    help="the ATK kernels' calls on XLA GPU stream N (atk_precond.Options.stream)")
     ap.add_argument("--hlo", metavar="DIR", help="write each run's compiled step (optimised HLO "
                     "text) to DIR/<preconditioner>_<run>.hlo.txt")
     ap.add_argument("--profile", metavar="DIR",
@@ -288,6 +292,10 @@ def parse_args(argv=None):
     a = ap.parse_args(argv)
     set_command_buffers(a.command_buffers)  # before the mesh checks below start the backend
     a.mesh = [tuple(m) for m in a.mesh or [(1, 1, 1)]]
+    try:
+        a.atk_options = None if a.atk_stream is None else atk_precond.Options(stream=a.atk_stream)
+    except ValueError as e:
+        ap.error(f"--atk-stream {a.atk_stream}: {e}")
     a.compare_mesh = tuple(a.compare_mesh) if a.compare_mesh else None
     if min(a.batch, a.seq_len, a.steps, a.compare_steps, 1 if a.layers is None else a.layers) < 1:
         ap.error("--batch, --seq-len, --steps, --compare-steps and --layers must be >= 1")
@@ -320,13 +328,13 @@ def main():
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {a.compute_dtype} compute, "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}, "
           f"remat={a.remat}, scan_layers={a.scan_layers}, packed={a.packed}, osgm options "
-          f"{a.osgm_variant or 'default'}, {a.seq_len} tokens "
+          f"{a.osgm_variant or 'default'}, ATK options {a.atk_options or 'default'}, {a.seq_len} tokens "
           f"a row, lr warm-up {a.lr_warmup} steps; meshes (data, fsdp, tensor); rows/dev: rows per "
           "data-parallel device x micro-batches")
     print(f"{'model':20s} {'run':18s} {'rows/dev':>8s} {'step ms':>8s} {'tok/s':>9s} {'tok/s/dev':>9s} "
           f"{'TFLOP/s':>7s} {'XLA GiB':>7s} {'alloc GiB':>9s} {'compile s':>9s} {'loss':>7s} {'weak':>6s} "
           f"{'max|dloss|':>10s}", flush=True)
-    with default_options(a.osgm_variant):
+    with default_options(a.osgm_variant), atk_precond.default_options(a.atk_options):
         for p, config in configs.items():
             name = f"{a.preset}/{p}"
             results = [train_run(name, config, r, a.seq_len, remat=a.remat,

@@ -40,7 +40,8 @@ from pallas_kernels.atk_triton import AUX, CENTER, DECAY, DOC, FIRST, GAIN, LAST
 from pallas_kernels.partition import lowered_once, match_types, sharded_call
 from pallas_kernels.token_pieces import auto_pieces, chain, rows, unrows
 from pallas_kernels.triton_common import (
-    MAX_HEAD_DIM, aux_rows, doc_columns, interpret_default, pad_last, pow2_dim, vary_alike)
+    MAX_HEAD_DIM, TraceDefaults, aux_rows, doc_columns, interpret_default, pad_last, pow2_dim,
+    vary_alike)
 from precond_linattn.numerics import f32
 from precond_linattn.varlen import segments
 
@@ -80,6 +81,17 @@ class Options:
                              f"prefetch >= 1, got {self}")
         if p is not None and (not isinstance(p, int) or isinstance(p, bool) or p < 1):
             raise ValueError(f"Options.sequence_pieces must be None or an int >= 1, got {p!r}")
+
+
+_DEFAULT = TraceDefaults("default_options", Options, Options())  # of calls that name none
+
+
+def default_options(options: Options | None):
+    """Calls traced inside take ``options`` where they name none, as ``impl="pallas"`` /
+    ``"auto"`` through the layers and models do (e.g. a training benchmark with the kernels on
+    another stream); None keeps the current ones. Trace-time only: a function jitted and
+    traced before keeps its kernels."""
+    return _DEFAULT.use(options)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,13 +255,15 @@ _mosaic_scan = lowered_once(_mosaic_scan)
 
 
 def atk_pallas(k, log_decay, gain, center, x, eps, initial_state, cu_seqlens, chunk_size,
-               options: Options = Options(), interpret: bool | None = None):
+               options: Options | None = None, interpret: bool | None = None):
     """k̃ [B, T, H, K] (k's dtype) and final A [N, H, K] (float32) on the Pallas kernels.
 
     Arguments as ``precond_linattn.reference.atk.atk_reference`` (log_decay [B, T, H] or
-    [B, T, H, K], never None), each in its own dtype, plus the unused ``chunk_size``. Raises
-    ValueError for a head dim the kernels cannot take or traced x / eps."""
+    [B, T, H, K], never None), each in its own dtype, plus the unused ``chunk_size``;
+    ``options`` None: those of ``default_options`` (else Options()). Raises ValueError for a
+    head dim the kernels cannot take or traced x / eps."""
     del chunk_size
+    options = _DEFAULT.current if options is None else options
     B, T, H, K = k.shape
     if not supports(K=K, dtype=k.dtype):
         raise ValueError(f"impl='pallas' takes head dims K <= {MAX_HEAD_DIM}, got K={K}; "

@@ -48,6 +48,7 @@ def test_layers_and_impl_override_the_preset():
     (["--batch", "0"], "--batch"),
     (["--layers", "0"], "--layers"),
     (["--impl", "cuda"], "--impl"),
+    (["--atk-stream", "0"], "--atk-stream 0"),
 ])
 def test_bad_options_name_the_option(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:

@@ -95,3 +95,27 @@ def test_bad_streams_raise(stream):
             options(stream=stream)
     with pytest.raises(ValueError, match="stream"):
         rows_mosaic.on_stream(lambda x: x, stream)
+
+
+def test_atk_default_options_reach_the_public_op():
+    """``atk_precond.default_options``: ``atk_precondition(impl="pallas")``, as the layers call
+    it, traced inside ``default_options(Options(stream=1))`` has its kernels on the stream (a
+    nested None keeps the enclosing options), traced after it not; anything else is refused."""
+    import precond_linattn as pla
+    rng = np.random.default_rng(2)
+    k = jnp.asarray(rng.standard_normal((1, 40, 2, 128)) / np.sqrt(128), jnp.bfloat16)
+    gain = jnp.asarray(rng.uniform(0.05, 0.95, (1, 40, 2)), jnp.float32)
+    log_decay = jnp.asarray(-rng.uniform(0.01, 0.3, (1, 40, 2)), jnp.float32)
+
+    def lowered():
+        f = lambda k: pla.atk_precondition(k, log_decay, gain, jnp.full((2,), -0.2),  # noqa: E731
+                                           impl="pallas")[0]
+        return jax.jit(f).lower(k).as_text()
+
+    with atk_precond.default_options(atk_precond.Options(stream=1)):
+        with atk_precond.default_options(None):
+            inside = lowered()
+    assert ANNOTATION in inside and ANNOTATION not in lowered()
+    with pytest.raises(ValueError, match="default_options"):
+        with atk_precond.default_options(osgm_precond.Options()):
+            pass
