@@ -11,6 +11,9 @@ preconditioner (none, OSGM, OSGM with APF retention, ATK), phase 1 then the delt
         [--profile DIR]  # the device time by kernel of every timed row, from a trace
         [--delta-variant auto/64/4/2/vmosaic]  # the delta core's options (bench_delta.variant)
 
+``fp32`` prints, per model, the errors of ``--impl`` and of the chunked form (both bf16, on the
+checks' inputs) against the chunked form in fp32: whether a failed check is the kernel's error or
+the bf16 reference's own.
 ``phase`` times the ATK phase alone (``atk_precondition`` on its Pallas kernels), and checks it
 against the chunked form at ``--check-shape``, for each ``--atk-pieces`` entry: a count of
 sequence pieces for the Triton kernels
@@ -33,7 +36,8 @@ import jax.numpy as jnp
 
 import precond_linattn as pla
 from benchmarks import bench_delta
-from benchmarks.bench_delta import DECAYS, Guard, check, elapsed, make_inputs, time_op
+from benchmarks.bench_delta import (DECAYS, Guard, check, elapsed, make_inputs, rel_rms,
+                                    time_op)
 from pallas_kernels import delta_rule
 
 PRECONDITIONERS = ("none", "osgm", "osgm_apf", "atk")
@@ -73,6 +77,32 @@ def composed(precond, impl):
     return f
 
 
+def against_fp32(name, precond, impl, x, key):
+    """Relative RMS error against the chunked form in fp32 (the bf16 inputs cast up) of ``impl``
+    and of the chunked form, both in bf16, for the outputs and every gradient: whether ``impl``
+    is as exact as the bf16 reference it is checked against. The cotangents are drawn in fp32
+    and rounded to bf16 for all three, so the three pullbacks see the same ones."""
+    def run(f, x):
+        def g(x):
+            (o, final), pullback = jax.vjp(f, x)
+            ko, kf = jax.random.split(key)
+            ct = (jax.random.normal(ko, o.shape).astype(jnp.bfloat16).astype(o.dtype),
+                  jax.random.normal(kf, final.shape))
+            return o, final, pullback(ct)[0]
+        return jax.block_until_ready(jax.jit(g)(x))
+    ref = run(composed(precond, "chunked"), jax.tree.map(lambda a: a.astype(jnp.float32), x))
+    r = dict(check=f"{name} vs fp32 chunked", t_s=None)
+    used = [n for n in ref[2] if bool(jnp.any(ref[2][n] != 0))]  # the model's inputs
+    for label, got in ((f"{impl} bf16", run(composed(precond, impl), x)),
+                       ("chunked bf16", run(composed(precond, "chunked"), x))):
+        errs = {"o": rel_rms(got[0], ref[0]), "final": rel_rms(got[1], ref[1]),
+                **{n: rel_rms(got[2][n], ref[2][n]) for n in used}}
+        r[label] = {n: float(f"{e:.3g}") for n, e in errs.items()}
+    r["t_s"] = round(elapsed())
+    print(json.dumps(r), flush=True)
+    return r
+
+
 def atk_phase(pieces):
     """(inputs) -> (k̃, final A) of the ATK phase on the Triton kernels cut into ``pieces``, or
     with "mosaic" on the Mosaic ones ("mosaic2": on two warpgroups)."""
@@ -92,7 +122,7 @@ def main():
     p.add_argument("--shape", type=int, nargs=4, default=(8, 2048, 8, 128))
     p.add_argument("--check-shape", type=int, nargs=4, default=(2, 1000, 4, 128))
     p.add_argument("--models", default=",".join(NAMES.values()))
-    p.add_argument("--sections", default="checks,time", help="checks, time, phase")
+    p.add_argument("--sections", default="checks,time", help="checks, time, phase, fp32")
     p.add_argument("--atk-pieces", default="auto,mosaic",
                    help="the phase rows' sequence pieces (Triton), or mosaic / mosaic2")
     p.add_argument("--impl", default="auto")
@@ -147,6 +177,10 @@ def run(p, a):
                          composed(precond, "chunked"), x, jax.random.fold_in(key, 100 + i),
                          jnp.bfloat16)
         checks.append(guarded(f"check {name}", one))
+    for i, (backbone, precond, name) in enumerate(models if "fp32" in a.sections else ()):
+        guarded(f"fp32 {name}", lambda backbone=backbone, precond=precond, name=name, i=i:
+                against_fp32(name, precond, a.impl, inputs(jax.random.fold_in(key, i),
+                             *a.check_shape, backbone, jnp.bfloat16), jax.random.fold_in(key, 100 + i)))
 
     print(f"\n{'check':32s} {'ok':>5s} {'err_o':>9s} {'err_final':>9s} {'err_grad':>9s}")
     for r in filter(None, checks):

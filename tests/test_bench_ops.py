@@ -14,3 +14,15 @@ def test_atk_phase_entries_choose_the_kernels(monkeypatch):
         bench_ops.atk_phase(entry)(x)
     assert [(o.mosaic, o.sequence_pieces, o.mosaic_warpgroups) for o in seen] == [
         (False, 4, 1), (False, None, 1), (True, None, 1), (True, None, 2)]
+
+
+def test_against_fp32_matches_cotangents_and_names_the_used_inputs():
+    """The fp32 section's bf16 errors are bf16-sized (one set of cotangents for all three runs:
+    unmatched ones give errors of order one) and name exactly the model's inputs."""
+    import jax
+    import jax.numpy as jnp
+    x = bench_ops.inputs(jax.random.key(3), 1, 40, 2, 32, "deltanet", jnp.bfloat16)
+    r = bench_ops.against_fp32("osdn-apf", "osgm_apf", "chunked", x, jax.random.key(4))
+    errs = r["chunked bf16"]
+    assert set(errs) == {"o", "final", "q", "k", "v", "beta", "r"}
+    assert all(1e-4 < e < 2e-2 for e in errs.values()), errs
