@@ -80,9 +80,13 @@ class Options:
     (backward) of neighbouring tiles while the first runs the sweeps; 16-bit keys (and ∂k̃)
     only, float32 ones take 1): APF phase 1 at 8x2048x8x128 bf16, fwd / fwd+bwd 0.215 / 0.454
     ms against 0.249 / 0.517 on one (RESULTS run 125; kernels 0.110 / 0.229 ms against 0.136
-    / 0.266). ``stream``: the Mosaic kernels on that XLA GPU stream (``rows_mosaic.on_stream``:
-    asynchronous beside the main stream, e.g. the backward's reverse scan beside a training
-    step's weight gradients); None (the default): on the main stream."""
+    / 0.266). ``mosaic_bound_stop``: the Mosaic kernels' sweeps of a tile end at
+    ``osgm_mosaic._accepts``' contraction bound (True, the default: within a quarter float32
+    spacing of the fixed point's values, at most an ulp from the bitwise stop) or only when
+    the coupling comes back bit for bit (False). ``stream``: the Mosaic kernels on that XLA
+    GPU stream (``rows_mosaic.on_stream``: asynchronous beside the main stream, e.g. the
+    backward's reverse scan beside a training step's weight gradients); None (the default):
+    on the main stream."""
 
     prefetch: int = 2
     num_warps: int = 1
@@ -95,6 +99,7 @@ class Options:
     picard_pieces: int | None = None
     mosaic_loops: bool = True
     mosaic_warpgroups: int = 2
+    mosaic_bound_stop: bool = True
     stream: int | None = None
 
     def __post_init__(self):
@@ -113,7 +118,7 @@ class Options:
             raise ValueError(f"Options.mosaic_warpgroups must be 1 or 2, got "
                              f"{self.mosaic_warpgroups!r}")
         rows_mosaic.check_stream(self.stream)
-        for name in ("scalar_aux", "picard_early_exit", "mosaic_loops"):
+        for name in ("scalar_aux", "picard_early_exit", "mosaic_loops", "mosaic_bound_stop"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Options.{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -232,7 +237,8 @@ def _mosaic_forward(cfg, k, aux, init, residuals=False):
     coefs = osgm_mosaic.coefficient_rows(_coefficients(cfg, k, aux), Tp, _documents(cfg, aux))
     out = _mosaic_call(
         cfg, functools.partial(osgm_mosaic.osgm_fwd, residuals=residuals,
-                               warpgroups=_warpgroups(cfg, k)),
+                               warpgroups=_warpgroups(cfg, k),
+                               bound_stop=cfg.options.mosaic_bound_stop),
         [rows_mosaic.tile_padded(k, Tp), coefs, init], ["b t h k", "b h r t", "n h k"],
         ["b t h k", "n h k"] + (["b h j t", "b i h k"] if residuals else []))
     return (out[0][:, :T], *out[1:])
@@ -249,7 +255,8 @@ def _mosaic_backward(cfg, k, aux, residuals, init, dkw, dfinal):
     u, a = rows_mosaic.token_rows(fwd_rows, T)
     coefs = osgm_mosaic.backward_rows(per_token, u, a, eps, Tp, _documents(cfg, aux))
     dk, rows, dinit = _mosaic_call(
-        cfg, functools.partial(osgm_mosaic.osgm_bwd, warpgroups=_warpgroups(cfg, k, dkw)),
+        cfg, functools.partial(osgm_mosaic.osgm_bwd, warpgroups=_warpgroups(cfg, k, dkw),
+                               bound_stop=cfg.options.mosaic_bound_stop),
         [rows_mosaic.tile_padded(k, Tp), rows_mosaic.tile_padded(dkw, Tp), coefs, starts, init,
          dfinal],
         ["b t h k", "b t h k", "b h r t", "b i h k", "n h k", "n h k"],

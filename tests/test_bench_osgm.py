@@ -29,6 +29,8 @@ from pallas_kernels.osgm_precond import Options
                                  picard_iters=0, mosaic_loops=True, mosaic_warpgroups=1)),
     ("2/1/16/scalar/mosaic/st1", Options(prefetch=2, num_warps=1, unroll=16, scalar_aux=True,
                                          picard_iters=0, mosaic_loops=True, stream=1)),
+    ("2/1/8/mosaic/bitstop", Options(prefetch=2, num_warps=1, unroll=8, scalar_aux=False,
+                                     picard_iters=0, mosaic_loops=True, mosaic_bound_stop=False)),
 ])
 def test_variant_strings(text, options):
     assert variant(text) == options

@@ -165,6 +165,8 @@ def test_bad_shapes_raise():
                              interpret=True, packed=True)
     with pytest.raises(ValueError, match="mosaic_loops must be a bool"):
         Options(mosaic_loops=1)
+    with pytest.raises(ValueError, match="mosaic_bound_stop must be a bool"):
+        Options(mosaic_bound_stop=0)
 
 
 @pytest.mark.parametrize("dtype, residuals, packed", [(jnp.bfloat16, False, False),
@@ -204,8 +206,8 @@ def paper_settings(t):
             osgm_mosaic.backward_rows(coefs, u, a, 1e-6, t), starts, init, init * 0.1))
 
 
-def both_ways(fwd_args, bwd_args):
-    kw = dict(bounds=(0.5, 2.0), interpret=True)
+def both_ways(fwd_args, bwd_args, **options):
+    kw = dict(bounds=(0.5, 2.0), interpret=True, **options)
     return (osgm_mosaic.osgm_fwd(*fwd_args, residuals=True, **kw),
             osgm_mosaic.osgm_bwd(*bwd_args, **kw))
 
@@ -227,17 +229,31 @@ def test_sweeps_settle_in_a_few_at_the_paper_settings(monkeypatch):
         assert int(jnp.max(code % 1000)) <= most and int(jnp.min(code // 1000)) >= 1
 
 
-def test_stopping_early_moves_each_tile_by_a_quarter_spacing(monkeypatch):
+def test_stopping_early_moves_each_tile_by_a_quarter_spacing():
     """What the sweeps emit when ``_accepts`` stops them against sweeping until the coupling
-    comes back bit for bit (one sweep more a tile here): k̃, the final d, the entering states
-    and ∂k, ∂d_1 not bitwise the same, but within 2^-24 of the largest value a tile (4 tiles):
-    a quarter spacing before rounding, at most an ulp after."""
+    comes back bit for bit (``bound_stop=False``, one sweep more a tile here): k̃, the final
+    d, the entering states and ∂k, ∂d_1 not bitwise the same, but within 2^-24 of the largest
+    value a tile (4 tiles): a quarter spacing before rounding, at most an ulp after."""
     fwd_args, bwd_args = paper_settings(256)
     stopped = both_ways(fwd_args, bwd_args)
-    monkeypatch.setattr(osgm_mosaic, "_accepts", lambda *a, **k: lambda *b: jnp.bool_(False))
-    settled = both_ways(fwd_args, bwd_args)
+    settled = both_ways(fwd_args, bwd_args, bound_stop=False)
     pairs = [(stopped[0][i], settled[0][i]) for i in (0, 1, 3)]
     pairs += [(stopped[1][i], settled[1][i]) for i in (0, 2)]
     assert any(not jnp.array_equal(a, b) for a, b in pairs)
     for a, b in pairs:
         assert float(jnp.max(jnp.abs(a - b))) <= 4 * 2.0 ** -24 * float(jnp.max(jnp.abs(b)))
+
+
+@pytest.mark.parametrize("bound_stop", [True, False])
+def test_bound_stop_option_reaches_both_kernels(monkeypatch, bound_stop):
+    """``Options.mosaic_bound_stop`` of the public op's options arrives as both Mosaic kernels'
+    ``bound_stop`` (forward and backward of one gradient, interpret mode)."""
+    from test_kernel_streams import osgm_inputs, osgm_loss
+    seen = []
+    for name in ("osgm_fwd", "osgm_bwd"):
+        real = getattr(osgm_mosaic, name)
+        monkeypatch.setattr(osgm_mosaic, name, lambda *a, real=real, name=name, **kw: seen.append(
+            (name, kw["bound_stop"])) or real(*a, **kw))
+    options = Options(picard_iters=0, mosaic_bound_stop=bound_stop)
+    jax.grad(osgm_loss(options, interpret=True), argnums=(0, 1, 2))(*osgm_inputs())
+    assert sorted(set(seen)) == [("osgm_bwd", bound_stop), ("osgm_fwd", bound_stop)]
