@@ -81,9 +81,11 @@ class Options:
     only, float32 ones take 1): APF phase 1 at 8x2048x8x128 bf16, fwd / fwd+bwd 0.215 / 0.454
     ms against 0.249 / 0.517 on one (RESULTS run 125; kernels 0.110 / 0.229 ms against 0.136
     / 0.266). ``mosaic_bound_stop``: the Mosaic kernels' sweeps of a tile end at
-    ``osgm_mosaic._accepts``' contraction bound (True, the default: within a quarter float32
-    spacing of the fixed point's values, at most an ulp from the bitwise stop) or only when
-    the coupling comes back bit for bit (False). ``stream``: the Mosaic kernels on that XLA
+    ``osgm_mosaic._accepts``' contraction bound (True: within a quarter float32 spacing of the
+    fixed point's values, at most an ulp from the bitwise stop; fewer sweeps, each dearer) or
+    only when the coupling comes back bit for bit (False, the default: RESULTS run 170, APF
+    phase 1 at 8x2048x8x128 bf16 on an H100, fwd / fwd+bwd 0.203 / 0.399 ms against 0.220-0.226
+    / 0.419-0.420 with the bound). ``stream``: the Mosaic kernels on that XLA
     GPU stream (``rows_mosaic.on_stream``: asynchronous beside the main stream, e.g. the
     backward's reverse scan beside a training step's weight gradients); None (the default):
     on the main stream."""
@@ -99,7 +101,7 @@ class Options:
     picard_pieces: int | None = None
     mosaic_loops: bool = True
     mosaic_warpgroups: int = 2
-    mosaic_bound_stop: bool = True
+    mosaic_bound_stop: bool = False
     stream: int | None = None
 
     def __post_init__(self):
