@@ -1,6 +1,6 @@
 """How many Picard sweeps ``osgm_mosaic``'s kernels run a tile, and what a sweep costs (issue 4).
 
-    python benchmarks/probe_sweeps.py [--shape B T H K] [--eta 0.003] [--cpu]
+    python benchmarks/probe_sweeps.py [--shape B T H K] [--eta 0.003] [--bound] [--cpu]
 
 On the inputs of ``bench_osgm`` (unit keys, β = σ(x), APF r = σ(x + 6), bf16) it swaps
 ``osgm_mosaic._settle`` for a counting one whose result row carries, for each tile, the
@@ -8,7 +8,9 @@ number of sweeps run and the last sweep that still moved the coupling (the forwa
 the backward's γ row: the backward's ∂k, which uses γ, is then wrong; the forward's results
 are not), and prints their distribution; then it times the forward with the
 sweeps fixed at 1, 2, 4 and 8 (no convergence test), whose differences are the cost of a
-sweep. ``--cpu``: interpret mode at a small shape (checks the script, times nothing real).
+sweep. The sweeps stop bit for bit (the kernels' default), with ``--bound`` at ``_accepts``'
+contraction bound too (``bound_stop``). ``--cpu``: interpret mode at a small shape (checks
+the script, times nothing real).
 """
 
 import argparse
@@ -35,8 +37,7 @@ def counting_settle(step, x0, carry0, accept, fixed=None):
         x, carry, _, n, last = c
         x_new, carry = step(x)
         moved = jnp.max(jnp.abs(x_new - x)) > 0.0
-        go_on = om._changed(x_new, x) & jnp.logical_not(accept(x_new, x))
-        return x_new, carry, go_on, n + 1, jnp.where(moved, n + 1, last)
+        return x_new, carry, om._go_on(x_new, x, accept), n + 1, jnp.where(moved, n + 1, last)
 
     def cond(c):
         return (c[2] & (c[3] <= om.TILE)) if fixed is None else c[3] < fixed
@@ -67,6 +68,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", type=int, nargs=4, default=(8, 2048, 8, 128))
     ap.add_argument("--eta", type=float, default=0.003)
+    ap.add_argument("--bound", action="store_true", help="the kernels' bound_stop=True")
     ap.add_argument("--cpu", action="store_true")
     a = ap.parse_args()
     B, T, H, K = (1, 128, 1, 128) if a.cpu else a.shape
@@ -75,7 +77,7 @@ def main():
     coefs = coefficients(f32(x["k"]), f32(x["beta"]), f32(x["r"]), a.eta, True, 1e-6)
     rows = om.coefficient_rows(coefs, T)
     init = jnp.ones((B, H, K), jnp.float32)
-    kw = dict(bounds=(0.5, 2.0), interpret=a.cpu)
+    kw = dict(bounds=(0.5, 2.0), interpret=a.cpu, bound_stop=a.bound)
     fwd = lambda: jax.jit(functools.partial(om.osgm_fwd, residuals=True, **kw))  # noqa: E731
     reps = 1 if a.cpu else 20  # (a new jit for each ``_settle``: the kernel is traced again)
     real = fwd()

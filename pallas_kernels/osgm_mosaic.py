@@ -138,21 +138,25 @@ def _accepts(s, wg, r, scale=None):
     return accept
 
 
+def _go_on(x_new, x, accept):
+    """Whether a tile's sweeps go on after one took x to x_new: while x moves, and (``accept``
+    not None) until ``accept(x_new, x)`` (``_accepts``)."""
+    moving = _changed(x_new, x)
+    return moving if accept is None else moving & jnp.logical_not(accept(x_new, x))
+
+
 def _settle(step, x0, carry0, accept):
-    """Picard sweeps ``x, carry = step(x)`` from the guess x0 until x comes back bit for bit or
-    ``accept(x_new, x)`` (``_accepts``; False: bit for bit only), at most TILE + 1 (causality
-    settles one more token a sweep). Returns (x, carry): the row sums of the tile the last
-    sweep emitted, and what it returned."""
+    """Picard sweeps ``x, carry = step(x)`` from the guess x0 until ``_go_on`` says stop (x back
+    bit for bit, or ``accept``; None: bit for bit only), at most TILE + 1 (causality settles
+    one more token a sweep). Returns (x, carry): the row sums of the tile the last sweep
+    emitted, and what it returned."""
     def cond(c):
         return c[2] & (c[3] <= TILE)
 
     def body(c):
         x, _, _, n = c
         x_new, carry = step(x)
-        go_on = _changed(x_new, x)
-        if accept:
-            go_on = go_on & jnp.logical_not(accept(x_new, x))
-        return x_new, carry, go_on, n + 1
+        return x_new, carry, _go_on(x_new, x, accept), n + 1
 
     x, carry, _, _ = lax.while_loop(cond, body, (x0, carry0, jnp.bool_(True), jnp.int32(0)))
     return x, carry
@@ -177,7 +181,7 @@ def _forward_sweep(d0, s_row, u, r, D, bounds, interpret, first=None):
 
 
 def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residuals=False,
-             warpgroups=1, bound_stop=True):
+             warpgroups=1, bound_stop=False):
     """k [B, Tp, H, 128] (Tp a multiple of TILE), coefs [B, H, 4 (+ 3 if ``packed``), Tp]
     (``coefficient_rows``), initial_state [N, H, 128] float32 (N = B, or the documents);
     bounds (d_min, d_max). Returns k̃ [B, Tp, H, 128] in k's dtype and the final d [N, H, 128]
@@ -185,8 +189,8 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
     each tile [B, Tp / TILE, H, 128] float32 (``osgm_bwd``'s inputs). ``warpgroups`` 2 (16-bit
     keys): the sweeps' warpgroup does only the chain (the guess, the sweeps, the row sums) while
     a second one forms S of the next tile and k̃ of the last (``rows_mosaic.walk_pair``; two S
-    and D tiles). ``bound_stop`` False: a tile's sweeps end only when the coupling comes back
-    bit for bit (not at ``_accepts``' bound; for timing the two stops against each other)."""
+    and D tiles). ``bound_stop``: a tile's sweeps end at ``_accepts``' bound too (True), or
+    only when the coupling comes back bit for bit (False, as ``osgm_precond.Options``)."""
     B, Tp, H, K = k.shape
     check_shape("osgm_mosaic.osgm_fwd", K, Tp)
     check_warpgroups(warpgroups, k)
@@ -241,8 +245,8 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
                 with jax.named_scope("row_sums"):
                     return row_sums(D_, s, interpret), d
 
-            accept = bound_stop and _accepts(s, w_row * g_row, plgpu.load(r.at[slot], layout=ROWS),
-                                             max(abs(bounds[0]), abs(bounds[1])))
+            accept = _accepts(s, w_row * g_row, plgpu.load(r.at[slot], layout=ROWS),
+                              max(abs(bounds[0]), abs(bounds[1]))) if bound_stop else None
             a_t, d = _settle(step, guess, d0, accept)
             a.at[slot][...] = a_t
             if packed:  # each document ending here: its state after its last token
@@ -279,7 +283,7 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
 
 
 def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=False,
-             warpgroups=1, bound_stop=True):
+             warpgroups=1, bound_stop=False):
     """The reverse scan by Picard sweeps per tile (tiles in reverse): with λ = ∂L/∂d_{t+1},
     μ = λ ⊙ [d_min < r d + u s < d_max], γ = ⟨μ, s⟩ (the sweeps' coupling),
 
@@ -435,7 +439,8 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
                 with jax.named_scope("row_sums"):
                     return row_sums(M, s, interpret), lam
 
-            accept = bound_stop and _accepts(s, gw_row, plgpu.load(r.at[slot], layout=ROWS))
+            accept = (_accepts(s, gw_row, plgpu.load(r.at[slot], layout=ROWS)) if bound_stop
+                      else None)
             gam_t, lam = _settle(step, plgpu.layout_cast(jnp.zeros((TILE,), F32), ROWS), lam0,
                                  accept)
             gam.at[slot][...] = gam_t
