@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import precond_linattn as pla
 from benchmarks import bench_delta
 from benchmarks.bench_delta import (DECAYS, Guard, check, elapsed, make_inputs, rel_rms,
-                                    time_op)
+                                    time_op, values_and_grads)
 from pallas_kernels import delta_rule
 
 PRECONDITIONERS = ("none", "osgm", "osgm_apf", "atk")
@@ -80,21 +80,14 @@ def composed(precond, impl):
 def against_fp32(name, precond, impl, x, key):
     """Relative RMS error against the chunked form in fp32 (the bf16 inputs cast up) of ``impl``
     and of the chunked form, both in bf16, for the outputs and every gradient: whether ``impl``
-    is as exact as the bf16 reference it is checked against. The cotangents are drawn in fp32
-    and rounded to bf16 for all three, so the three pullbacks see the same ones."""
-    def run(f, x):
-        def g(x):
-            (o, final), pullback = jax.vjp(f, x)
-            ko, kf = jax.random.split(key)
-            ct = (jax.random.normal(ko, o.shape).astype(jnp.bfloat16).astype(o.dtype),
-                  jax.random.normal(kf, final.shape))
-            return o, final, pullback(ct)[0]
-        return jax.block_until_ready(jax.jit(g)(x))
-    ref = run(composed(precond, "chunked"), jax.tree.map(lambda a: a.astype(jnp.float32), x))
-    r = dict(check=f"{name} vs fp32 chunked", t_s=None)
+    is as exact as the bf16 reference it is checked against (``values_and_grads``: the same
+    cotangents for all three)."""
+    ref = values_and_grads(composed(precond, "chunked"),
+                           jax.tree.map(lambda a: a.astype(jnp.float32), x), key)
+    r = dict(check=f"{name} vs fp32 chunked")
     used = [n for n in ref[2] if bool(jnp.any(ref[2][n] != 0))]  # the model's inputs
-    for label, got in ((f"{impl} bf16", run(composed(precond, impl), x)),
-                       ("chunked bf16", run(composed(precond, "chunked"), x))):
+    for label, impl_ in ((f"{impl} bf16", impl), ("chunked bf16", "chunked")):
+        got = values_and_grads(composed(precond, impl_), x, key)
         errs = {"o": rel_rms(got[0], ref[0]), "final": rel_rms(got[1], ref[1]),
                 **{n: rel_rms(got[2][n], ref[2][n]) for n in used}}
         r[label] = {n: float(f"{e:.3g}") for n, e in errs.items()}
@@ -170,17 +163,18 @@ def run(p, a):
             checks.append(guarded(f"check atk phase {pieces}", lambda pieces=pieces: check(
                 f"atk phase {pieces} vs chunked", atk_phase(pieces), chunked, xc,
                 jax.random.fold_in(key, 99), jnp.bfloat16)))
-    for i, (backbone, precond, name) in enumerate(models if "checks" in a.sections else ()):
-        def one(backbone=backbone, precond=precond, name=name, i=i):
-            x = inputs(jax.random.fold_in(key, i), *a.check_shape, backbone, jnp.bfloat16)
-            return check(f"{name} {a.impl} vs chunked", composed(precond, a.impl),
-                         composed(precond, "chunked"), x, jax.random.fold_in(key, 100 + i),
-                         jnp.bfloat16)
-        checks.append(guarded(f"check {name}", one))
-    for i, (backbone, precond, name) in enumerate(models if "fp32" in a.sections else ()):
-        guarded(f"fp32 {name}", lambda backbone=backbone, precond=precond, name=name, i=i:
-                against_fp32(name, precond, a.impl, inputs(jax.random.fold_in(key, i),
-                             *a.check_shape, backbone, jnp.bfloat16), jax.random.fold_in(key, 100 + i)))
+    for i, (backbone, precond, name) in enumerate(
+            models if "checks" in a.sections or "fp32" in a.sections else ()):
+        x = inputs(jax.random.fold_in(key, i), *a.check_shape, backbone, jnp.bfloat16)
+        ct_key = jax.random.fold_in(key, 100 + i)
+        if "checks" in a.sections:
+            checks.append(guarded(f"check {name}", lambda precond=precond, name=name, x=x,
+                                  ct_key=ct_key: check(
+                f"{name} {a.impl} vs chunked", composed(precond, a.impl),
+                composed(precond, "chunked"), x, ct_key, jnp.bfloat16)))
+        if "fp32" in a.sections:
+            guarded(f"fp32 {name}", lambda precond=precond, name=name, x=x, ct_key=ct_key:
+                    against_fp32(name, precond, a.impl, x, ct_key))
 
     print(f"\n{'check':32s} {'ok':>5s} {'err_o':>9s} {'err_final':>9s} {'err_grad':>9s}")
     for r in filter(None, checks):
