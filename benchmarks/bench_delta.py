@@ -148,16 +148,20 @@ class Guard:
             return None
 
 
+def cotangents(key, o, final):
+    """Random cotangents of (o, final) drawn from ``key``: o's drawn in fp32 and rounded to bf16
+    (the same values whatever o's dtype), the final state's in fp32."""
+    ko, kf = jax.random.split(key)
+    return (jax.random.normal(ko, o.shape).astype(jnp.bfloat16).astype(o.dtype),
+            jax.random.normal(kf, final.shape))
+
+
 def values_and_grads(f, x, key):
-    """(out, final, gradients of x) of ``f(x) -> (out, final)`` for random cotangents drawn from
-    ``key`` (the output's drawn in fp32 and rounded to bf16: the same values whatever its
-    dtype); compiled first, then run on a device filled with NaN (``poison``)."""
+    """(out, final, gradients of x) of ``f(x) -> (out, final)`` for the ``cotangents`` drawn
+    from ``key``; compiled first, then run on a device filled with NaN (``poison``)."""
     def g(x):
         (o, final), pullback = jax.vjp(f, x)
-        ko, kf = jax.random.split(key)
-        ct = (jax.random.normal(ko, o.shape).astype(jnp.bfloat16).astype(o.dtype),
-              jax.random.normal(kf, final.shape))
-        return o, final, pullback(ct)[0]
+        return o, final, pullback(cotangents(key, o, final))[0]
     compiled = jax.jit(g).lower(x).compile()
     poison()
     return jax.block_until_ready(compiled(x))

@@ -13,7 +13,9 @@ preconditioner (none, OSGM, OSGM with APF retention, ATK), phase 1 then the delt
 
 ``fp32`` prints, per model, the errors of ``--impl`` and of the chunked form (both bf16, on the
 checks' inputs) against the chunked form in fp32: whether a failed check is the kernel's error or
-the bf16 reference's own.
+the bf16 reference's own; with ``--save-fp32 DIR`` each model's problem and fp32 answer go to
+``DIR/<model>.npz`` (``fp32_record``), where ``bench_fla.py --against DIR`` measures FLA's bf16
+errors on them (the plain backbones: deltanet, gdn, kda).
 ``phase`` times the ATK phase alone (``atk_precondition`` on its Pallas kernels), and checks it
 against the chunked form at ``--check-shape``, for each ``--atk-pieces`` entry: a count of
 sequence pieces for the Triton kernels
@@ -29,14 +31,15 @@ PGDN / PKDA <= 1.2x jax-linear-attention's GDN / KDA). Records go to benchmarks/
 
 import argparse
 import json
+import os
 import time
 
 import jax
 import jax.numpy as jnp
 
 import precond_linattn as pla
-from benchmarks import bench_delta
-from benchmarks.bench_delta import (DECAYS, Guard, check, elapsed, make_inputs, rel_rms,
+from benchmarks import bench_delta, fp32_record
+from benchmarks.bench_delta import (DECAYS, Guard, check, cotangents, elapsed, make_inputs,
                                     time_op, values_and_grads)
 from pallas_kernels import delta_rule
 
@@ -77,20 +80,24 @@ def composed(precond, impl):
     return f
 
 
-def against_fp32(name, precond, impl, x, key):
+def against_fp32(name, precond, impl, x, key, save_dir=None):
     """Relative RMS error against the chunked form in fp32 (the bf16 inputs cast up) of ``impl``
     and of the chunked form, both in bf16, for the outputs and every gradient: whether ``impl``
     is as exact as the bf16 reference it is checked against (``values_and_grads``: the same
-    cotangents for all three)."""
+    cotangents for all three). With ``save_dir``, the problem, its fp32 answer and these errors
+    go to ``save_dir/name.npz`` (``fp32_record``: FLA's errors on it, ``bench_fla --against``)."""
     ref = values_and_grads(composed(precond, "chunked"),
                            jax.tree.map(lambda a: a.astype(jnp.float32), x), key)
+    used = {n: g for n, g in ref[2].items() if bool(jnp.any(g != 0))}  # the model's inputs
     r = dict(check=f"{name} vs fp32 chunked")
-    used = [n for n in ref[2] if bool(jnp.any(ref[2][n] != 0))]  # the model's inputs
     for label, impl_ in ((f"{impl} bf16", impl), ("chunked bf16", "chunked")):
         got = values_and_grads(composed(precond, impl_), x, key)
-        errs = {"o": rel_rms(got[0], ref[0]), "final": rel_rms(got[1], ref[1]),
-                **{n: rel_rms(got[2][n], ref[2][n]) for n in used}}
-        r[label] = {n: float(f"{e:.3g}") for n, e in errs.items()}
+        r[label] = fp32_record.errors(got[0], got[1], got[2], ref[0], ref[1], used)
+    if save_dir is not None:
+        os.makedirs(save_dir, exist_ok=True)
+        fp32_record.save(os.path.join(save_dir, f"{name}.npz"), name,
+                         {n: x[n] for n in used}, cotangents(key, ref[0], ref[1]),
+                         (ref[0], ref[1], used), {k: v for k, v in r.items() if k != "check"})
     r["t_s"] = round(elapsed())
     print(json.dumps(r), flush=True)
     return r
@@ -119,6 +126,8 @@ def main():
     p.add_argument("--atk-pieces", default="auto,mosaic",
                    help="the phase rows' sequence pieces (Triton), or mosaic / mosaic2")
     p.add_argument("--impl", default="auto")
+    p.add_argument("--save-fp32", metavar="DIR", help="the fp32 section's problems and answers "
+                   "as DIR/<model>.npz, for bench_fla.py --against DIR")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--budget-s", type=float, default=300)
     p.add_argument("--timing", choices=("sync", "pipelined"), default="sync",
@@ -174,7 +183,7 @@ def run(p, a):
                 composed(precond, "chunked"), x, ct_key, jnp.bfloat16)))
         if "fp32" in a.sections:
             guarded(f"fp32 {name}", lambda precond=precond, name=name, x=x, ct_key=ct_key:
-                    against_fp32(name, precond, a.impl, x, ct_key))
+                    against_fp32(name, precond, a.impl, x, ct_key, a.save_fp32))
 
     print(f"\n{'check':32s} {'ok':>5s} {'err_o':>9s} {'err_final':>9s} {'err_grad':>9s}")
     for r in filter(None, checks):
