@@ -53,7 +53,7 @@ from pallas_kernels.triton_common import out_struct
 
 SPACING = 2.0 ** -26  # _accepts: a quarter of float32's spacing at 1 (2^-23), relative
 W, G, R, P = 0, 1, 2, 3  # the forward's rows; with packed documents three more follow:
-U, RB, WG, GN = 0, 1, 2, 3  # document, first, last; and the backward's
+U, RB, WG, GN, RHO = 0, 1, 2, 3, 4  # document, first, last; and the backward's
 
 
 def runs(*, K: int) -> bool:
@@ -70,23 +70,29 @@ def coefficient_rows(coefs, Tp, docs=None):
     return rows_layout([w, g, r, retained(r, Tp)], docs, Tp, R)
 
 
-def retained(r, Tp):
+def retained(r, Tp, reverse=False):
     """p_t = Π r_m over the tile's tokens m before t [B, T, H] (1 at a tile's first token): the
     first guess's d_t = clip(p_t d_0) follows the retention, which moves a_t by ~10 % a tile
-    at r ~ 0.998 where the updates u_t s_t move it by ~1e-4 (one sweep fewer a tile)."""
+    at r ~ 0.998 where the updates u_t s_t move it by ~1e-4 (one sweep fewer a tile).
+    ``reverse``: ρ_t = Π r_m over the tokens m after t (1 at a tile's last token), how much of
+    the λ entering a tile from the next reaches μ_t (``osgm_bwd``'s ``uncoupled_guess``)."""
     B, T, H = r.shape
     x = jnp.pad(r, [(0, 0), (0, Tp - T), (0, 0)], constant_values=1.0)
     x = x.reshape(B, Tp // TILE, TILE, H)
+    x = x[:, :, ::-1] if reverse else x
     x = jnp.concatenate([jnp.ones_like(x[:, :, :1]), jnp.cumprod(x[:, :, :-1], axis=2)], axis=2)
+    x = x[:, :, ::-1] if reverse else x
     return x.reshape(B, Tp, H)[:, :T]
 
 
 def backward_rows(coefs, u, a, eps, Tp, docs=None):
-    """The backward's [B, H, 4 (+ 3), Tp] from ``coefs`` (as ``coefficient_rows``'s) and the
-    forward's u_t, a_t [B, T, H]: u, r, w g and [n̄ > ε] (1 − g a) w / n̄, padded with zeros but
-    r = 1 (a padded token passes λ on unchanged); ``docs`` as ``coefficient_rows``'s."""
+    """The backward's [B, H, 5 (+ 3), Tp] from ``coefs`` (as ``coefficient_rows``'s) and the
+    forward's u_t, a_t [B, T, H]: u, r, w g, [n̄ > ε] (1 − g a) w / n̄ and ``retained(r,
+    reverse=True)``, padded with zeros but r = 1 (a padded token passes λ on unchanged);
+    ``docs`` as ``coefficient_rows``'s."""
     _, n, g, w, r = coefs
-    return rows_layout([u, r, w * g, jnp.where(n > eps, (1.0 - g * a) * w / n, 0.0)], docs, Tp, RB)
+    return rows_layout([u, r, w * g, jnp.where(n > eps, (1.0 - g * a) * w / n, 0.0),
+                        retained(r, Tp, reverse=True)], docs, Tp, RB)
 
 
 def _check_rows(coefs, rows, packed):
@@ -283,7 +289,7 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
 
 
 def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=False,
-             warpgroups=1, bound_stop=False):
+             warpgroups=1, bound_stop=False, uncoupled_guess=False):
     """The reverse scan by Picard sweeps per tile (tiles in reverse): with λ = ∂L/∂d_{t+1},
     μ = λ ⊙ [d_min < r d + u s < d_max], γ = ⟨μ, s⟩ (the sweeps' coupling),
 
@@ -292,7 +298,7 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
 
     (with ``packed`` documents λ = dfinal[doc] at a document's last token, and ∂d_1[doc] the λ
     after its first), each tile's d_t recomputed by one forward sweep from ``starts`` [B,
-    Tp / TILE, H, 128] and the rows' u_t. k and ∂k̃ [B, Tp, H, 128], coefs [B, H, 4 (+ 3), Tp]
+    Tp / TILE, H, 128] and the rows' u_t. k and ∂k̃ [B, Tp, H, 128], coefs [B, H, 5 (+ 3), Tp]
     (``backward_rows``), init (the documents' initial states; read with ``packed`` only) and
     dfinal [N, H, 128]. Padded tokens (k = 0, r = 1) mask λ by [d_min < d < d_max] for the
     final d, as the last real token's clip derivative does already. Returns (∂k [B, Tp, H,
@@ -301,7 +307,18 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
     recomputes d_t for the tile walked next and forms ∂r and ∂k of the tile walked before and
     sends them (``rows_mosaic.walk_pair``; two D and M tiles, s_t squared where read); ∂k
     then comes in k's dtype (the float32 values rounded once; ∂k̃ in the same dtype), written
-    over ∂k̃'s tile and sent as one copy. ``bound_stop``: as ``osgm_fwd``'s."""
+    over ∂k̃'s tile and sent as one copy. ``bound_stop``: as ``osgm_fwd``'s.
+
+    ``uncoupled_guess`` (two warpgroups; ignored on one, where this is the first sweep itself):
+    the sweeps start from the coupling of the reverse scan without it (c = 0), not from γ = 0.
+    Its part that needs no λ⁰ (the λ entering the tile) runs off the chain, on the forming
+    warpgroup after the recompute: one reverse pass μ'_t = m_t ⊙ (r_{t+1} μ'_{t+1} + ∂k̃ ⊙ k)
+    from μ' = 0 (m_t the clip's mask) gives the row sums σ_t = ⟨μ'_t, s_t⟩ and, per
+    coordinate, z_j the last token whose mask is 0; λ⁰ then reaches μ_tj as ρ_t λ⁰_j where z_j
+    < t (ρ_t = Π_{m>t} r_m, the fifth row), so the chain's guess is one tile product:
+    γ_t = σ_t + ρ_t Σ_j s_tj λ⁰_j [z_j < t] (document restarts ignored: a guess only). A
+    float32 model (``benchmarks/sweep_model.py``) counts 3.10 -> 2.10 sweeps a tile with APF
+    retention and 3.97 -> 2.97 without, at the paper's η."""
     B, Tp, H, K = k.shape
     check_shape("osgm_mosaic.osgm_bwd", K, Tp)
     check_warpgroups(warpgroups, k, dkw)
@@ -313,7 +330,7 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
                 out_struct((B, H, 2, Tp), F32, *ins), out_struct(dfinal.shape, F32, *ins))
     vec = plgpu.SMEM((2, TILE), F32)
     scratch = dict(k=plgpu.SMEM((2, TILE, K), k.dtype), dkw=plgpu.SMEM((2, TILE, K), dkw.dtype),
-                   st=plgpu.SMEM((2, K), F32), u=vec, r=vec, gw=vec, gn=vec,
+                   st=plgpu.SMEM((2, K), F32), u=vec, r=vec, gw=vec, gn=vec, rho=vec,
                    c=plgpu.SMEM((TILE,), F32), gam=vec, dr=vec,
                    D=plgpu.SMEM((warpgroups, TILE, KP), F32),
                    M=plgpu.SMEM((warpgroups, TILE, KP), F32), **doc_scratch(packed, vec))
@@ -323,15 +340,18 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
         scratch["S"] = plgpu.SMEM((TILE, KP), F32)
     if packed and warpgroups == 2:  # the second warpgroup's own restart rows
         scratch.update(form_bar=plgpu.Barrier(), form_stage=plgpu.SMEM((K,), F32))
-    rows = range(7 if packed else 4)
+    uncoupled = uncoupled_guess and warpgroups == 2
+    if uncoupled:  # σ_t and z_j of each slot's tile, and λ⁰ for the guess's product
+        scratch.update(sigma=vec, z=plgpu.SMEM((2, K), F32), lam_in=plgpu.SMEM((K,), F32))
+    rows = range(8 if packed else 5)
     _check_rows(coefs, rows, packed)
 
     def body(k_ref, dkw_ref, c_ref, st_ref, init_ref, dfinal_ref, dk_ref, rows_ref, dinit_ref,
-             *, k, dkw, st, u, r, gw, gn, c, gam, dr, D, M, state, start_bar, in_bar,
+             *, k, dkw, st, u, r, gw, gn, rho, c, gam, dr, D, M, state, start_bar, in_bar,
              doc_buf, stage, S=None, doc=None, first=None, last=None, ready=None, done=None,
-             form_bar=None, form_stage=None):
+             form_bar=None, form_stage=None, sigma=None, z=None, lam_in=None):
         b, h = lax.axis_index("b"), lax.axis_index("h")
-        bufs = (u, r, gw, gn) + ((doc, first, last) if packed else ())
+        bufs = (u, r, gw, gn, rho) + ((doc, first, last) if packed else ())
         S = padded(S) if squares else None
         D_of, M_of = (functools.partial(slot_tile, x) for x in (D, M))
 
@@ -413,6 +433,44 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
                 _forward_sweep(plgpu.load(st.at[slot], layout=VEC), lambda t: s_row(t, slot),
                                u.at[slot], r.at[slot], D, bounds, interpret,
                                first.at[slot] if packed else None)
+            if uncoupled:
+                plgpu.commit_smem()  # D whole for every thread
+                with jax.named_scope("uncoupled"):
+                    uncoupled_pass(slot)
+
+        def uncoupled_pass(slot):
+            """σ and z of the tile (``uncoupled_guess``): the reverse scan without coupling from
+            μ' = 0, μ' into M (free until the chain's sweeps: the tile two back was sent)."""
+            M = M_of(slot)
+
+            def load(t):
+                return inside(t, slot), r[slot, t], row(dkw.at[slot, t]) * row(k.at[slot, t])
+
+            def step(t, values, carry):
+                keep, r_t, e_t = values
+                lam, last_cut = carry
+                mu = jnp.where(keep, lam, 0.0)
+                M.at[t][...] = mu
+                found = keep | (last_cut >= 0.0)  # not cut here, or cut later already
+                return r_t * mu + e_t, jnp.where(found, last_cut, jnp.asarray(t, F32))
+
+            none = plgpu.layout_cast(jnp.full((K,), -1.0, F32), VEC)
+            _, last_cut = tokens(load, step, (none + 1.0, none), interpret, reverse=True)
+            z.at[slot][...] = last_cut
+            plgpu.commit_smem()
+            sigma.at[slot][...] = row_sums(M, s_tile(slot), interpret)
+
+        def guess(slot, s, lam0):
+            """γ's first guess [TILE] (ROWS): 0, or (``uncoupled``) the coupling of the scan
+            without it, σ_t + ρ_t Σ_j s_tj λ⁰_j [z_j < t]."""
+            if not uncoupled:
+                return plgpu.layout_cast(jnp.zeros((TILE,), F32), ROWS)
+            t = plgpu.broadcasted_iota(jnp.int32, (TILE,), 0, layout=ROWS).astype(F32)
+            reached = bcast_rows(t, s.shape) > bcast_cols(plgpu.load(z.at[slot], layout=COLS),
+                                                          s.shape)
+            lam = bcast_cols(plgpu.load(lam_in, layout=COLS), s.shape)
+            return (plgpu.load(sigma.at[slot], layout=ROWS) + plgpu.load(rho.at[slot], layout=ROWS)
+                    * jnp.sum(jnp.where(reached, s * lam, 0.0), axis=1))
 
         def chain(i, slot, lam0):
             M = M_of(slot)
@@ -426,6 +484,8 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
                     keep = flag_mask(last[slot, t]) & inside(t, slot)
                     M.at[t][...] = jnp.where(keep, row(M.at[t]), 0.0)
                 lax.fori_loop(0, TILE, masked, None)
+            if uncoupled:
+                lam_in[...] = lam0
             plgpu.commit_smem()
             s = s_tile(slot)
             gw_row = plgpu.load(gw.at[slot], layout=ROWS)
@@ -441,8 +501,7 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
 
             accept = (_accepts(s, gw_row, plgpu.load(r.at[slot], layout=ROWS)) if bound_stop
                       else None)
-            gam_t, lam = _settle(step, plgpu.layout_cast(jnp.zeros((TILE,), F32), ROWS), lam0,
-                                 accept)
+            gam_t, lam = _settle(step, guess(slot, s, lam0), lam0, accept)
             gam.at[slot][...] = gam_t
             if packed:  # each document starting here: the λ before its first token
                 def starts_(t, _):

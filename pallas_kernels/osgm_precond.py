@@ -85,7 +85,11 @@ class Options:
     fixed point's values, at most an ulp from the bitwise stop; fewer sweeps, each dearer) or
     only when the coupling comes back bit for bit (False, the default: RESULTS run 170, APF
     phase 1 at 8x2048x8x128 bf16 on an H100, fwd / fwd+bwd 0.203 / 0.399 ms against 0.220-0.226
-    / 0.419-0.420 with the bound). ``stream``: the Mosaic kernels on that XLA
+    / 0.419-0.420 with the bound). ``mosaic_uncoupled_guess``: the backward kernel's sweeps
+    start from the coupling of the adjoint scan without coupling, its λ-free part formed off
+    the chain by the second warpgroup (``osgm_mosaic.osgm_bwd``; two warpgroups only), instead
+    of γ = 0: a sweep fewer a tile in the model; False (the default) until timed on the
+    device. ``stream``: the Mosaic kernels on that XLA
     GPU stream (``rows_mosaic.on_stream``: asynchronous beside the main stream, e.g. the
     backward's reverse scan beside a training step's weight gradients); None (the default):
     on the main stream."""
@@ -102,6 +106,7 @@ class Options:
     mosaic_loops: bool = True
     mosaic_warpgroups: int = 2
     mosaic_bound_stop: bool = False
+    mosaic_uncoupled_guess: bool = False
     stream: int | None = None
 
     def __post_init__(self):
@@ -120,7 +125,8 @@ class Options:
             raise ValueError(f"Options.mosaic_warpgroups must be 1 or 2, got "
                              f"{self.mosaic_warpgroups!r}")
         rows_mosaic.check_stream(self.stream)
-        for name in ("scalar_aux", "picard_early_exit", "mosaic_loops", "mosaic_bound_stop"):
+        for name in ("scalar_aux", "picard_early_exit", "mosaic_loops", "mosaic_bound_stop",
+                     "mosaic_uncoupled_guess"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Options.{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -258,7 +264,8 @@ def _mosaic_backward(cfg, k, aux, residuals, init, dkw, dfinal):
     coefs = osgm_mosaic.backward_rows(per_token, u, a, eps, Tp, _documents(cfg, aux))
     dk, rows, dinit = _mosaic_call(
         cfg, functools.partial(osgm_mosaic.osgm_bwd, warpgroups=_warpgroups(cfg, k, dkw),
-                               bound_stop=cfg.options.mosaic_bound_stop),
+                               bound_stop=cfg.options.mosaic_bound_stop,
+                               uncoupled_guess=cfg.options.mosaic_uncoupled_guess),
         [rows_mosaic.tile_padded(k, Tp), rows_mosaic.tile_padded(dkw, Tp), coefs, starts, init,
          dfinal],
         ["b t h k", "b t h k", "b h r t", "b i h k", "n h k", "n h k"],

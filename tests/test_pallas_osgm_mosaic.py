@@ -159,14 +159,16 @@ def test_bad_shapes_raise():
     with pytest.raises(ValueError, match=r"coefs must be \[B, H, 4, Tp\]"):  # a row short
         osgm_mosaic.osgm_fwd(k, jnp.zeros((1, 1, 3, 64)), jnp.ones((1, 1, 128)),
                              bounds=(0.5, 2.0), interpret=True)
-    with pytest.raises(ValueError, match=r"coefs must be \[B, H, 7, Tp\] \(packed=True\)"):
-        osgm_mosaic.osgm_bwd(k, k, jnp.zeros((1, 1, 4, 64)), jnp.ones((1, 1, 1, 128)),
+    with pytest.raises(ValueError, match=r"coefs must be \[B, H, 8, Tp\] \(packed=True\)"):
+        osgm_mosaic.osgm_bwd(k, k, jnp.zeros((1, 1, 5, 64)), jnp.ones((1, 1, 1, 128)),
                              jnp.ones((2, 1, 128)), jnp.ones((2, 1, 128)), bounds=(0.5, 2.0),
                              interpret=True, packed=True)
     with pytest.raises(ValueError, match="mosaic_loops must be a bool"):
         Options(mosaic_loops=1)
     with pytest.raises(ValueError, match="mosaic_bound_stop must be a bool"):
         Options(mosaic_bound_stop=0)
+    with pytest.raises(ValueError, match="mosaic_uncoupled_guess must be a bool"):
+        Options(mosaic_uncoupled_guess=1)
 
 
 @pytest.mark.parametrize("dtype, residuals, packed", [(jnp.bfloat16, False, False),
@@ -186,7 +188,7 @@ def test_lowers_for_cuda(dtype, residuals, packed):
     starts = s((2, 3, 2, 128), jnp.float32)
     for fn, args, name in [
             (fwd, (seq, s((2, 2, 4 + docs, 192), jnp.float32), state), "osgm_fwd_mosaic"),
-            (bwd, (seq, seq, s((2, 2, 4 + docs, 192), jnp.float32), starts, state, state),
+            (bwd, (seq, seq, s((2, 2, 5 + docs, 192), jnp.float32), starts, state, state),
              "osgm_bwd_mosaic")]:
         found = modules(fn, args)
         assert list(found) == [name]
@@ -249,16 +251,17 @@ def test_stopping_early_moves_each_tile_by_a_quarter_spacing():
         assert float(jnp.max(jnp.abs(a - b))) <= 4 * 2.0 ** -24 * float(jnp.max(jnp.abs(b)))
 
 
-@pytest.mark.parametrize("bound_stop", [True, False])
-def test_bound_stop_option_reaches_both_kernels(monkeypatch, bound_stop):
+@pytest.mark.parametrize("bound_stop, guess", [(True, False), (False, True)])
+def test_stop_and_guess_options_reach_the_kernels(monkeypatch, bound_stop, guess):
     """``Options.mosaic_bound_stop`` of the public op's options arrives as both Mosaic kernels'
-    ``bound_stop`` (forward and backward of one gradient, interpret mode)."""
+    ``bound_stop``, ``mosaic_uncoupled_guess`` as the backward's ``uncoupled_guess`` (forward
+    and backward of one gradient, interpret mode)."""
     from test_kernel_streams import osgm_inputs, osgm_loss
     seen = []
     for name in ("osgm_fwd", "osgm_bwd"):
         real = getattr(osgm_mosaic, name)
         monkeypatch.setattr(osgm_mosaic, name, lambda *a, real=real, name=name, **kw: seen.append(
-            (name, kw["bound_stop"])) or real(*a, **kw))
-    options = Options(picard_iters=0, mosaic_bound_stop=bound_stop)
+            (name, kw["bound_stop"], kw.get("uncoupled_guess"))) or real(*a, **kw))
+    options = Options(picard_iters=0, mosaic_bound_stop=bound_stop, mosaic_uncoupled_guess=guess)
     jax.grad(osgm_loss(options, interpret=True), argnums=(0, 1, 2))(*osgm_inputs())
-    assert sorted(set(seen)) == [("osgm_bwd", bound_stop), ("osgm_fwd", bound_stop)]
+    assert sorted(set(seen)) == [("osgm_bwd", bound_stop, guess), ("osgm_fwd", bound_stop, None)]
