@@ -10,16 +10,15 @@ Checks (fresh random inputs; device memory filled with NaN before each run): pal
 token-by-token reference, k̃, final d and the gradients of k, β, r and d_1 for a random
 cotangent, relative RMS error with the bars of bench_delta (bf16 6e-3 outputs, 8e-3 gradients;
 fp32 1e-4): the paper's setting (η = 0.003, APF retention σ(x + 6)) in fp32 and bf16, and a
-clip-active one (η = 1, beta-free, skewed keys) in fp32, packed documents in fp32 and bf16,
-and the first two for the Picard form
-(``chunked.osgm_picard``, with its iteration count). Timings (bf16, median after warm-up):
-phase 1 alone with each variant's kernels (APF), forward and forward+backward (gradients of
-k, β, r); ``baselines``: the chunked form and the Picard form in XLA (APF), the default
-kernels and the chunked form without APF (the chunked rows take ~40 s); ``osdn``: the whole
-OSDN op (phase 1 + the Pallas delta core with k̃) against the core alone with k̃ = k. Every
-variant but the first is also checked (all four cases) after the timings;
-``variant-checks`` (instead of ``checks``): those checks (bf16 included) of every variant, not the
-defaults'.
+clip-active one (η = 1, beta-free, skewed keys) in fp32, packed documents in fp32 and bf16, and
+the first two for the Picard form (``chunked.osgm_picard``, with its iteration count). Timings
+(bf16, median after warm-up): phase 1 alone with each variant's kernels (APF; ``--vanilla``:
+without), forward and forward+backward (gradients of k, β, r); ``baselines``: the chunked form
+and the Picard form in XLA (APF), the default kernels and the chunked form without APF (the
+chunked rows take ~40 s); ``osdn``: the whole OSDN op (phase 1 + the Pallas delta core with k̃)
+against the core alone with k̃ = k. Every variant but the first is also checked (all four cases)
+after the timings; ``variant-checks`` (instead of ``checks``): those checks (bf16 included) of
+every variant, not the defaults'.
 Prints JSON lines and one table; records go to benchmarks/RESULTS.md.
 """
 
@@ -170,7 +169,10 @@ def main():
     p.add_argument("--budget-s", type=float, default=100)
     p.add_argument("--timing", choices=("sync", "pipelined"), default="sync",
                    help="bench_delta.timeit's: each call waited for, or all queued at once")
+    p.add_argument("--vanilla", action="store_true", help="the variants' phase 1 rows without "
+                   "APF retention (OSDN's phase 1)")
     a = p.parse_args()
+    kind, apf = ("vanilla", False) if a.vanilla else ("APF", True)
     sections = set(a.sections.split(","))
     bench_delta.PIPELINED[0] = a.timing == "pipelined"
     B, T, H, K = a.shape
@@ -213,7 +215,8 @@ def main():
     x, _ = make_inputs(jax.random.fold_in(key, 9), B, T, H, K, jnp.bfloat16)
     jobs = []
     if "time" in sections:  # the first variant first, the others after osdn
-        jobs.append((f"phase 1 pallas[{names[0]}] APF", phase1("pallas", options=variants[0])))
+        jobs.append((f"phase 1 pallas[{names[0]}] {kind}",
+                     phase1("pallas", options=variants[0], apf=apf)))
     if "baselines" in sections:
         jobs += [("phase 1 chunked APF", phase1("chunked")),
                  ("phase 1 picard (XLA) APF", phase1("picard")),
@@ -229,7 +232,7 @@ def main():
                  (f"OSDN-APF (pallas[{names[0]}] phase 1 + core)",
                   osdn("pallas", True, variants[0]))]
     if "time" in sections:
-        jobs += [(f"phase 1 pallas[{v}] APF", phase1("pallas", options=o))
+        jobs += [(f"phase 1 pallas[{v}] {kind}", phase1("pallas", options=o, apf=apf))
                  for v, o in zip(names[1:], variants[1:])]
     for label, f in jobs:
         timings.append(guarded(f"time {label}", lambda label=label, f=f: time_op(label, f, x, a.reps)))
