@@ -42,13 +42,15 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.rows_mosaic import (
     F32, K_THREADS, KP, TILE, VEC, check_shape, check_warpgroups, cta_kernel, doc_scratch,
     document_out, flag_mask, issue, padded, restart_rows, row, row_sums, rows_layout,
     send, slot_tile, square_rows, tile, tokens, walk_tiles)
-from pallas_kernels.state_mosaic import COLS, ROWS, bcast_cols, bcast_rows
+from pallas_kernels.state_mosaic import (
+    BF16, COLS, ROWS, bcast_cols, bcast_rows, matmul, smem, tile_iotas)
 from pallas_kernels.triton_common import out_struct
 
 SPACING = 2.0 ** -26  # _accepts: a quarter of float32's spacing at 1 (2^-23), relative
@@ -168,6 +170,39 @@ def _settle(step, x0, carry0, accept):
     return x, carry
 
 
+def _first_order(S, d0, a0, rows, bounds, staged, interpret):
+    """The first-order term of the forward's guess (``osgm_fwd``'s ``first_order_guess``): what
+    the updates before token t move a_t by when each runs with the guess's coupling a⁰,
+
+        Σ_{τ<t} (p_t / p_{τ+1}) v_τ ⟨s_τ ⊙ f_t, s_t⟩,   v = w (1 − g a⁰),
+        f_t = [d_min < p_t d⁰ < d_max] (the coordinates the clip leaves free),
+
+    as p_t Σ_j f_tj s_tj C_tj with C = L diag(v / p') S: bf16 wgmmas, L the strictly lower
+    ones (exact), diag(v / p') S rounded once (the sweep model counts the same sweeps with
+    bf16 operands), staged in ``staged`` [TILE, 64] a half of the columns at a time (the
+    kernel's shared memory has no room for all). S: the tile's s_t [TILE, KP] buffer, d0 the
+    state entering it [128] (shared memory), a0 and ``rows`` (w, g, r, p) [TILE] (ROWS). A p' =
+    p r below 2⁻⁶⁰ drops its token's term (a guess only: no overflow)."""
+    w_row, g_row, r_row, p_row = rows
+    p_next = p_row * r_row
+    v = jnp.where(p_next > 2.0 ** -60, w_row * (1.0 - g_row * a0) / p_next, 0.0)
+    i, j = tile_iotas()
+    lower = jnp.where(i > j, 1.0, 0.0).astype(BF16)
+    total = plgpu.layout_cast(jnp.zeros((TILE,), F32), ROWS)
+    half = K_THREADS // 2
+    for h in range(2):
+        cols = pl.ds(h * half, half)
+        s = tile(S.at[:, cols], interpret)
+        staged[...] = (bcast_rows(v, s.shape) * s).astype(BF16)
+        plgpu.commit_smem()
+        C = matmul([(lower, staged)], s.shape, None, interpret)
+        d_t = bcast_rows(p_row, s.shape) * bcast_cols(plgpu.load(d0.at[cols], layout=COLS),
+                                                      s.shape)
+        free = (d_t > bounds[0]) & (d_t < bounds[1])
+        total = total + jnp.sum(jnp.where(free, s * C, 0.0), axis=1)
+    return p_row * total
+
+
 def _forward_sweep(d0, s_row, u, r, D, bounds, interpret, first=None):
     """d_t of the tile's tokens into the rows of ``D`` (a document's first token: the restart
     row already there) for the per-token u_t, r_t (shared-memory rows) and s_t = ``s_row(t)``;
@@ -187,7 +222,7 @@ def _forward_sweep(d0, s_row, u, r, D, bounds, interpret, first=None):
 
 
 def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residuals=False,
-             warpgroups=1, bound_stop=False):
+             warpgroups=1, bound_stop=False, first_order_guess=False):
     """k [B, Tp, H, 128] (Tp a multiple of TILE), coefs [B, H, 4 (+ 3 if ``packed``), Tp]
     (``coefficient_rows``), initial_state [N, H, 128] float32 (N = B, or the documents);
     bounds (d_min, d_max). Returns k̃ [B, Tp, H, 128] in k's dtype and the final d [N, H, 128]
@@ -196,7 +231,10 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
     keys): the sweeps' warpgroup does only the chain (the guess, the sweeps, the row sums) while
     a second one forms S of the next tile and k̃ of the last (``rows_mosaic.walk_pair``; two S
     and D tiles). ``bound_stop``: a tile's sweeps end at ``_accepts``' bound too (True), or
-    only when the coupling comes back bit for bit (False, as ``osgm_precond.Options``)."""
+    only when the coupling comes back bit for bit (False, as ``osgm_precond.Options``).
+    ``first_order_guess``: the guess gains ``_first_order``'s term (two wgmmas on the chain, a
+    [TILE, 64] bf16 buffer): the sweep model (``benchmarks/sweep_model.py``) counts 3.0 ->
+    2.02 sweeps a tile without retention, 2.14 -> 2.05 with APF's."""
     B, Tp, H, K = k.shape
     check_shape("osgm_mosaic.osgm_fwd", K, Tp)
     check_warpgroups(warpgroups, k)
@@ -211,12 +249,14 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
                    out=plgpu.SMEM((2, TILE, K), k.dtype), D=plgpu.SMEM((warpgroups, TILE, KP), F32),
                    S=plgpu.SMEM((warpgroups, TILE, KP), F32), starts=plgpu.SMEM((2, K), F32),
                    **doc_scratch(packed, vec))
+    if first_order_guess:
+        scratch["staged"] = smem((TILE, K // 2), BF16)
     rows = range(7 if packed else 4)
     _check_rows(coefs, rows, packed)
 
     def body(k_ref, c_ref, init_ref, out_ref, final_ref, *res_refs, k, w, g, r, p, u, a, out, D,
              S, starts, state, start_bar, in_bar, doc_buf, stage, doc=None, first=None,
-             last=None, ready=None, done=None):
+             last=None, ready=None, done=None, staged=None):
         b, h = lax.axis_index("b"), lax.axis_index("h")
         bufs = (w, g, r, p) + ((doc, first, last) if packed else ())
 
@@ -237,9 +277,15 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
                 s = tile(S_, interpret)
                 w_row = plgpu.load(w.at[slot], layout=ROWS)
                 g_row = plgpu.load(g.at[slot], layout=ROWS)
-                d_t = (bcast_rows(plgpu.load(p.at[slot], layout=ROWS), s.shape)  # clip(p_t d_0)
+                p_row = plgpu.load(p.at[slot], layout=ROWS)
+                d_t = (bcast_rows(p_row, s.shape)  # clip(p_t d_0)
                        * bcast_cols(plgpu.load(starts.at[slot], layout=COLS), s.shape))
                 guess = jnp.sum(s * _clip(d_t, *bounds), axis=1)
+                if first_order_guess:
+                    r_row = plgpu.load(r.at[slot], layout=ROWS)
+                    guess = guess + _first_order(S_, starts.at[slot], guess,
+                                                 (w_row, g_row, r_row, p_row), bounds, staged,
+                                                 interpret)
 
             def step(a_t):
                 with jax.named_scope("sweep"):

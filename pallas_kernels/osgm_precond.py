@@ -88,8 +88,10 @@ class Options:
     / 0.419-0.420 with the bound). ``mosaic_uncoupled_guess``: the backward kernel's sweeps
     start from the coupling of the adjoint scan without coupling, its λ-free part formed off
     the chain by the second warpgroup (``osgm_mosaic.osgm_bwd``; two warpgroups only), instead
-    of γ = 0: a sweep fewer a tile in the model; False (the default) until timed on the
-    device. ``stream``: the Mosaic kernels on that XLA
+    of γ = 0: a sweep fewer a tile in the model; ``mosaic_first_order_guess``: the forward
+    kernel's guess gains the first-order effect of the tile's earlier updates (``osgm_mosaic.
+    _first_order``, two bf16 wgmmas on the chain): a sweep fewer a tile without retention in the
+    model; both False (the default) until timed on the device. ``stream``: the Mosaic kernels on that XLA
     GPU stream (``rows_mosaic.on_stream``: asynchronous beside the main stream, e.g. the
     backward's reverse scan beside a training step's weight gradients); None (the default):
     on the main stream."""
@@ -107,6 +109,7 @@ class Options:
     mosaic_warpgroups: int = 2
     mosaic_bound_stop: bool = False
     mosaic_uncoupled_guess: bool = False
+    mosaic_first_order_guess: bool = False
     stream: int | None = None
 
     def __post_init__(self):
@@ -126,7 +129,7 @@ class Options:
                              f"{self.mosaic_warpgroups!r}")
         rows_mosaic.check_stream(self.stream)
         for name in ("scalar_aux", "picard_early_exit", "mosaic_loops", "mosaic_bound_stop",
-                     "mosaic_uncoupled_guess"):
+                     "mosaic_uncoupled_guess", "mosaic_first_order_guess"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Options.{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -246,7 +249,8 @@ def _mosaic_forward(cfg, k, aux, init, residuals=False):
     out = _mosaic_call(
         cfg, functools.partial(osgm_mosaic.osgm_fwd, residuals=residuals,
                                warpgroups=_warpgroups(cfg, k),
-                               bound_stop=cfg.options.mosaic_bound_stop),
+                               bound_stop=cfg.options.mosaic_bound_stop,
+                               first_order_guess=cfg.options.mosaic_first_order_guess),
         [rows_mosaic.tile_padded(k, Tp), coefs, init], ["b t h k", "b h r t", "n h k"],
         ["b t h k", "n h k"] + (["b h j t", "b i h k"] if residuals else []))
     return (out[0][:, :T], *out[1:])

@@ -36,6 +36,10 @@ from pallas_kernels.osgm_precond import Options
     ("2/1/16/scalar/mosaic/ug", Options(prefetch=2, num_warps=1, unroll=16, scalar_aux=True,
                                         picard_iters=0, mosaic_loops=True,
                                         mosaic_uncoupled_guess=True)),
+    ("2/1/16/scalar/mosaic/ug/fo", Options(prefetch=2, num_warps=1, unroll=16, scalar_aux=True,
+                                           picard_iters=0, mosaic_loops=True,
+                                           mosaic_uncoupled_guess=True,
+                                           mosaic_first_order_guess=True)),
 ])
 def test_variant_strings(text, options):
     assert variant(text) == options

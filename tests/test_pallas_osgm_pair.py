@@ -41,7 +41,8 @@ def test_two_warpgroups_give_the_same_bits(packed):
     """Three tiles (slot 0's buffers reused once), the clip active: the forward's k̃, final
     states and residuals (u_t, a_t, the states entering the tiles), and the backward's ∂k
     (in k's dtype: one warpgroup's float32 ∂k rounded), γ, ∂r and ∂d_1 from them, bit for bit
-    those of one warpgroup, and those of the backward's ``uncoupled_guess``; with packed
+    those of one warpgroup, and those of the better guesses (the forward's
+    ``first_order_guess``, the backward's ``uncoupled_guess``); with packed
     documents (a boundary inside a tile, one spanning three) each document's states too."""
     k, rows, init = kernel_inputs(11, b=1, t=192, packed=packed)
     static = dict(bounds=(0.5, 2.0), interpret=True, packed=packed)
@@ -49,6 +50,7 @@ def test_two_warpgroups_give_the_same_bits(packed):
     one, two = fwd(k, rows, init, warpgroups=1), fwd(k, rows, init, warpgroups=2)
     assert float(jnp.mean((one[1] == 0.5) | (one[1] == 2.0))) > 0.1  # the clip pins some
     assert_same_bits(one, two)
+    assert_same_bits(two, fwd(k, rows, init, warpgroups=2, first_order_guess=True))
     x = one_head(make_inputs(12, b=1, t=192, k_dim=128, n_init=init.shape[0],
                              dtype=jnp.bfloat16))
     u, a = (jnp.moveaxis(one[2][:, :, j], 1, 2) for j in range(2))
@@ -82,16 +84,18 @@ def assert_same_bits(one, two):
         assert jnp.array_equal(a, b)
 
 
-@pytest.mark.parametrize("uncoupled_guess", [False, True])
-def test_lowers_for_cuda(uncoupled_guess):
+@pytest.mark.parametrize("guesses", [False, True])
+def test_lowers_for_cuda(guesses):
     """Both kernels through Mosaic GPU's passes with packed documents (and the forward's
-    residuals; the backward with and without ``uncoupled_guess``), three tiles: one kernel
-    each, no warpgroup barrier inside a token loop (the chain's tokens at depth 3)."""
+    residuals), with and without the better guesses (the forward's ``first_order_guess``, the
+    backward's ``uncoupled_guess``), three tiles: one kernel each, no warpgroup barrier inside
+    a token loop (the chain's tokens at depth 3)."""
     s = jax.ShapeDtypeStruct
     seq, state = s((2, 192, 2, 128), jnp.bfloat16), s((5, 2, 128), jnp.float32)
     static = dict(bounds=(0.5, 2.0), interpret=False, packed=True, warpgroups=2)
-    fwd = functools.partial(osgm_mosaic.osgm_fwd, residuals=True, **static)
-    bwd = functools.partial(osgm_mosaic.osgm_bwd, uncoupled_guess=uncoupled_guess, **static)
+    fwd = functools.partial(osgm_mosaic.osgm_fwd, residuals=True, first_order_guess=guesses,
+                            **static)
+    bwd = functools.partial(osgm_mosaic.osgm_bwd, uncoupled_guess=guesses, **static)
     for fn, args, name in [
             (fwd, (seq, s((2, 2, 7, 192), jnp.float32), state), "osgm_fwd_mosaic"),
             (bwd, (seq, seq, s((2, 2, 8, 192), jnp.float32), s((2, 3, 2, 128), jnp.float32),
@@ -113,12 +117,13 @@ def test_bad_warpgroups_raise():
                                  warpgroups=warpgroups)
 
 
-def test_uncoupled_guess_saves_a_sweep_a_tile():
+def test_better_guesses_save_a_sweep_a_tile():
     """At the paper's settings without retention (OSDN: bench_osgm's unit keys, η = 0.003,
-    bf16), two tiles: the backward's sweeps from the uncoupled scan's coupling
-    (``uncoupled_guess``) settle in one sweep fewer on every tile than from γ = 0 (3-4 there,
-    as ``benchmarks/sweep_model.py`` counts), to the same bits. Counted by probe_sweeps'
-    counting ``_settle`` (whose γ row carries the counts)."""
+    bf16), two tiles: the forward's sweeps from the first-order guess (``first_order_guess``)
+    and the backward's from the uncoupled scan's coupling (``uncoupled_guess``) settle in one
+    sweep fewer on every tile than from the kernels' plain guesses (3 forward, 3-4 backward
+    there, as ``benchmarks/sweep_model.py`` counts), to the same bits. Counted by
+    probe_sweeps' counting ``_settle`` (whose a and γ rows carry the counts)."""
     import jax.random as jr
     from benchmarks import probe_sweeps
     from benchmarks.bench_osgm import make_inputs as bench_inputs
@@ -127,17 +132,21 @@ def test_uncoupled_guess_saves_a_sweep_a_tile():
     coefs = coefficients(f32["k"], f32["beta"], None, 0.003, True, 1e-6)
     rows, init = osgm_mosaic.coefficient_rows(coefs, 128), jnp.ones((1, 1, 128), jnp.float32)
     static = dict(bounds=(0.5, 2.0), interpret=True, warpgroups=2)
-    _, _, res, starts = osgm_mosaic.osgm_fwd(x["k"], rows, init, residuals=True, **static)
-    u, a = (jnp.moveaxis(res[:, :, i], 1, 2) for i in range(2))
+    fwd = functools.partial(osgm_mosaic.osgm_fwd, x["k"], rows, init, residuals=True, **static)
+    plain = fwd()
+    assert_same_bits(plain, fwd(first_order_guess=True))
+    u, a = (jnp.moveaxis(plain[2][:, :, i], 1, 2) for i in range(2))
     args = (x["k"], jr.normal(key, x["k"].shape, jnp.bfloat16),
-            osgm_mosaic.backward_rows(coefs, u, a, 1e-6, 128), starts, init, init * 0.1)
+            osgm_mosaic.backward_rows(coefs, u, a, 1e-6, 128), plain[3], init, init * 0.1)
     bwd = functools.partial(osgm_mosaic.osgm_bwd, *args, **static)
     assert_same_bits(bwd(), bwd(uncoupled_guess=True))
     real = osgm_mosaic._settle
     osgm_mosaic._settle = probe_sweeps.counting_settle
     try:
-        zero, guessed = (bwd(uncoupled_guess=g)[1][0, 0, 0, ::osgm_mosaic.TILE] % 1000
-                         for g in (False, True))
+        counts = [(fwd(first_order_guess=g)[2][0, 0, 1, ::osgm_mosaic.TILE] % 1000,
+                   bwd(uncoupled_guess=g)[1][0, 0, 0, ::osgm_mosaic.TILE] % 1000)
+                  for g in (False, True)]
     finally:
         osgm_mosaic._settle = real
-    assert jnp.all(zero >= 3) and jnp.array_equal(guessed, zero - 1), (zero, guessed)
+    for before, after in zip(*counts):
+        assert jnp.all(before >= 3) and jnp.array_equal(after, before - 1), (before, after)
