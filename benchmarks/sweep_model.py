@@ -92,7 +92,9 @@ def backward_tile(lam0, S, W, G, R, E, D, u, bounds, guess, gram):
         return (M * S).sum(1).astype(F32), lam
 
     gam = np.zeros(TILE, F32)
-    if guess != "zero":
+    if guess == "tile":
+        gam = tile_guess(lam0, S, W, G, R, E, keep, gram)
+    elif guess != "zero":
         gam = scan(gam, lam0)[0]
         if guess == "first_order":
             rho = np.concatenate([np.cumprod(R[::-1])[::-1][1:], [1.0]]).astype(F32)
@@ -101,6 +103,32 @@ def backward_tile(lam0, S, W, G, R, E, D, u, bounds, guess, gram):
             gam = (gam + U @ (-gam * W * G)).astype(F32)
     lam, n = settle(lambda g: scan(g, lam0), gam)
     return lam, n
+
+
+def split(x, gram):
+    """x as a sum of bf16 hi and lo parts (``gram`` "bf16"), or itself."""
+    if gram != "bf16":
+        return x
+    hi = rounded(x, gram)
+    return hi + rounded(x - hi, gram)
+
+
+def tile_guess(lam0, S, W, G, R, E, keep, gram):
+    """The backward's guess by tile products only: with z_j the tile's last token whose mask
+    is 0 and ρ_t = Π_{σ>t} r_σ, the uncoupled coupling where no mask cuts between t and the
+    tile's end, 0 elsewhere, γ⁰_t = ρ_t Σ_j s_tj [z_j < t] (λ⁰_j + (U E')_tj) (U the strictly
+    upper ones, E' = E / (ρ r) split into bf16 hi and lo parts), then its first-order
+    coupling γ_t = γ⁰_t + ρ_t Σ_j s_tj [z_j < t] (U diag(c / (ρ r)) S)_tj, c = −γ⁰ w g."""
+    rho = np.concatenate([np.cumprod(R[::-1])[::-1][1:], [1.0]]).astype(F32)
+    t = np.arange(TILE)
+    z = np.max(np.where(keep, -1, t[:, None]), axis=0)
+    reach = t[:, None] > z[None, :]
+    U = np.triu(np.ones((TILE, TILE), F32), 1)
+    scale = (1.0 / (rho * R))[:, None]
+    C1 = U @ split(E * scale, gram)
+    gam = (rho * (S * reach * (lam0[None, :] + C1)).sum(1)).astype(F32)
+    C2 = U @ rounded((-gam * W * G)[:, None] * scale * S, gram)
+    return (gam + rho * (S * reach * C2).sum(1)).astype(F32)
 
 
 def sweeps(x, dkw, *, apf, forward_guess, backward_guess, gram="f32", eta=0.003,
@@ -146,7 +174,7 @@ def main():
     print(f"{'OSDN' if a.vanilla else 'OSDN-APF'}, 1x{a.T}x{a.heads}x128 bf16 inputs, Gram "
           f"operands {a.gram}: mean sweeps a tile (distribution)")
     for fg, bg in (("retained", "zero"), ("retained", "uncoupled"),
-                   ("first_order", "first_order")):
+                   ("first_order", "first_order"), ("first_order", "tile")):
         fwd, bwd, _ = sweeps(x, dkw, apf=not a.vanilla, forward_guess=fg, backward_guess=bg,
                           gram=a.gram)
         print(f"  forward {fg:12s} {np.mean(fwd):5.2f} {np.bincount(fwd)[1:].tolist()}   "

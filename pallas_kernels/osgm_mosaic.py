@@ -77,7 +77,7 @@ def retained(r, Tp, reverse=False):
     first guess's d_t = clip(p_t d_0) follows the retention, which moves a_t by ~10 % a tile
     at r ~ 0.998 where the updates u_t s_t move it by ~1e-4 (one sweep fewer a tile).
     ``reverse``: ρ_t = Π r_m over the tokens m after t (1 at a tile's last token), how much of
-    the λ entering a tile from the next reaches μ_t (``osgm_bwd``'s ``uncoupled_guess``)."""
+    the λ entering a tile from the next reaches μ_t (``osgm_bwd``'s guesses)."""
     B, T, H = r.shape
     x = jnp.pad(r, [(0, 0), (0, Tp - T), (0, 0)], constant_values=1.0)
     x = x.reshape(B, Tp // TILE, TILE, H)
@@ -201,6 +201,68 @@ def _first_order(S, d0, a0, rows, bounds, staged, interpret):
         free = (d_t > bounds[0]) & (d_t < bounds[1])
         total = total + jnp.sum(jnp.where(free, s * C, 0.0), axis=1)
     return p_row * total
+
+
+GUESSES = ("zero", "uncoupled", "tile")  # osgm_bwd's first guesses
+FORM_COLS, CHAIN_COLS = 16, 32  # "tile"'s column blocks: the forming warpgroup's, the chain's
+
+
+def _reached(shape, z):
+    """[z_j < t] [TILE, n] (WGMMA layout) for z [n] (COLS): whether λ entering the tile
+    reaches token t in coordinate j, no mask cutting it at or after t."""
+    t = plgpu.broadcasted_iota(jnp.int32, (TILE,), 0, layout=ROWS).astype(F32)
+    return bcast_rows(t, shape) > bcast_cols(z, shape)
+
+
+def _upper_ones():
+    """U_tτ = [τ > t] [TILE, TILE] bf16 (WGMMA layout): the sum over a tile's later tokens."""
+    i, j = tile_iotas()
+    return jnp.where(j > i, 1.0, 0.0).astype(BF16)
+
+
+def _per_rho(rho_r, x):
+    """x / (ρ r) [TILE] (ROWS) where ρ r >= 2⁻⁶⁰, else 0 (a guess only: no overflow)."""
+    rho_row, r_row = rho_r
+    return jnp.where(rho_row * r_row > 2.0 ** -60, x / (rho_row * r_row), 0.0)
+
+
+def _tile_guess(blocks, rho_r, z, staged, interpret):
+    """"tile" of ``osgm_bwd``'s ``guess``, on the forming warpgroup: the uncoupled scan's
+    coupling but for λ⁰, σ_t = ρ_t Σ_j s_tj [z_j < t] (U E')_tj with E' = (∂k̃ ⊙ k) / (ρ r)
+    (split into bf16 hi and lo parts: two wgmmas a block) and U ``_upper_ones``: exact where no mask
+    cuts between t and the tile's end, 0 before a cut (where APF's pinned coordinates have μ
+    = 0 anyway). Writes z_j, the last token a mask cuts (−1: none), into ``z`` [128];
+    ``blocks`` as ``osgm_bwd``'s, ``staged`` [TILE, block] bf16. Returns σ [TILE] (ROWS)."""
+    upper = _upper_ones()
+    t = plgpu.broadcasted_iota(jnp.int32, (TILE,), 0, layout=ROWS).astype(F32)
+    total = plgpu.layout_cast(jnp.zeros((TILE,), F32), ROWS)
+    for cols, s, e, keep in blocks:
+        z_h = jnp.max(jnp.where(keep, -1.0, bcast_rows(t, s.shape)), axis=0)
+        z.at[cols][...] = z_h
+        e = bcast_rows(_per_rho(rho_r, 1.0), s.shape) * e
+        hi = e.astype(BF16)
+        C = None
+        for part in (hi, (e - hi.astype(F32)).astype(BF16)):
+            staged[...] = part
+            plgpu.commit_smem()
+            C = matmul([(upper, staged)], s.shape, C, interpret)
+        total = total + jnp.sum(jnp.where(_reached(s.shape, z_h), s * C, 0.0), axis=1)
+    return rho_r[0] * total
+
+
+def _tile_coupling(blocks, rho_r, z, c, staged, interpret):
+    """"tile"'s first-order coupling, on the chain: what the sources c_τ s_τ (c = −γ w g of
+    the guess) add to γ_t, ρ_t Σ_j s_tj [z_j < t] (U diag(c / (ρ r)) S)_tj (one bf16 wgmma a
+    block of columns through ``staged``). Returns it [TILE] (ROWS)."""
+    upper = _upper_ones()
+    total = plgpu.layout_cast(jnp.zeros((TILE,), F32), ROWS)
+    for cols, s, _, _ in blocks:
+        staged[...] = (bcast_rows(_per_rho(rho_r, c), s.shape) * s).astype(BF16)
+        plgpu.commit_smem()
+        C = matmul([(upper, staged)], s.shape, None, interpret)
+        reached = _reached(s.shape, plgpu.load(z.at[cols], layout=COLS))
+        total = total + jnp.sum(jnp.where(reached, s * C, 0.0), axis=1)
+    return rho_r[0] * total
 
 
 def _forward_sweep(d0, s_row, u, r, D, bounds, interpret, first=None):
@@ -335,7 +397,7 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
 
 
 def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=False,
-             warpgroups=1, bound_stop=False, uncoupled_guess=False):
+             warpgroups=1, bound_stop=False, guess="zero"):
     """The reverse scan by Picard sweeps per tile (tiles in reverse): with λ = ∂L/∂d_{t+1},
     μ = λ ⊙ [d_min < r d + u s < d_max], γ = ⟨μ, s⟩ (the sweeps' coupling),
 
@@ -355,16 +417,18 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
     then comes in k's dtype (the float32 values rounded once; ∂k̃ in the same dtype), written
     over ∂k̃'s tile and sent as one copy. ``bound_stop``: as ``osgm_fwd``'s.
 
-    ``uncoupled_guess`` (two warpgroups; ignored on one, where this is the first sweep itself):
-    the sweeps start from the coupling of the reverse scan without it (c = 0), not from γ = 0.
-    Its part that needs no λ⁰ (the λ entering the tile) runs off the chain, on the forming
-    warpgroup after the recompute: one reverse pass μ'_t = m_t ⊙ (r_{t+1} μ'_{t+1} + ∂k̃ ⊙ k)
-    from μ' = 0 (m_t the clip's mask) gives the row sums σ_t = ⟨μ'_t, s_t⟩ and, per
-    coordinate, z_j the last token whose mask is 0; λ⁰ then reaches μ_tj as ρ_t λ⁰_j where z_j
-    < t (ρ_t = Π_{m>t} r_m, the fifth row), so the chain's guess is one tile product:
-    γ_t = σ_t + ρ_t Σ_j s_tj λ⁰_j [z_j < t] (document restarts ignored: a guess only). A
-    float32 model (``benchmarks/sweep_model.py``) counts 3.10 -> 2.10 sweeps a tile with APF
-    retention and 3.97 -> 2.97 without, at the paper's η."""
+    ``guess``: where each tile's sweeps start, γ = 0 ("zero") or (two warpgroups; one takes
+    "zero", its first sweep being what moves off its chain here) the coupling of the scan
+    without coupling, c = 0, whose part that needs no λ⁰ (the λ entering the tile) the
+    forming warpgroup makes after the recompute: "uncoupled", exactly, by one reverse pass
+    μ'_t = m_t ⊙ (r_{t+1} μ'_{t+1} + ∂k̃ ⊙ k) from μ' = 0 (m_t the clip's mask), which gives
+    the row sums σ_t = ⟨μ'_t, s_t⟩ and per coordinate z_j, the last token whose mask is 0;
+    "tile", by tile products only (``_tile_guess``: bf16 wgmmas over column blocks, exact
+    where no mask cuts, the first-order coupling added on the chain). Either way λ⁰ reaches
+    μ_tj as ρ_t λ⁰_j where z_j < t (ρ_t = Π_{m>t} r_m, the fifth row), so the chain's guess
+    is σ_t + ρ_t Σ_j s_tj λ⁰_j [z_j < t] (document restarts ignored: a guess only). The float32
+    model (``benchmarks/sweep_model.py``) counts from 3.10 (zero) to 2.10 (uncoupled) and 2.96
+    (tile) sweeps a tile with APF retention, from 3.97 to 2.97 and 2.00 without."""
     B, Tp, H, K = k.shape
     check_shape("osgm_mosaic.osgm_bwd", K, Tp)
     check_warpgroups(warpgroups, k, dkw)
@@ -386,16 +450,23 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
         scratch["S"] = plgpu.SMEM((TILE, KP), F32)
     if packed and warpgroups == 2:  # the second warpgroup's own restart rows
         scratch.update(form_bar=plgpu.Barrier(), form_stage=plgpu.SMEM((K,), F32))
-    uncoupled = uncoupled_guess and warpgroups == 2
-    if uncoupled:  # σ_t and z_j of each slot's tile, and λ⁰ for the guess's product
-        scratch.update(sigma=vec, z=plgpu.SMEM((2, K), F32), lam_in=plgpu.SMEM((K,), F32))
+    if guess not in GUESSES:
+        raise ValueError(f"guess must be one of {GUESSES}, got {guess!r}")
+    guess = guess if warpgroups == 2 else "zero"
+    if guess != "zero":  # σ_t and z_j of each slot's tile
+        scratch.update(sigma=vec, z=plgpu.SMEM((2, K), F32))
+    if guess == "tile":  # each warpgroup's wgmma operand, a block of columns at a time (the
+        # most the shared memory holds beside the rest: 8 + 4 KB)
+        scratch.update(form_cols=smem((TILE, FORM_COLS), BF16),
+                       chain_cols=smem((TILE, CHAIN_COLS), BF16))
     rows = range(8 if packed else 5)
     _check_rows(coefs, rows, packed)
 
     def body(k_ref, dkw_ref, c_ref, st_ref, init_ref, dfinal_ref, dk_ref, rows_ref, dinit_ref,
              *, k, dkw, st, u, r, gw, gn, rho, c, gam, dr, D, M, state, start_bar, in_bar,
              doc_buf, stage, S=None, doc=None, first=None, last=None, ready=None, done=None,
-             form_bar=None, form_stage=None, sigma=None, z=None, lam_in=None):
+             form_bar=None, form_stage=None, sigma=None, z=None, form_cols=None,
+             chain_cols=None):
         b, h = lax.axis_index("b"), lax.axis_index("h")
         bufs = (u, r, gw, gn, rho) + ((doc, first, last) if packed else ())
         S = padded(S) if squares else None
@@ -479,13 +550,37 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
                 _forward_sweep(plgpu.load(st.at[slot], layout=VEC), lambda t: s_row(t, slot),
                                u.at[slot], r.at[slot], D, bounds, interpret,
                                first.at[slot] if packed else None)
-            if uncoupled:
+            if guess != "zero":
                 plgpu.commit_smem()  # D whole for every thread
-                with jax.named_scope("uncoupled"):
-                    uncoupled_pass(slot)
+                with jax.named_scope("guess"):
+                    if guess == "uncoupled":
+                        uncoupled_pass(slot)
+                    else:
+                        sigma.at[slot][...] = _tile_guess(
+                            blocks(slot, FORM_COLS, D_of(slot)), rho_and_r(slot), z.at[slot],
+                            form_cols, interpret)
+
+        def blocks(slot, width, D=None):
+            """For each block of ``width`` columns: (columns, s, ∂k̃ ⊙ k, and with ``D`` the
+            clip's masks m of the tile [TILE, width]) (WGMMA layout)."""
+            for h in range(K // width):
+                cols = pl.ds(h * width, width)
+                k_h = tile(k.at[slot].at[:, cols], interpret)
+                s_h = k_h * k_h
+                e_h = tile(dkw.at[slot].at[:, cols], interpret) * k_h
+                if D is None:
+                    yield cols, s_h, e_h, None
+                    continue
+                p = (bcast_rows(plgpu.load(r.at[slot], layout=ROWS), s_h.shape)
+                     * tile(D.at[:, cols], interpret)
+                     + bcast_rows(plgpu.load(u.at[slot], layout=ROWS), s_h.shape) * s_h)
+                yield cols, s_h, e_h, (p > d_min) & (p < d_max)
+
+        def rho_and_r(slot):
+            return tuple(plgpu.load(x.at[slot], layout=ROWS) for x in (rho, r))
 
         def uncoupled_pass(slot):
-            """σ and z of the tile (``uncoupled_guess``): the reverse scan without coupling from
+            """σ and z of the tile (``guess`` "uncoupled"): the reverse scan without coupling from
             μ' = 0, μ' into M (free until the chain's sweeps: the tile two back was sent)."""
             M = M_of(slot)
 
@@ -506,17 +601,21 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
             plgpu.commit_smem()
             sigma.at[slot][...] = row_sums(M, s_tile(slot), interpret)
 
-        def guess(slot, s, lam0):
-            """γ's first guess [TILE] (ROWS): 0, or (``uncoupled``) the coupling of the scan
-            without it, σ_t + ρ_t Σ_j s_tj λ⁰_j [z_j < t]."""
-            if not uncoupled:
+        def first_guess(slot, s, lam0, gw_row):
+            """γ's first guess [TILE] (ROWS): 0, or (``guess``) the coupling of the scan
+            without it, σ_t + ρ_t Σ_j s_tj λ⁰_j [z_j < t], "tile" adding its first-order
+            coupling (``_tile_coupling``)."""
+            if guess == "zero":
                 return plgpu.layout_cast(jnp.zeros((TILE,), F32), ROWS)
-            t = plgpu.broadcasted_iota(jnp.int32, (TILE,), 0, layout=ROWS).astype(F32)
-            reached = bcast_rows(t, s.shape) > bcast_cols(plgpu.load(z.at[slot], layout=COLS),
-                                                          s.shape)
-            lam = bcast_cols(plgpu.load(lam_in, layout=COLS), s.shape)
-            return (plgpu.load(sigma.at[slot], layout=ROWS) + plgpu.load(rho.at[slot], layout=ROWS)
-                    * jnp.sum(jnp.where(reached, s * lam, 0.0), axis=1))
+            rho_row = plgpu.load(rho.at[slot], layout=ROWS)
+            reached = _reached(s.shape, plgpu.load(z.at[slot], layout=COLS))
+            lam = bcast_cols(plgpu.load(st.at[slot], layout=COLS), s.shape)  # λ⁰ (below)
+            gam = (plgpu.load(sigma.at[slot], layout=ROWS)
+                   + rho_row * jnp.sum(jnp.where(reached, s * lam, 0.0), axis=1))
+            if guess == "tile":
+                gam = gam + _tile_coupling(blocks(slot, CHAIN_COLS), rho_and_r(slot), z.at[slot],
+                                           -gam * gw_row, chain_cols, interpret)
+            return gam
 
         def chain(i, slot, lam0):
             M = M_of(slot)
@@ -530,8 +629,8 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
                     keep = flag_mask(last[slot, t]) & inside(t, slot)
                     M.at[t][...] = jnp.where(keep, row(M.at[t]), 0.0)
                 lax.fori_loop(0, TILE, masked, None)
-            if uncoupled:
-                lam_in[...] = lam0
+            if guess != "zero":  # λ⁰ for the guess's product, where the tile's start was (read
+                st.at[slot][...] = lam0  # by its recompute before the chain began)
             plgpu.commit_smem()
             s = s_tile(slot)
             gw_row = plgpu.load(gw.at[slot], layout=ROWS)
@@ -547,7 +646,7 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
 
             accept = (_accepts(s, gw_row, plgpu.load(r.at[slot], layout=ROWS)) if bound_stop
                       else None)
-            gam_t, lam = _settle(step, guess(slot, s, lam0), lam0, accept)
+            gam_t, lam = _settle(step, first_guess(slot, s, lam0, gw_row), lam0, accept)
             gam.at[slot][...] = gam_t
             if packed:  # each document starting here: the λ before its first token
                 def starts_(t, _):

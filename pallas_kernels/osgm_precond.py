@@ -85,10 +85,12 @@ class Options:
     fixed point's values, at most an ulp from the bitwise stop; fewer sweeps, each dearer) or
     only when the coupling comes back bit for bit (False, the default: RESULTS run 170, APF
     phase 1 at 8x2048x8x128 bf16 on an H100, fwd / fwd+bwd 0.203 / 0.399 ms against 0.220-0.226
-    / 0.419-0.420 with the bound). ``mosaic_uncoupled_guess``: the backward kernel's sweeps
-    start from the coupling of the adjoint scan without coupling, its λ-free part formed off
-    the chain by the second warpgroup (``osgm_mosaic.osgm_bwd``; two warpgroups only), instead
-    of γ = 0: a sweep fewer a tile in the model; ``mosaic_first_order_guess``: the forward
+    / 0.419-0.420 with the bound). ``mosaic_backward_guess``: where the backward kernel's
+    sweeps start (``osgm_mosaic.osgm_bwd``'s ``guess``): γ = 0 ("zero"), or on two
+    warpgroups the adjoint scan's coupling without coupling, its λ-free part formed off the
+    chain, exactly by a reverse pass ("uncoupled": a sweep fewer a tile in the model) or by
+    tile products with the first-order coupling added ("tile": two sweeps fewer without
+    retention, hardly any fewer with APF's); ``mosaic_first_order_guess``: the forward
     kernel's guess gains the first-order effect of the tile's earlier updates (``osgm_mosaic.
     _first_order``, two bf16 wgmmas on the chain): a sweep fewer a tile without retention in the
     model; both False (the default) until timed on the device. ``stream``: the Mosaic kernels on that XLA
@@ -108,7 +110,7 @@ class Options:
     mosaic_loops: bool = True
     mosaic_warpgroups: int = 2
     mosaic_bound_stop: bool = False
-    mosaic_uncoupled_guess: bool = False
+    mosaic_backward_guess: str = "zero"
     mosaic_first_order_guess: bool = False
     stream: int | None = None
 
@@ -128,8 +130,11 @@ class Options:
             raise ValueError(f"Options.mosaic_warpgroups must be 1 or 2, got "
                              f"{self.mosaic_warpgroups!r}")
         rows_mosaic.check_stream(self.stream)
+        if self.mosaic_backward_guess not in osgm_mosaic.GUESSES:
+            raise ValueError(f"Options.mosaic_backward_guess must be one of "
+                             f"{osgm_mosaic.GUESSES}, got {self.mosaic_backward_guess!r}")
         for name in ("scalar_aux", "picard_early_exit", "mosaic_loops", "mosaic_bound_stop",
-                     "mosaic_uncoupled_guess", "mosaic_first_order_guess"):
+                     "mosaic_first_order_guess"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Options.{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -269,7 +274,7 @@ def _mosaic_backward(cfg, k, aux, residuals, init, dkw, dfinal):
     dk, rows, dinit = _mosaic_call(
         cfg, functools.partial(osgm_mosaic.osgm_bwd, warpgroups=_warpgroups(cfg, k, dkw),
                                bound_stop=cfg.options.mosaic_bound_stop,
-                               uncoupled_guess=cfg.options.mosaic_uncoupled_guess),
+                               guess=cfg.options.mosaic_backward_guess),
         [rows_mosaic.tile_padded(k, Tp), rows_mosaic.tile_padded(dkw, Tp), coefs, starts, init,
          dfinal],
         ["b t h k", "b t h k", "b h r t", "b i h k", "n h k", "n h k"],

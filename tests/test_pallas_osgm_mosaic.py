@@ -167,8 +167,12 @@ def test_bad_shapes_raise():
         Options(mosaic_loops=1)
     with pytest.raises(ValueError, match="mosaic_bound_stop must be a bool"):
         Options(mosaic_bound_stop=0)
-    with pytest.raises(ValueError, match="mosaic_uncoupled_guess must be a bool"):
-        Options(mosaic_uncoupled_guess=1)
+    with pytest.raises(ValueError, match="mosaic_backward_guess must be one of"):
+        Options(mosaic_backward_guess="first")
+    with pytest.raises(ValueError, match="guess must be one of"):
+        osgm_mosaic.osgm_bwd(k, k, jnp.zeros((1, 1, 5, 64)), jnp.ones((1, 1, 1, 128)),
+                             jnp.ones((1, 1, 128)), jnp.ones((1, 1, 128)), bounds=(0.5, 2.0),
+                             interpret=True, guess=None)
     with pytest.raises(ValueError, match="mosaic_first_order_guess must be a bool"):
         Options(mosaic_first_order_guess="yes")
 
@@ -253,21 +257,23 @@ def test_stopping_early_moves_each_tile_by_a_quarter_spacing():
         assert float(jnp.max(jnp.abs(a - b))) <= 4 * 2.0 ** -24 * float(jnp.max(jnp.abs(b)))
 
 
-@pytest.mark.parametrize("bound_stop, guesses", [(True, (False, True)), (False, (True, False))])
+@pytest.mark.parametrize("bound_stop, guesses", [(True, (False, "tile")),
+                                                 (False, (True, "uncoupled"))])
 def test_stop_and_guess_options_reach_the_kernels(monkeypatch, bound_stop, guesses):
     """``Options.mosaic_bound_stop`` of the public op's options arrives as both Mosaic kernels'
     ``bound_stop``, ``mosaic_first_order_guess`` as the forward's ``first_order_guess`` and
-    ``mosaic_uncoupled_guess`` as the backward's ``uncoupled_guess`` (forward and backward of
+    ``mosaic_backward_guess`` as the backward's ``guess`` (forward and backward of
     one gradient, interpret mode)."""
     from test_kernel_streams import osgm_inputs, osgm_loss
     seen = []
-    for name, guess in (("osgm_fwd", "first_order_guess"), ("osgm_bwd", "uncoupled_guess")):
+    for name, option in (("osgm_fwd", "first_order_guess"), ("osgm_bwd", "guess")):
         real = getattr(osgm_mosaic, name)
-        monkeypatch.setattr(osgm_mosaic, name, lambda *a, real=real, name=name, guess=guess, **kw:
-                            seen.append((name, kw["bound_stop"], kw[guess])) or real(*a, **kw))
-    first_order, uncoupled = guesses
+        monkeypatch.setattr(osgm_mosaic, name, lambda *a, real=real, name=name, option=option,
+                            **kw: seen.append((name, kw["bound_stop"], kw[option]))
+                            or real(*a, **kw))
+    first_order, backward = guesses
     options = Options(picard_iters=0, mosaic_bound_stop=bound_stop,
-                      mosaic_first_order_guess=first_order, mosaic_uncoupled_guess=uncoupled)
+                      mosaic_first_order_guess=first_order, mosaic_backward_guess=backward)
     jax.grad(osgm_loss(options, interpret=True), argnums=(0, 1, 2))(*osgm_inputs())
-    assert sorted(set(seen)) == [("osgm_bwd", bound_stop, uncoupled),
+    assert sorted(set(seen)) == [("osgm_bwd", bound_stop, backward),
                                  ("osgm_fwd", bound_stop, first_order)]

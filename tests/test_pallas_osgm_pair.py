@@ -42,7 +42,7 @@ def test_two_warpgroups_give_the_same_bits(packed):
     states and residuals (u_t, a_t, the states entering the tiles), and the backward's ∂k
     (in k's dtype: one warpgroup's float32 ∂k rounded), γ, ∂r and ∂d_1 from them, bit for bit
     those of one warpgroup, and those of the better guesses (the forward's
-    ``first_order_guess``, the backward's ``uncoupled_guess``); with packed
+    ``first_order_guess``, the backward's ``guess`` modes); with packed
     documents (a boundary inside a tile, one spanning three) each document's states too."""
     k, rows, init = kernel_inputs(11, b=1, t=192, packed=packed)
     static = dict(bounds=(0.5, 2.0), interpret=True, packed=packed)
@@ -64,7 +64,8 @@ def test_two_warpgroups_give_the_same_bits(packed):
     assert_same_bits((one[0].astype(k.dtype), *one[1:]), two)
     # the sweeps from the uncoupled scan's coupling settle on the same bits (a guess only; with
     # documents it ignores their restarts)
-    assert_same_bits(two, bwd(*args, warpgroups=2, uncoupled_guess=True))
+    for guess in ("uncoupled", "tile"):
+        assert_same_bits(two, bwd(*args, warpgroups=2, guess=guess))
 
 
 def one_head(x):
@@ -84,18 +85,18 @@ def assert_same_bits(one, two):
         assert jnp.array_equal(a, b)
 
 
-@pytest.mark.parametrize("guesses", [False, True])
-def test_lowers_for_cuda(guesses):
+@pytest.mark.parametrize("guess", ["zero", "uncoupled", "tile"])
+def test_lowers_for_cuda(guess):
     """Both kernels through Mosaic GPU's passes with packed documents (and the forward's
     residuals), with and without the better guesses (the forward's ``first_order_guess``, the
-    backward's ``uncoupled_guess``), three tiles: one kernel each, no warpgroup barrier inside
+    backward's ``guess`` modes), three tiles: one kernel each, no warpgroup barrier inside
     a token loop (the chain's tokens at depth 3)."""
     s = jax.ShapeDtypeStruct
     seq, state = s((2, 192, 2, 128), jnp.bfloat16), s((5, 2, 128), jnp.float32)
     static = dict(bounds=(0.5, 2.0), interpret=False, packed=True, warpgroups=2)
-    fwd = functools.partial(osgm_mosaic.osgm_fwd, residuals=True, first_order_guess=guesses,
-                            **static)
-    bwd = functools.partial(osgm_mosaic.osgm_bwd, uncoupled_guess=guesses, **static)
+    fwd = functools.partial(osgm_mosaic.osgm_fwd, residuals=True,
+                            first_order_guess=guess != "zero", **static)
+    bwd = functools.partial(osgm_mosaic.osgm_bwd, guess=guess, **static)
     for fn, args, name in [
             (fwd, (seq, s((2, 2, 7, 192), jnp.float32), state), "osgm_fwd_mosaic"),
             (bwd, (seq, seq, s((2, 2, 8, 192), jnp.float32), s((2, 3, 2, 128), jnp.float32),
@@ -117,13 +118,14 @@ def test_bad_warpgroups_raise():
                                  warpgroups=warpgroups)
 
 
-def test_better_guesses_save_a_sweep_a_tile():
+def test_better_guesses_save_sweeps():
     """At the paper's settings without retention (OSDN: bench_osgm's unit keys, η = 0.003,
     bf16), two tiles: the forward's sweeps from the first-order guess (``first_order_guess``)
-    and the backward's from the uncoupled scan's coupling (``uncoupled_guess``) settle in one
-    sweep fewer on every tile than from the kernels' plain guesses (3 forward, 3-4 backward
-    there, as ``benchmarks/sweep_model.py`` counts), to the same bits. Counted by
-    probe_sweeps' counting ``_settle`` (whose a and γ rows carry the counts)."""
+    settle in one sweep fewer on every tile than from the plain guess (3 there, as
+    ``benchmarks/sweep_model.py`` counts), the backward's from the uncoupled scan's coupling
+    (``guess="uncoupled"``) in one fewer and with its first-order coupling by tile products
+    (``guess="tile"``) in two fewer than from γ = 0 (3-4 there), all to the same bits. Counted
+    by probe_sweeps' counting ``_settle`` (whose a and γ rows carry the counts)."""
     import jax.random as jr
     from benchmarks import probe_sweeps
     from benchmarks.bench_osgm import make_inputs as bench_inputs
@@ -139,14 +141,18 @@ def test_better_guesses_save_a_sweep_a_tile():
     args = (x["k"], jr.normal(key, x["k"].shape, jnp.bfloat16),
             osgm_mosaic.backward_rows(coefs, u, a, 1e-6, 128), plain[3], init, init * 0.1)
     bwd = functools.partial(osgm_mosaic.osgm_bwd, *args, **static)
-    assert_same_bits(bwd(), bwd(uncoupled_guess=True))
+    for guess in ("uncoupled", "tile"):
+        assert_same_bits(bwd(), bwd(guess=guess))
     real = osgm_mosaic._settle
     osgm_mosaic._settle = probe_sweeps.counting_settle
     try:
-        counts = [(fwd(first_order_guess=g)[2][0, 0, 1, ::osgm_mosaic.TILE] % 1000,
-                   bwd(uncoupled_guess=g)[1][0, 0, 0, ::osgm_mosaic.TILE] % 1000)
-                  for g in (False, True)]
+        forward = [fwd(first_order_guess=g)[2][0, 0, 1, ::osgm_mosaic.TILE] % 1000
+                   for g in (False, True)]
+        backward = [bwd(guess=g)[1][0, 0, 0, ::osgm_mosaic.TILE] % 1000
+                    for g in osgm_mosaic.GUESSES]
     finally:
         osgm_mosaic._settle = real
-    for before, after in zip(*counts):
-        assert jnp.all(before >= 3) and jnp.array_equal(after, before - 1), (before, after)
+    assert jnp.all(forward[0] == 3) and jnp.all(forward[1] == 2), forward
+    assert jnp.all(backward[0] >= 3), backward
+    for fewer, after in zip((1, 2), backward[1:]):
+        assert jnp.array_equal(after, backward[0] - fewer), backward
