@@ -42,18 +42,38 @@ def rounded(x, gram):
     return np.asarray(jnp.asarray(x, jnp.bfloat16), F32) if gram == "bf16" else x
 
 
-def settle(sweep, x):
-    """Sweeps ``x_new, out = sweep(x)`` until x comes back bit for bit (at most TILE + 1);
-    returns (out, sweeps run)."""
+def settle(sweep, x, accept=None):
+    """Sweeps ``x_new, out = sweep(x)`` until x comes back bit for bit, or ``accept(x_new,
+    x)`` (at most TILE + 1); returns (out, sweeps run)."""
     for n in range(1, TILE + 2):
         x_new, out = sweep(x)
-        if np.array_equal(x_new, x):
+        if np.array_equal(x_new, x) or (accept is not None and accept(x_new, x)):
             break
         x = x_new
     return out, n
 
 
-def forward_tile(d0, S, W, G, R, bounds, guess, gram):
+def accepts(S, WG, R, scale, bound):
+    """``osgm_mosaic._accepts``' contraction bound (with ``bound``; else None): the sweep that
+    took x to x_new emitted within a quarter float32 spacing of the fixed point's values.
+    ``scale``: the box's largest |d| (forward), None: the adjoint's max |x_new| / n_max."""
+    if not bound:
+        return None
+    omega = np.max(np.sum(np.abs(WG)[:, None] * S, axis=0))
+    n_max = np.max(np.sum(S, axis=1))
+    kappa = omega * n_max
+    valid = np.max(np.abs(R)) <= 1.0 and kappa < 1.0
+
+    def accept(x_new, x):
+        error = omega * np.max(np.abs(x_new - x))
+        if scale is None:
+            return valid and error * n_max <= 2.0 ** -26 * np.max(np.abs(x_new)) * (1 - kappa)
+        return valid and error <= 2.0 ** -26 * scale * (1 - kappa)
+
+    return accept
+
+
+def forward_tile(d0, S, W, G, R, bounds, guess, gram, bound=False):
     """One tile's sweeps: (D [TILE, K] the d_t, d after the tile, u [TILE], sweeps)."""
     lo, hi = bounds
     p = np.concatenate([[1.0], np.cumprod(R[:-1])]).astype(F32)
@@ -72,11 +92,11 @@ def forward_tile(d0, S, W, G, R, bounds, guess, gram):
             d = np.clip(R[t] * d + u[t] * S[t], lo, hi).astype(F32)
         return (D * S).sum(1).astype(F32), (D, d, u)
 
-    (D, d, u), n = settle(sweep, a)
+    (D, d, u), n = settle(sweep, a, accepts(S, W * G, R, max(map(abs, bounds)), bound))
     return D, d, u, n
 
 
-def backward_tile(lam0, S, W, G, R, E, D, u, bounds, guess, gram):
+def backward_tile(lam0, S, W, G, R, E, D, u, bounds, guess, gram, bound=False):
     """One tile's reverse sweeps from λ⁰ (∂L/∂d after the tile), sources E = ∂k̃ ⊙ k:
     (λ before the tile, sweeps)."""
     lo, hi = bounds
@@ -101,7 +121,7 @@ def backward_tile(lam0, S, W, G, R, E, D, u, bounds, guess, gram):
             U = np.triu((rounded(S * keep, gram) @ rounded(S, gram).T)
                         * (rho[:, None] / (rho * R)[None, :]), 1)
             gam = (gam + U @ (-gam * W * G)).astype(F32)
-    lam, n = settle(lambda g: scan(g, lam0), gam)
+    lam, n = settle(lambda g: scan(g, lam0), gam, accepts(S, W * G, R, None, bound))
     return lam, n
 
 
@@ -132,10 +152,10 @@ def tile_guess(lam0, S, W, G, R, E, keep, gram):
 
 
 def sweeps(x, dkw, *, apf, forward_guess, backward_guess, gram="f32", eta=0.003,
-           bounds=(0.5, 2.0)):
+           bounds=(0.5, 2.0), bound=False):
     """Sweeps a tile, forward and backward, of every tile and head of row 0, and the final d
     of each head: ([n], [n], [H, K]); the backward from λ = 0.1 after the last token (masked by
-    the final d's box), with ∂k̃ ``dkw``."""
+    the final d's box), with ∂k̃ ``dkw``; ``bound``: stopped at the contraction bound too."""
     f = lambda v: jnp.asarray(v, jnp.float32)  # noqa: E731
     s, _, g, w, r = (np.asarray(c, F32) for c in coefficients(
         f(x["k"]), f(x["beta"]), f(x["r"]) if apf else None, eta, True, 1e-6))
@@ -147,7 +167,7 @@ def sweeps(x, dkw, *, apf, forward_guess, backward_guess, gram="f32", eta=0.003,
         d, saved = np.asarray(x["d0"][0, h], F32), []
         for sl in tiles:
             D, d_next, u, n = forward_tile(d, s[0, sl, h], w[0, sl, h], g[0, sl, h],
-                                           r[0, sl, h], bounds, forward_guess, gram)
+                                           r[0, sl, h], bounds, forward_guess, gram, bound)
             saved.append((D, u))
             fwd.append(n)
             d = d_next
@@ -155,7 +175,8 @@ def sweeps(x, dkw, *, apf, forward_guess, backward_guess, gram="f32", eta=0.003,
         lam = np.where((d > bounds[0]) & (d < bounds[1]), 0.1, 0.0).astype(F32)
         for sl, (D, u) in reversed(list(zip(tiles, saved))):
             lam, n = backward_tile(lam, s[0, sl, h], w[0, sl, h], g[0, sl, h], r[0, sl, h],
-                                   dkw[0, sl, h] * k[0, sl, h], D, u, bounds, backward_guess, gram)
+                                   dkw[0, sl, h] * k[0, sl, h], D, u, bounds, backward_guess, gram,
+                                   bound)
             bwd.append(n)
     return fwd, bwd, np.stack(finals)
 
@@ -166,17 +187,20 @@ def main():
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--vanilla", action="store_true", help="OSDN without APF retention")
     ap.add_argument("--gram", choices=("f32", "bf16"), default="f32")
+    ap.add_argument("--bound", action="store_true", help="stop at the contraction bound too "
+                    "(the kernels' bound_stop)")
     a = ap.parse_args()
     if a.T % TILE:
         ap.error(f"--T must be a multiple of {TILE}, got {a.T}")
     x, key = make_inputs(jax.random.PRNGKey(0), 1, a.T, a.heads, 128, jnp.bfloat16)
     dkw = jax.random.normal(key, x["k"].shape, jnp.bfloat16)
     print(f"{'OSDN' if a.vanilla else 'OSDN-APF'}, 1x{a.T}x{a.heads}x128 bf16 inputs, Gram "
-          f"operands {a.gram}: mean sweeps a tile (distribution)")
+          f"operands {a.gram}, {'bound' if a.bound else 'bitwise'} stop: mean sweeps a tile "
+          f"(distribution)")
     for fg, bg in (("retained", "zero"), ("retained", "uncoupled"),
                    ("first_order", "first_order"), ("first_order", "tile")):
         fwd, bwd, _ = sweeps(x, dkw, apf=not a.vanilla, forward_guess=fg, backward_guess=bg,
-                          gram=a.gram)
+                             gram=a.gram, bound=a.bound)
         print(f"  forward {fg:12s} {np.mean(fwd):5.2f} {np.bincount(fwd)[1:].tolist()}   "
               f"backward {bg:12s} {np.mean(bwd):5.2f} {np.bincount(bwd)[1:].tolist()}",
               flush=True)

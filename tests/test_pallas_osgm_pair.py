@@ -124,8 +124,11 @@ def test_better_guesses_save_sweeps():
     settle in one sweep fewer on every tile than from the plain guess (3 there, as
     ``benchmarks/sweep_model.py`` counts), the backward's from the uncoupled scan's coupling
     (``guess="uncoupled"``) in one fewer and with its first-order coupling by tile products
-    (``guess="tile"``) in two fewer than from γ = 0 (3-4 there), all to the same bits. Counted
-    by probe_sweeps' counting ``_settle`` (whose a and γ rows carry the counts)."""
+    (``guess="tile"``) in two fewer than from γ = 0 (3-4 there), all to the same bits; with
+    the contraction bound (``bound_stop``) the first-order guesses stop after one sweep a tile
+    each way, within a quarter spacing of the fixed point (at most an ulp of the bitwise
+    results after rounding). Counted by probe_sweeps' counting ``_settle`` (whose a and γ
+    rows carry the counts)."""
     import jax.random as jr
     from benchmarks import probe_sweeps
     from benchmarks.bench_osgm import make_inputs as bench_inputs
@@ -143,6 +146,11 @@ def test_better_guesses_save_sweeps():
     bwd = functools.partial(osgm_mosaic.osgm_bwd, *args, **static)
     for guess in ("uncoupled", "tile"):
         assert_same_bits(bwd(), bwd(guess=guess))
+    bounded = (fwd(first_order_guess=True, bound_stop=True)[:2],
+               bwd(guess="tile", bound_stop=True))
+    for got, want in zip((*bounded[0], *bounded[1]), (*plain[:2], *bwd())):
+        scale = float(jnp.max(jnp.abs(want.astype(jnp.float32))))
+        assert float(jnp.max(jnp.abs(got.astype(jnp.float32) - want))) <= 4 * 2.0 ** -24 * scale
     real = osgm_mosaic._settle
     osgm_mosaic._settle = probe_sweeps.counting_settle
     try:
@@ -150,9 +158,12 @@ def test_better_guesses_save_sweeps():
                    for g in (False, True)]
         backward = [bwd(guess=g)[1][0, 0, 0, ::osgm_mosaic.TILE] % 1000
                     for g in osgm_mosaic.GUESSES]
+        once = (fwd(first_order_guess=True, bound_stop=True)[2][0, 0, 1, ::osgm_mosaic.TILE],
+                bwd(guess="tile", bound_stop=True)[1][0, 0, 0, ::osgm_mosaic.TILE])
     finally:
         osgm_mosaic._settle = real
     assert jnp.all(forward[0] == 3) and jnp.all(forward[1] == 2), forward
     assert jnp.all(backward[0] >= 3), backward
     for fewer, after in zip((1, 2), backward[1:]):
         assert jnp.array_equal(after, backward[0] - fewer), backward
+    assert all(jnp.all(code % 1000 == 1) for code in once), once

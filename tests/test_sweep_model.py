@@ -18,7 +18,8 @@ def test_model_sweeps_reach_the_token_loop_and_guesses_save_sweeps(apf):
     down onto d_min, the clip active): every guess's final d is the reference token loop's
     (float32, to 1e-6); the kernels' guesses need at least 2 sweeps forward and 3 backward a
     tile; the first-order ones need fewer in all, and never more than 3 a tile; the backward's
-    tile-product guess at most 2 without retention (no mask cuts)."""
+    tile-product guess at most 2 without retention (no mask cuts), and with the contraction
+    bound there the first-order guesses take one sweep a tile each way."""
     x, key = make_inputs(jax.random.PRNGKey(1), 1, 256, 2, 128, jnp.bfloat16)
     dkw = jax.random.normal(key, x["k"].shape, jnp.bfloat16)
     f32 = {n: x[n].astype(jnp.float32) for n in ("k", "beta", "r")}
@@ -38,3 +39,8 @@ def test_model_sweeps_reach_the_token_loop_and_guesses_save_sweeps(apf):
     assert f1.sum() < f0.sum() and b1.sum() < b0.sum() and max(f1.max(), b1.max()) <= 3
     if not apf:  # tile products: exact without mask cuts only (with APF's, 4 in some tiles)
         assert b2.max() <= 2
+        # and with the contraction bound (the kernels' bound_stop) one sweep a tile each way
+        fwd, bwd, final = sweep_model.sweeps(x, dkw, apf=False, forward_guess="first_order",
+                                             backward_guess="tile", bound=True)
+        np.testing.assert_allclose(final, np.asarray(want[0]), rtol=1e-6, atol=1e-6)
+        assert max(fwd) == max(bwd) == 1
