@@ -184,11 +184,13 @@ def test_lowers_for_cuda(dtype, residuals, packed):
     row sums and the sweeps' while loop; with packed documents the restart rows and the
     document states), three tiles each way; no warpgroup barrier inside the sweeps' token
     loops (loop depth 3: tiles, sweeps, tokens), where Pallas would put two around each row
-    store by default."""
+    store by default. The float32 case's forward with ``first_order_guess`` (its wgmmas and
+    staging buffer beside float32 tiles and packed documents' scratch)."""
     s, docs = jax.ShapeDtypeStruct, 3 * packed
     seq, state = s((2, 192, 2, 128), dtype), s((5 if packed else 2, 2, 128), jnp.float32)
     fwd = lambda k, c, i: osgm_mosaic.osgm_fwd(k, c, i, bounds=(0.5, 2.0), interpret=False,  # noqa: E731
-                                               packed=packed, residuals=residuals)
+                                               packed=packed, residuals=residuals,
+                                               first_order_guess=dtype == jnp.float32)
     bwd = lambda *a: osgm_mosaic.osgm_bwd(*a, bounds=(0.5, 2.0), interpret=False,  # noqa: E731
                                           packed=packed)
     starts = s((2, 3, 2, 128), jnp.float32)
