@@ -13,7 +13,7 @@ sweep. The sweeps stop bit for bit (the kernels' default), with ``--bound`` at `
 contraction bound too (``bound_stop``). ``--vanilla``: no retention (OSDN; the model,
 ``sweep_model.py``, counts 3.0 / 3.97 sweeps there against APF's 2.14 / 3.10).
 ``--guesses``: both kernels on two warpgroups with the better first guesses (the forward's
-``first_order_guess``, the backward's ``guess="tile"``).
+``first_order_guess``, the backward's ``guess="uncoupled"``).
 ``--cpu``: interpret mode at a small shape (checks the script, times nothing real).
 """
 
@@ -75,7 +75,7 @@ def main():
     ap.add_argument("--bound", action="store_true", help="the kernels' bound_stop=True")
     ap.add_argument("--vanilla", action="store_true", help="no APF retention (OSDN)")
     ap.add_argument("--guesses", action="store_true", help="two warpgroups, the forward's "
-                    "first_order_guess and the backward's tile guess")
+                    "first_order_guess and the backward's uncoupled guess")
     ap.add_argument("--cpu", action="store_true")
     a = ap.parse_args()
     B, T, H, K = (1, 128, 1, 128) if a.cpu else a.shape
@@ -98,7 +98,7 @@ def main():
     u, av = rows_mosaic.token_rows(fwd_rows, T)
     brows = om.backward_rows(coefs, u, av, 1e-6, T)
     dkw = jax.random.normal(jax.random.PRNGKey(1), x["k"].shape, jnp.bfloat16)
-    bwd_kw = dict(kw, **(dict(guess="tile") if a.guesses else {}))
+    bwd_kw = dict(kw, **(dict(guess="uncoupled") if a.guesses else {}))
     bwd = jax.jit(functools.partial(om.osgm_bwd, **bwd_kw))
     bargs = (x["k"], dkw, brows, starts, init, init * 0.1)
     print(f"backward {timed(bwd, *bargs, reps=reps):.3f} ms")

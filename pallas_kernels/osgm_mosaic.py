@@ -50,7 +50,7 @@ from pallas_kernels.rows_mosaic import (
     document_out, flag_mask, issue, padded, restart_rows, row, row_sums, rows_layout,
     send, slot_tile, square_rows, tile, tokens, walk_tiles)
 from pallas_kernels.state_mosaic import (
-    BF16, COLS, ROWS, bcast_cols, bcast_rows, matmul, smem, tile_iotas)
+    BF16, COLS, ROWS, bcast_cols, bcast_rows, matmul, smem, tile_iotas, write)
 from pallas_kernels.triton_common import out_struct
 
 SPACING = 2.0 ** -26  # _accepts: a quarter of float32's spacing at 1 (2^-23), relative
@@ -203,8 +203,8 @@ def _first_order(S, d0, a0, rows, bounds, staged, interpret):
     return p_row * total
 
 
-GUESSES = ("zero", "uncoupled", "tile")  # osgm_bwd's first guesses
-FORM_COLS, CHAIN_COLS = 16, 32  # "tile"'s column blocks: the forming warpgroup's, the chain's
+GUESSES = ("zero", "uncoupled")  # osgm_bwd's first guesses
+HALVES = tuple(pl.ds(h * K_THREADS // 2, K_THREADS // 2) for h in range(2))  # ``tile_io``'s
 
 
 def _reached(shape, z):
@@ -212,57 +212,6 @@ def _reached(shape, z):
     reaches token t in coordinate j, no mask cutting it at or after t."""
     t = plgpu.broadcasted_iota(jnp.int32, (TILE,), 0, layout=ROWS).astype(F32)
     return bcast_rows(t, shape) > bcast_cols(z, shape)
-
-
-def _upper_ones():
-    """U_tτ = [τ > t] [TILE, TILE] bf16 (WGMMA layout): the sum over a tile's later tokens."""
-    i, j = tile_iotas()
-    return jnp.where(j > i, 1.0, 0.0).astype(BF16)
-
-
-def _per_rho(rho_r, x):
-    """x / (ρ r) [TILE] (ROWS) where ρ r >= 2⁻⁶⁰, else 0 (a guess only: no overflow)."""
-    rho_row, r_row = rho_r
-    return jnp.where(rho_row * r_row > 2.0 ** -60, x / (rho_row * r_row), 0.0)
-
-
-def _tile_guess(blocks, rho_r, z, staged, interpret):
-    """"tile" of ``osgm_bwd``'s ``guess``, on the forming warpgroup: the uncoupled scan's
-    coupling but for λ⁰, σ_t = ρ_t Σ_j s_tj [z_j < t] (U E')_tj with E' = (∂k̃ ⊙ k) / (ρ r)
-    (split into bf16 hi and lo parts: two wgmmas a block) and U ``_upper_ones``: exact where no mask
-    cuts between t and the tile's end, 0 before a cut (where APF's pinned coordinates have μ
-    = 0 anyway). Writes z_j, the last token a mask cuts (−1: none), into ``z`` [128];
-    ``blocks`` as ``osgm_bwd``'s, ``staged`` [TILE, block] bf16. Returns σ [TILE] (ROWS)."""
-    upper = _upper_ones()
-    t = plgpu.broadcasted_iota(jnp.int32, (TILE,), 0, layout=ROWS).astype(F32)
-    total = plgpu.layout_cast(jnp.zeros((TILE,), F32), ROWS)
-    for cols, s, e, keep in blocks:
-        z_h = jnp.max(jnp.where(keep, -1.0, bcast_rows(t, s.shape)), axis=0)
-        z.at[cols][...] = z_h
-        e = bcast_rows(_per_rho(rho_r, 1.0), s.shape) * e
-        hi = e.astype(BF16)
-        C = None
-        for part in (hi, (e - hi.astype(F32)).astype(BF16)):
-            staged[...] = part
-            plgpu.commit_smem()
-            C = matmul([(upper, staged)], s.shape, C, interpret)
-        total = total + jnp.sum(jnp.where(_reached(s.shape, z_h), s * C, 0.0), axis=1)
-    return rho_r[0] * total
-
-
-def _tile_coupling(blocks, rho_r, z, c, staged, interpret):
-    """"tile"'s first-order coupling, on the chain: what the sources c_τ s_τ (c = −γ w g of
-    the guess) add to γ_t, ρ_t Σ_j s_tj [z_j < t] (U diag(c / (ρ r)) S)_tj (one bf16 wgmma a
-    block of columns through ``staged``). Returns it [TILE] (ROWS)."""
-    upper = _upper_ones()
-    total = plgpu.layout_cast(jnp.zeros((TILE,), F32), ROWS)
-    for cols, s, _, _ in blocks:
-        staged[...] = (bcast_rows(_per_rho(rho_r, c), s.shape) * s).astype(BF16)
-        plgpu.commit_smem()
-        C = matmul([(upper, staged)], s.shape, None, interpret)
-        reached = _reached(s.shape, plgpu.load(z.at[cols], layout=COLS))
-        total = total + jnp.sum(jnp.where(reached, s * C, 0.0), axis=1)
-    return rho_r[0] * total
 
 
 def _forward_sweep(d0, s_row, u, r, D, bounds, interpret, first=None):
@@ -284,7 +233,7 @@ def _forward_sweep(d0, s_row, u, r, D, bounds, interpret, first=None):
 
 
 def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residuals=False,
-             warpgroups=1, bound_stop=False, first_order_guess=False):
+             warpgroups=1, bound_stop=False, first_order_guess=False, tile_io=False):
     """k [B, Tp, H, 128] (Tp a multiple of TILE), coefs [B, H, 4 (+ 3 if ``packed``), Tp]
     (``coefficient_rows``), initial_state [N, H, 128] float32 (N = B, or the documents);
     bounds (d_min, d_max). Returns k̃ [B, Tp, H, 128] in k's dtype and the final d [N, H, 128]
@@ -295,8 +244,10 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
     and D tiles). ``bound_stop``: a tile's sweeps end at ``_accepts``' bound too (True), or
     only when the coupling comes back bit for bit (False, as ``osgm_precond.Options``).
     ``first_order_guess``: the guess gains ``_first_order``'s term (two wgmmas on the chain, a
-    [TILE, 64] bf16 buffer): the sweep model (``benchmarks/sweep_model.py``) counts 3.0 ->
-    2.02 sweeps a tile without retention, 2.14 -> 2.05 with APF's."""
+    [TILE, 64] bf16 buffer): 3.00 -> 2.09 sweeps a tile without retention on the H100, 1.00
+    with ``bound_stop`` (RESULTS run 173), but no faster there: the kernel is not bound by its
+    chain. ``tile_io``: the forming warpgroup's squares and k̃ by tile products (column halves
+    in the WGMMA layout, wide shared-memory accesses) instead of by rows; the same bits."""
     B, Tp, H, K = k.shape
     check_shape("osgm_mosaic.osgm_fwd", K, Tp)
     check_warpgroups(warpgroups, k)
@@ -327,7 +278,12 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
 
         def form(i, slot):  # s_t = k_t ⊙ k_t of the tile's tokens into S
             with jax.named_scope("squares"):
-                square_rows(k.at[slot], slot_tile(S, slot), interpret)
+                if tile_io:
+                    for cols in HALVES:
+                        k_h = tile(k.at[slot].at[:, cols], interpret)
+                        write(slot_tile(S, slot).at[:, cols], k_h * k_h, interpret)
+                else:
+                    square_rows(k.at[slot], slot_tile(S, slot), interpret)
 
         def chain(i, slot, d0):
             D_, S_, u_t = slot_tile(D, slot), slot_tile(S, slot), u.at[slot]
@@ -380,7 +336,12 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
                 return carry
 
             with jax.named_scope("emit"):
-                tokens(lambda t: (row(D_.at[t]), row(k_tile.at[t])), step, None, interpret)
+                if tile_io:
+                    for cols in HALVES:
+                        x = tile(D_.at[:, cols], interpret) * tile(k_tile.at[:, cols], interpret)
+                        write(out.at[slot].at[:, cols], x.astype(k.dtype), interpret)
+                else:
+                    tokens(lambda t: (row(D_.at[t]), row(k_tile.at[t])), step, None, interpret)
 
         def store_tile(i, slot):
             rows_ref, starts_ref = res_refs if residuals else (None, None)
@@ -397,7 +358,7 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
 
 
 def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=False,
-             warpgroups=1, bound_stop=False, guess="zero"):
+             warpgroups=1, bound_stop=False, guess="zero", tile_io=False):
     """The reverse scan by Picard sweeps per tile (tiles in reverse): with λ = ∂L/∂d_{t+1},
     μ = λ ⊙ [d_min < r d + u s < d_max], γ = ⟨μ, s⟩ (the sweeps' coupling),
 
@@ -417,18 +378,17 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
     then comes in k's dtype (the float32 values rounded once; ∂k̃ in the same dtype), written
     over ∂k̃'s tile and sent as one copy. ``bound_stop``: as ``osgm_fwd``'s.
 
-    ``guess``: where each tile's sweeps start, γ = 0 ("zero") or (two warpgroups; one takes
-    "zero", its first sweep being what moves off its chain here) the coupling of the scan
-    without coupling, c = 0, whose part that needs no λ⁰ (the λ entering the tile) the
-    forming warpgroup makes after the recompute: "uncoupled", exactly, by one reverse pass
-    μ'_t = m_t ⊙ (r_{t+1} μ'_{t+1} + ∂k̃ ⊙ k) from μ' = 0 (m_t the clip's mask), which gives
-    the row sums σ_t = ⟨μ'_t, s_t⟩ and per coordinate z_j, the last token whose mask is 0;
-    "tile", by tile products only (``_tile_guess``: bf16 wgmmas over column blocks, exact
-    where no mask cuts, the first-order coupling added on the chain). Either way λ⁰ reaches
-    μ_tj as ρ_t λ⁰_j where z_j < t (ρ_t = Π_{m>t} r_m, the fifth row), so the chain's guess
-    is σ_t + ρ_t Σ_j s_tj λ⁰_j [z_j < t] (document restarts ignored: a guess only). The float32
-    model (``benchmarks/sweep_model.py``) counts from 3.10 (zero) to 2.10 (uncoupled) and 2.96
-    (tile) sweeps a tile with APF retention, from 3.97 to 2.97 and 2.00 without."""
+    ``guess``: where each tile's sweeps start, γ = 0 ("zero") or ("uncoupled", two
+    warpgroups; one takes "zero", its first sweep being this) the coupling of the scan without
+    coupling, c = 0: the forming warpgroup runs one more reverse pass after the recompute, μ'_t
+    = m_t ⊙ (r_{t+1} μ'_{t+1} + ∂k̃ ⊙ k) from μ' = 0 (m_t the clip's mask), leaving the row sums
+    σ_t = ⟨μ'_t, s_t⟩ and per coordinate z_j, the last token whose mask is 0; λ⁰ (the λ entering
+    the tile) reaches μ_tj as ρ_t λ⁰_j where z_j < t (ρ_t = Π_{m>t} r_m, the fifth row), so the
+    chain's guess is σ_t + ρ_t Σ_j s_tj λ⁰_j [z_j < t] (document restarts ignored: a guess
+    only). A sweep fewer a tile (3.97 -> 2.96 without retention, RESULTS run 173) but slower
+    on the H100 (0.256 against 0.246 ms): the kernel is not bound by its chain.
+    ``tile_io``: the forming warpgroup's ∂k by tile products (column halves in the WGMMA
+    layout, wide shared-memory accesses) instead of by rows; the same bits."""
     B, Tp, H, K = k.shape
     check_shape("osgm_mosaic.osgm_bwd", K, Tp)
     check_warpgroups(warpgroups, k, dkw)
@@ -455,18 +415,13 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
     guess = guess if warpgroups == 2 else "zero"
     if guess != "zero":  # σ_t and z_j of each slot's tile
         scratch.update(sigma=vec, z=plgpu.SMEM((2, K), F32))
-    if guess == "tile":  # each warpgroup's wgmma operand, a block of columns at a time (the
-        # most the shared memory holds beside the rest: 8 + 4 KB)
-        scratch.update(form_cols=smem((TILE, FORM_COLS), BF16),
-                       chain_cols=smem((TILE, CHAIN_COLS), BF16))
     rows = range(8 if packed else 5)
     _check_rows(coefs, rows, packed)
 
     def body(k_ref, dkw_ref, c_ref, st_ref, init_ref, dfinal_ref, dk_ref, rows_ref, dinit_ref,
              *, k, dkw, st, u, r, gw, gn, rho, c, gam, dr, D, M, state, start_bar, in_bar,
              doc_buf, stage, S=None, doc=None, first=None, last=None, ready=None, done=None,
-             form_bar=None, form_stage=None, sigma=None, z=None, form_cols=None,
-             chain_cols=None):
+             form_bar=None, form_stage=None, sigma=None, z=None):
         b, h = lax.axis_index("b"), lax.axis_index("h")
         bufs = (u, r, gw, gn, rho) + ((doc, first, last) if packed else ())
         S = padded(S) if squares else None
@@ -536,7 +491,21 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
                 out.at[t][...] = (2.0 * k_t * ds + dkw_t * d).astype(out.dtype)
                 return carry
 
-            tokens(load, step, None, interpret)
+            if not tile_io:
+                tokens(load, step, None, interpret)
+                return
+            u_r, neg_gam = (plgpu.load(x.at[slot], layout=ROWS) for x in (u, gam))
+            neg_gam = -neg_gam
+            a_r = neg_gam * plgpu.load(gw.at[slot], layout=ROWS)
+            c_r = neg_gam * plgpu.load(gn.at[slot], layout=ROWS)
+            for cols in HALVES:
+                k_t, dkw_t, mu, d = (tile(x.at[:, cols], interpret)
+                                     for x in (k.at[slot], dkw.at[slot], M, D))
+                shape = k_t.shape
+                ds = (bcast_rows(u_r, shape) * mu + bcast_rows(a_r, shape) * d
+                      + bcast_rows(c_r, shape))
+                write(out.at[:, cols], (2.0 * k_t * ds + dkw_t * d).astype(out.dtype),
+                      interpret)
 
         def form(i, slot):  # the tile's d_t into D, by one forward sweep
             D = D_of(slot)
@@ -553,31 +522,7 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
             if guess != "zero":
                 plgpu.commit_smem()  # D whole for every thread
                 with jax.named_scope("guess"):
-                    if guess == "uncoupled":
-                        uncoupled_pass(slot)
-                    else:
-                        sigma.at[slot][...] = _tile_guess(
-                            blocks(slot, FORM_COLS, D_of(slot)), rho_and_r(slot), z.at[slot],
-                            form_cols, interpret)
-
-        def blocks(slot, width, D=None):
-            """For each block of ``width`` columns: (columns, s, ∂k̃ ⊙ k, and with ``D`` the
-            clip's masks m of the tile [TILE, width]) (WGMMA layout)."""
-            for h in range(K // width):
-                cols = pl.ds(h * width, width)
-                k_h = tile(k.at[slot].at[:, cols], interpret)
-                s_h = k_h * k_h
-                e_h = tile(dkw.at[slot].at[:, cols], interpret) * k_h
-                if D is None:
-                    yield cols, s_h, e_h, None
-                    continue
-                p = (bcast_rows(plgpu.load(r.at[slot], layout=ROWS), s_h.shape)
-                     * tile(D.at[:, cols], interpret)
-                     + bcast_rows(plgpu.load(u.at[slot], layout=ROWS), s_h.shape) * s_h)
-                yield cols, s_h, e_h, (p > d_min) & (p < d_max)
-
-        def rho_and_r(slot):
-            return tuple(plgpu.load(x.at[slot], layout=ROWS) for x in (rho, r))
+                    uncoupled_pass(slot)
 
         def uncoupled_pass(slot):
             """σ and z of the tile (``guess`` "uncoupled"): the reverse scan without coupling from
@@ -603,19 +548,14 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
 
         def first_guess(slot, s, lam0, gw_row):
             """γ's first guess [TILE] (ROWS): 0, or (``guess``) the coupling of the scan
-            without it, σ_t + ρ_t Σ_j s_tj λ⁰_j [z_j < t], "tile" adding its first-order
-            coupling (``_tile_coupling``)."""
+            without it, σ_t + ρ_t Σ_j s_tj λ⁰_j [z_j < t]."""
             if guess == "zero":
                 return plgpu.layout_cast(jnp.zeros((TILE,), F32), ROWS)
             rho_row = plgpu.load(rho.at[slot], layout=ROWS)
             reached = _reached(s.shape, plgpu.load(z.at[slot], layout=COLS))
             lam = bcast_cols(plgpu.load(st.at[slot], layout=COLS), s.shape)  # λ⁰ (below)
-            gam = (plgpu.load(sigma.at[slot], layout=ROWS)
-                   + rho_row * jnp.sum(jnp.where(reached, s * lam, 0.0), axis=1))
-            if guess == "tile":
-                gam = gam + _tile_coupling(blocks(slot, CHAIN_COLS), rho_and_r(slot), z.at[slot],
-                                           -gam * gw_row, chain_cols, interpret)
-            return gam
+            return (plgpu.load(sigma.at[slot], layout=ROWS)
+                    + rho_row * jnp.sum(jnp.where(reached, s * lam, 0.0), axis=1))
 
         def chain(i, slot, lam0):
             M = M_of(slot)

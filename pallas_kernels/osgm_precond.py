@@ -86,14 +86,13 @@ class Options:
     only when the coupling comes back bit for bit (False, the default: RESULTS run 170, APF
     phase 1 at 8x2048x8x128 bf16 on an H100, fwd / fwd+bwd 0.203 / 0.399 ms against 0.220-0.226
     / 0.419-0.420 with the bound). ``mosaic_backward_guess``: where the backward kernel's
-    sweeps start (``osgm_mosaic.osgm_bwd``'s ``guess``): γ = 0 ("zero"), or on two
-    warpgroups the adjoint scan's coupling without coupling, its λ-free part formed off the
-    chain, exactly by a reverse pass ("uncoupled": a sweep fewer a tile in the model) or by
-    tile products with the first-order coupling added ("tile": two sweeps fewer without
-    retention, hardly any fewer with APF's); ``mosaic_first_order_guess``: the forward
+    sweeps start (``osgm_mosaic.osgm_bwd``'s ``guess``): γ = 0 ("zero", the default), or
+    ("uncoupled", two warpgroups) the adjoint scan's coupling without coupling, its λ-free
+    part formed off the chain by a reverse pass; ``mosaic_first_order_guess``: the forward
     kernel's guess gains the first-order effect of the tile's earlier updates (``osgm_mosaic.
-    _first_order``, two bf16 wgmmas on the chain): a sweep fewer a tile without retention in the
-    model; both False (the default) until timed on the device. ``stream``: the Mosaic kernels on that XLA
+    _first_order``, two bf16 wgmmas on the chain). Each saves a sweep a tile without retention
+    but neither is faster on the H100 (RESULTS run 173: the kernels are not bound by their
+    chains); both off by default. ``stream``: the Mosaic kernels on that XLA
     GPU stream (``rows_mosaic.on_stream``: asynchronous beside the main stream, e.g. the
     backward's reverse scan beside a training step's weight gradients); None (the default):
     on the main stream."""

@@ -40,9 +40,6 @@ from pallas_kernels.osgm_precond import Options
                                            picard_iters=0, mosaic_loops=True,
                                            mosaic_backward_guess="uncoupled",
                                            mosaic_first_order_guess=True)),
-    ("2/1/16/scalar/mosaic/tg", Options(prefetch=2, num_warps=1, unroll=16, scalar_aux=True,
-                                        picard_iters=0, mosaic_loops=True,
-                                        mosaic_backward_guess="tile")),
 ])
 def test_variant_strings(text, options):
     assert variant(text) == options
@@ -52,7 +49,7 @@ def test_variant_strings(text, options):
                                   "2/1/8/p4/cpx", "2/1/8/mosaic/wg3",
                                   "2/1/8/mosaic/st0", "2/1/8/mosaic/stx",
                                   "2/1/8/mosaic/bitstop/bound", "2/1/8/mosaic/ugx",
-                                  "2/1/8/mosaic/ug/tg"])
+                                  "2/1/8/mosaic/tg"])
 def test_bad_variant_strings_raise(text):
     with pytest.raises(ValueError):
         variant(text)

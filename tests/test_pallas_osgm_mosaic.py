@@ -259,8 +259,8 @@ def test_stopping_early_moves_each_tile_by_a_quarter_spacing():
         assert float(jnp.max(jnp.abs(a - b))) <= 4 * 2.0 ** -24 * float(jnp.max(jnp.abs(b)))
 
 
-@pytest.mark.parametrize("bound_stop, guesses", [(True, (False, "tile")),
-                                                 (False, (True, "uncoupled"))])
+@pytest.mark.parametrize("bound_stop, guesses", [(True, (False, "uncoupled")),
+                                                 (False, (True, "zero"))])
 def test_stop_and_guess_options_reach_the_kernels(monkeypatch, bound_stop, guesses):
     """``Options.mosaic_bound_stop`` of the public op's options arrives as both Mosaic kernels'
     ``bound_stop``, ``mosaic_first_order_guess`` as the forward's ``first_order_guess`` and

@@ -41,8 +41,8 @@ def test_two_warpgroups_give_the_same_bits(packed):
     """Three tiles (slot 0's buffers reused once), the clip active: the forward's k̃, final
     states and residuals (u_t, a_t, the states entering the tiles), and the backward's ∂k
     (in k's dtype: one warpgroup's float32 ∂k rounded), γ, ∂r and ∂d_1 from them, bit for bit
-    those of one warpgroup, and those of the better guesses (the forward's
-    ``first_order_guess``, the backward's ``guess`` modes); with packed
+    those of one warpgroup, those of the better guesses (the forward's ``first_order_guess``,
+    the backward's ``guess="uncoupled"``) and of ``tile_io`` on either; with packed
     documents (a boundary inside a tile, one spanning three) each document's states too."""
     k, rows, init = kernel_inputs(11, b=1, t=192, packed=packed)
     static = dict(bounds=(0.5, 2.0), interpret=True, packed=packed)
@@ -51,6 +51,8 @@ def test_two_warpgroups_give_the_same_bits(packed):
     assert float(jnp.mean((one[1] == 0.5) | (one[1] == 2.0))) > 0.1  # the clip pins some
     assert_same_bits(one, two)
     assert_same_bits(two, fwd(k, rows, init, warpgroups=2, first_order_guess=True))
+    for warpgroups, plain in ((1, one), (2, two)):  # squares and k̃ by tile products
+        assert_same_bits(plain, fwd(k, rows, init, warpgroups=warpgroups, tile_io=True))
     x = one_head(make_inputs(12, b=1, t=192, k_dim=128, n_init=init.shape[0],
                              dtype=jnp.bfloat16))
     u, a = (jnp.moveaxis(one[2][:, :, j], 1, 2) for j in range(2))
@@ -64,8 +66,9 @@ def test_two_warpgroups_give_the_same_bits(packed):
     assert_same_bits((one[0].astype(k.dtype), *one[1:]), two)
     # the sweeps from the uncoupled scan's coupling settle on the same bits (a guess only; with
     # documents it ignores their restarts)
-    for guess in ("uncoupled", "tile"):
-        assert_same_bits(two, bwd(*args, warpgroups=2, guess=guess))
+    assert_same_bits(two, bwd(*args, warpgroups=2, guess="uncoupled"))
+    for warpgroups, plain in ((1, one), (2, two)):  # ∂k by tile products
+        assert_same_bits(plain, bwd(*args, warpgroups=warpgroups, tile_io=True))
 
 
 def one_head(x):
@@ -85,18 +88,19 @@ def assert_same_bits(one, two):
         assert jnp.array_equal(a, b)
 
 
-@pytest.mark.parametrize("guess", ["zero", "uncoupled", "tile"])
+@pytest.mark.parametrize("guess", ["zero", "uncoupled"])
 def test_lowers_for_cuda(guess):
     """Both kernels through Mosaic GPU's passes with packed documents (and the forward's
-    residuals), with and without the better guesses (the forward's ``first_order_guess``, the
-    backward's ``guess`` modes), three tiles: one kernel each, no warpgroup barrier inside
-    a token loop (the chain's tokens at depth 3)."""
+    residuals), with and without the better guesses and tile products (the forward's
+    ``first_order_guess``, the backward's ``guess``, both ``tile_io``), three tiles: one
+    kernel each, no warpgroup barrier inside a token loop (the chain's tokens at depth 3)."""
     s = jax.ShapeDtypeStruct
     seq, state = s((2, 192, 2, 128), jnp.bfloat16), s((5, 2, 128), jnp.float32)
     static = dict(bounds=(0.5, 2.0), interpret=False, packed=True, warpgroups=2)
     fwd = functools.partial(osgm_mosaic.osgm_fwd, residuals=True,
-                            first_order_guess=guess != "zero", **static)
-    bwd = functools.partial(osgm_mosaic.osgm_bwd, guess=guess, **static)
+                            first_order_guess=guess != "zero", tile_io=guess != "zero", **static)
+    bwd = functools.partial(osgm_mosaic.osgm_bwd, guess=guess, tile_io=guess != "zero",
+                            **static)
     for fn, args, name in [
             (fwd, (seq, s((2, 2, 7, 192), jnp.float32), state), "osgm_fwd_mosaic"),
             (bwd, (seq, seq, s((2, 2, 8, 192), jnp.float32), s((2, 3, 2, 128), jnp.float32),
@@ -123,12 +127,11 @@ def test_better_guesses_save_sweeps():
     bf16), two tiles: the forward's sweeps from the first-order guess (``first_order_guess``)
     settle in one sweep fewer on every tile than from the plain guess (3 there, as
     ``benchmarks/sweep_model.py`` counts), the backward's from the uncoupled scan's coupling
-    (``guess="uncoupled"``) in one fewer and with its first-order coupling by tile products
-    (``guess="tile"``) in two fewer than from γ = 0 (3-4 there), all to the same bits; with
-    the contraction bound (``bound_stop``) the first-order guesses stop after one sweep a tile
-    each way, within a quarter spacing of the fixed point (at most an ulp of the bitwise
-    results after rounding). Counted by probe_sweeps' counting ``_settle`` (whose a and γ
-    rows carry the counts)."""
+    (``guess="uncoupled"``) in one fewer than from γ = 0 (3-4 there), both to the same bits;
+    with the contraction bound (``bound_stop``) the forward's first-order guess stops after
+    one sweep a tile, within a quarter spacing of the fixed point (at most an ulp of the
+    bitwise results after rounding). Counted by probe_sweeps' counting ``_settle`` (whose a
+    and γ rows carry the counts)."""
     import jax.random as jr
     from benchmarks import probe_sweeps
     from benchmarks.bench_osgm import make_inputs as bench_inputs
@@ -144,11 +147,9 @@ def test_better_guesses_save_sweeps():
     args = (x["k"], jr.normal(key, x["k"].shape, jnp.bfloat16),
             osgm_mosaic.backward_rows(coefs, u, a, 1e-6, 128), plain[3], init, init * 0.1)
     bwd = functools.partial(osgm_mosaic.osgm_bwd, *args, **static)
-    for guess in ("uncoupled", "tile"):
-        assert_same_bits(bwd(), bwd(guess=guess))
-    bounded = (fwd(first_order_guess=True, bound_stop=True)[:2],
-               bwd(guess="tile", bound_stop=True))
-    for got, want in zip((*bounded[0], *bounded[1]), (*plain[:2], *bwd())):
+    assert_same_bits(bwd(), bwd(guess="uncoupled"))
+    bounded = fwd(first_order_guess=True, bound_stop=True)[:2]
+    for got, want in zip(bounded, plain[:2]):
         scale = float(jnp.max(jnp.abs(want.astype(jnp.float32))))
         assert float(jnp.max(jnp.abs(got.astype(jnp.float32) - want))) <= 4 * 2.0 ** -24 * scale
     real = osgm_mosaic._settle
@@ -158,12 +159,10 @@ def test_better_guesses_save_sweeps():
                    for g in (False, True)]
         backward = [bwd(guess=g)[1][0, 0, 0, ::osgm_mosaic.TILE] % 1000
                     for g in osgm_mosaic.GUESSES]
-        once = (fwd(first_order_guess=True, bound_stop=True)[2][0, 0, 1, ::osgm_mosaic.TILE],
-                bwd(guess="tile", bound_stop=True)[1][0, 0, 0, ::osgm_mosaic.TILE])
+        once = fwd(first_order_guess=True, bound_stop=True)[2][0, 0, 1, ::osgm_mosaic.TILE]
     finally:
         osgm_mosaic._settle = real
     assert jnp.all(forward[0] == 3) and jnp.all(forward[1] == 2), forward
     assert jnp.all(backward[0] >= 3), backward
-    for fewer, after in zip((1, 2), backward[1:]):
-        assert jnp.array_equal(after, backward[0] - fewer), backward
-    assert all(jnp.all(code % 1000 == 1) for code in once), once
+    assert jnp.array_equal(backward[1], backward[0] - 1), backward
+    assert jnp.all(once % 1000 == 1), once
