@@ -96,7 +96,7 @@ def main():
           f"{timed(real, x['k'], rows, init, reps=reps):.3f} ms")
     _, _, fwd_rows, starts = real(x["k"], rows, init)
     u, av = rows_mosaic.token_rows(fwd_rows, T)
-    brows = om.backward_rows(coefs, u, av, 1e-6, T)
+    brows = om.backward_rows(coefs, u, av, 1e-6, T, rho=a.guesses)
     dkw = jax.random.normal(jax.random.PRNGKey(1), x["k"].shape, jnp.bfloat16)
     bwd_kw = dict(kw, **(dict(guess="uncoupled") if a.guesses else {}))
     bwd = jax.jit(functools.partial(om.osgm_bwd, **bwd_kw))

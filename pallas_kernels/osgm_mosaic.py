@@ -55,7 +55,7 @@ from pallas_kernels.triton_common import out_struct
 
 SPACING = 2.0 ** -26  # _accepts: a quarter of float32's spacing at 1 (2^-23), relative
 W, G, R, P = 0, 1, 2, 3  # the forward's rows; with packed documents three more follow:
-U, RB, WG, GN, RHO = 0, 1, 2, 3, 4  # document, first, last; and the backward's
+U, RB, WG, GN = 0, 1, 2, 3  # document, first, last; and the backward's (ρ fifth, if asked)
 
 
 def runs(*, K: int) -> bool:
@@ -87,14 +87,14 @@ def retained(r, Tp, reverse=False):
     return x.reshape(B, Tp, H)[:, :T]
 
 
-def backward_rows(coefs, u, a, eps, Tp, docs=None):
-    """The backward's [B, H, 5 (+ 3), Tp] from ``coefs`` (as ``coefficient_rows``'s) and the
-    forward's u_t, a_t [B, T, H]: u, r, w g, [n̄ > ε] (1 − g a) w / n̄ and ``retained(r,
-    reverse=True)``, padded with zeros but r = 1 (a padded token passes λ on unchanged);
-    ``docs`` as ``coefficient_rows``'s."""
+def backward_rows(coefs, u, a, eps, Tp, docs=None, rho=False):
+    """The backward's [B, H, 4 (+ 1) (+ 3), Tp] from ``coefs`` (as ``coefficient_rows``'s) and
+    the forward's u_t, a_t [B, T, H]: u, r, w g, [n̄ > ε] (1 − g a) w / n̄ and, with ``rho``
+    (``osgm_bwd``'s ``guess="uncoupled"``), ``retained(r, reverse=True)``, padded with zeros
+    but r = 1 (a padded token passes λ on unchanged); ``docs`` as ``coefficient_rows``'s."""
     _, n, g, w, r = coefs
-    return rows_layout([u, r, w * g, jnp.where(n > eps, (1.0 - g * a) * w / n, 0.0),
-                        retained(r, Tp, reverse=True)], docs, Tp, RB)
+    rows = [u, r, w * g, jnp.where(n > eps, (1.0 - g * a) * w / n, 0.0)]
+    return rows_layout(rows + ([retained(r, Tp, reverse=True)] if rho else []), docs, Tp, RB)
 
 
 def _check_rows(coefs, rows, packed):
@@ -205,13 +205,6 @@ def _first_order(S, d0, a0, rows, bounds, staged, interpret):
 
 GUESSES = ("zero", "uncoupled")  # osgm_bwd's first guesses
 HALVES = tuple(pl.ds(h * K_THREADS // 2, K_THREADS // 2) for h in range(2))  # ``tile_io``'s
-
-
-def _reached(shape, z):
-    """[z_j < t] [TILE, n] (WGMMA layout) for z [n] (COLS): whether λ entering the tile
-    reaches token t in coordinate j, no mask cutting it at or after t."""
-    t = plgpu.broadcasted_iota(jnp.int32, (TILE,), 0, layout=ROWS).astype(F32)
-    return bcast_rows(t, shape) > bcast_cols(z, shape)
 
 
 def _forward_sweep(d0, s_row, u, r, D, bounds, interpret, first=None):
@@ -366,24 +359,24 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
         λ ← r μ − γ (w g) s + ∂k̃ ⊙ k
 
     (with ``packed`` documents λ = dfinal[doc] at a document's last token, and ∂d_1[doc] the λ
-    after its first), each tile's d_t recomputed by one forward sweep from ``starts`` [B,
-    Tp / TILE, H, 128] and the rows' u_t. k and ∂k̃ [B, Tp, H, 128], coefs [B, H, 5 (+ 3), Tp]
-    (``backward_rows``), init (the documents' initial states; read with ``packed`` only) and
-    dfinal [N, H, 128]. Padded tokens (k = 0, r = 1) mask λ by [d_min < d < d_max] for the
-    final d, as the last real token's clip derivative does already. Returns (∂k [B, Tp, H,
-    128] float32, rows (γ, ∂r) [B, H, 2, Tp] float32, ∂d_1 [N, H, 128]). ``warpgroups`` 2
-    (16-bit k and ∂k̃): the chain's warpgroup runs only the reverse sweeps while a second one
-    recomputes d_t for the tile walked next and forms ∂r and ∂k of the tile walked before and
-    sends them (``rows_mosaic.walk_pair``; two D and M tiles, s_t squared where read); ∂k
-    then comes in k's dtype (the float32 values rounded once; ∂k̃ in the same dtype), written
-    over ∂k̃'s tile and sent as one copy. ``bound_stop``: as ``osgm_fwd``'s.
+    after its first), each tile's d_t recomputed by one forward sweep from ``starts`` [B, Tp /
+    TILE, H, 128] and the rows' u_t. k and ∂k̃ [B, Tp, H, 128], coefs [B, H, 4 (+ 1) (+ 3), Tp]
+    (``backward_rows``, ρ with ``guess="uncoupled"``), init (the documents' initial states; read
+    with ``packed`` only) and dfinal [N, H, 128]. Padded tokens (k = 0, r = 1) mask λ by [d_min
+    < d < d_max] for the final d, as the last real token's clip derivative does already. Returns
+    (∂k [B, Tp, H, 128] float32, rows (γ, ∂r) [B, H, 2, Tp] float32, ∂d_1 [N, H, 128]).
+    ``warpgroups`` 2 (16-bit k and ∂k̃): the chain's warpgroup runs only the reverse sweeps
+    while a second one recomputes d_t for the tile walked next and forms ∂r and ∂k of the tile
+    walked before and sends them (``rows_mosaic.walk_pair``; two D and M tiles, s_t squared
+    where read); ∂k then comes in k's dtype (the float32 values rounded once; ∂k̃ in the same
+    dtype), written over ∂k̃'s tile and sent as one copy. ``bound_stop``: as ``osgm_fwd``'s.
 
     ``guess``: where each tile's sweeps start, γ = 0 ("zero") or ("uncoupled", two
     warpgroups; one takes "zero", its first sweep being this) the coupling of the scan without
     coupling, c = 0: the forming warpgroup runs one more reverse pass after the recompute, μ'_t
     = m_t ⊙ (r_{t+1} μ'_{t+1} + ∂k̃ ⊙ k) from μ' = 0 (m_t the clip's mask), leaving the row sums
     σ_t = ⟨μ'_t, s_t⟩ and per coordinate z_j, the last token whose mask is 0; λ⁰ (the λ entering
-    the tile) reaches μ_tj as ρ_t λ⁰_j where z_j < t (ρ_t = Π_{m>t} r_m, the fifth row), so the
+    the tile) reaches μ_tj as ρ_t λ⁰_j where z_j < t (ρ_t = Π_{m>t} r_m, its fifth row), so the
     chain's guess is σ_t + ρ_t Σ_j s_tj λ⁰_j [z_j < t] (document restarts ignored: a guess
     only). A sweep fewer a tile (3.97 -> 2.96 without retention, RESULTS run 173) but slower
     on the H100 (0.256 against 0.246 ms): the kernel is not bound by its chain.
@@ -400,7 +393,7 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
                 out_struct((B, H, 2, Tp), F32, *ins), out_struct(dfinal.shape, F32, *ins))
     vec = plgpu.SMEM((2, TILE), F32)
     scratch = dict(k=plgpu.SMEM((2, TILE, K), k.dtype), dkw=plgpu.SMEM((2, TILE, K), dkw.dtype),
-                   st=plgpu.SMEM((2, K), F32), u=vec, r=vec, gw=vec, gn=vec, rho=vec,
+                   st=plgpu.SMEM((2, K), F32), u=vec, r=vec, gw=vec, gn=vec,
                    c=plgpu.SMEM((TILE,), F32), gam=vec, dr=vec,
                    D=plgpu.SMEM((warpgroups, TILE, KP), F32),
                    M=plgpu.SMEM((warpgroups, TILE, KP), F32), **doc_scratch(packed, vec))
@@ -412,18 +405,21 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
         scratch.update(form_bar=plgpu.Barrier(), form_stage=plgpu.SMEM((K,), F32))
     if guess not in GUESSES:
         raise ValueError(f"guess must be one of {GUESSES}, got {guess!r}")
+    if guess == "uncoupled":  # ρ's row comes with the guess (read on two warpgroups only)
+        scratch["rho"] = vec
+    rows = range(4 + (guess == "uncoupled") + 3 * packed)
     guess = guess if warpgroups == 2 else "zero"
     if guess != "zero":  # σ_t and z_j of each slot's tile
         scratch.update(sigma=vec, z=plgpu.SMEM((2, K), F32))
-    rows = range(8 if packed else 5)
     _check_rows(coefs, rows, packed)
 
     def body(k_ref, dkw_ref, c_ref, st_ref, init_ref, dfinal_ref, dk_ref, rows_ref, dinit_ref,
-             *, k, dkw, st, u, r, gw, gn, rho, c, gam, dr, D, M, state, start_bar, in_bar,
+             *, k, dkw, st, u, r, gw, gn, c, gam, dr, D, M, state, start_bar, in_bar,
              doc_buf, stage, S=None, doc=None, first=None, last=None, ready=None, done=None,
-             form_bar=None, form_stage=None, sigma=None, z=None):
+             form_bar=None, form_stage=None, rho=None, sigma=None, z=None):
         b, h = lax.axis_index("b"), lax.axis_index("h")
-        bufs = (u, r, gw, gn, rho) + ((doc, first, last) if packed else ())
+        bufs = ((u, r, gw, gn) + (() if rho is None else (rho,))
+                + ((doc, first, last) if packed else ()))
         S = padded(S) if squares else None
         D_of, M_of = (functools.partial(slot_tile, x) for x in (D, M))
 
@@ -546,13 +542,15 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
             plgpu.commit_smem()
             sigma.at[slot][...] = row_sums(M, s_tile(slot), interpret)
 
-        def first_guess(slot, s, lam0, gw_row):
+        def first_guess(slot, s):
             """γ's first guess [TILE] (ROWS): 0, or (``guess``) the coupling of the scan
             without it, σ_t + ρ_t Σ_j s_tj λ⁰_j [z_j < t]."""
             if guess == "zero":
                 return plgpu.layout_cast(jnp.zeros((TILE,), F32), ROWS)
             rho_row = plgpu.load(rho.at[slot], layout=ROWS)
-            reached = _reached(s.shape, plgpu.load(z.at[slot], layout=COLS))
+            t = plgpu.broadcasted_iota(jnp.int32, (TILE,), 0, layout=ROWS).astype(F32)
+            reached = (bcast_rows(t, s.shape)  # [z_j < t]: no mask cuts λ⁰ at or after t
+                       > bcast_cols(plgpu.load(z.at[slot], layout=COLS), s.shape))
             lam = bcast_cols(plgpu.load(st.at[slot], layout=COLS), s.shape)  # λ⁰ (below)
             return (plgpu.load(sigma.at[slot], layout=ROWS)
                     + rho_row * jnp.sum(jnp.where(reached, s * lam, 0.0), axis=1))
@@ -586,7 +584,7 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
 
             accept = (_accepts(s, gw_row, plgpu.load(r.at[slot], layout=ROWS)) if bound_stop
                       else None)
-            gam_t, lam = _settle(step, first_guess(slot, s, lam0, gw_row), lam0, accept)
+            gam_t, lam = _settle(step, first_guess(slot, s), lam0, accept)
             gam.at[slot][...] = gam_t
             if packed:  # each document starting here: the λ before its first token
                 def starts_(t, _):

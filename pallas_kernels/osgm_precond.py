@@ -273,7 +273,8 @@ def _mosaic_backward(cfg, k, aux, residuals, init, dkw, dfinal):
     per_token = _coefficients(cfg, k, aux)
     fwd_rows, starts = residuals
     u, a = rows_mosaic.token_rows(fwd_rows, T)
-    coefs = osgm_mosaic.backward_rows(per_token, u, a, eps, Tp, _documents(cfg, aux))
+    coefs = osgm_mosaic.backward_rows(per_token, u, a, eps, Tp, _documents(cfg, aux),
+                                      rho=cfg.options.mosaic_backward_guess == "uncoupled")
     dk, rows, dinit = _mosaic_call(
         cfg, functools.partial(osgm_mosaic.osgm_bwd, warpgroups=_warpgroups(cfg, k, dkw),
                                bound_stop=cfg.options.mosaic_bound_stop,

@@ -159,8 +159,8 @@ def test_bad_shapes_raise():
     with pytest.raises(ValueError, match=r"coefs must be \[B, H, 4, Tp\]"):  # a row short
         osgm_mosaic.osgm_fwd(k, jnp.zeros((1, 1, 3, 64)), jnp.ones((1, 1, 128)),
                              bounds=(0.5, 2.0), interpret=True)
-    with pytest.raises(ValueError, match=r"coefs must be \[B, H, 8, Tp\] \(packed=True\)"):
-        osgm_mosaic.osgm_bwd(k, k, jnp.zeros((1, 1, 5, 64)), jnp.ones((1, 1, 1, 128)),
+    with pytest.raises(ValueError, match=r"coefs must be \[B, H, 7, Tp\] \(packed=True\)"):
+        osgm_mosaic.osgm_bwd(k, k, jnp.zeros((1, 1, 4, 64)), jnp.ones((1, 1, 1, 128)),
                              jnp.ones((2, 1, 128)), jnp.ones((2, 1, 128)), bounds=(0.5, 2.0),
                              interpret=True, packed=True)
     with pytest.raises(ValueError, match="mosaic_loops must be a bool"):
@@ -196,7 +196,7 @@ def test_lowers_for_cuda(dtype, residuals, packed):
     starts = s((2, 3, 2, 128), jnp.float32)
     for fn, args, name in [
             (fwd, (seq, s((2, 2, 4 + docs, 192), jnp.float32), state), "osgm_fwd_mosaic"),
-            (bwd, (seq, seq, s((2, 2, 5 + docs, 192), jnp.float32), starts, state, state),
+            (bwd, (seq, seq, s((2, 2, 4 + docs, 192), jnp.float32), starts, state, state),
              "osgm_bwd_mosaic")]:
         found = modules(fn, args)
         assert list(found) == [name]

@@ -58,15 +58,17 @@ def test_two_warpgroups_give_the_same_bits(packed):
     u, a = (jnp.moveaxis(one[2][:, :, j], 1, 2) for j in range(2))
     coefs = coefficients(k.astype(jnp.float32), rows[:, :, 1].swapaxes(1, 2),
                          rows[:, :, 2].swapaxes(1, 2), 2.0, True, 1e-6)
-    b_rows = osgm_mosaic.backward_rows(coefs, u, a, 1e-6, 192, docs_of(rows) if packed else None)
-    args = (k, x["k"], b_rows, one[3], init, x["initial_state"])  # ∂k̃ bf16, dfinal
+    b_rows = functools.partial(osgm_mosaic.backward_rows, coefs, u, a, 1e-6, 192,
+                               docs_of(rows) if packed else None)
+    args = (k, x["k"], b_rows(), one[3], init, x["initial_state"])  # ∂k̃ bf16, dfinal
     bwd = functools.partial(osgm_mosaic.osgm_bwd, **static)
     one, two = bwd(*args, warpgroups=1), bwd(*args, warpgroups=2)
     assert one[0].dtype == jnp.float32 and two[0].dtype == k.dtype  # ∂k rounded in the kernel
     assert_same_bits((one[0].astype(k.dtype), *one[1:]), two)
     # the sweeps from the uncoupled scan's coupling settle on the same bits (a guess only; with
     # documents it ignores their restarts)
-    assert_same_bits(two, bwd(*args, warpgroups=2, guess="uncoupled"))
+    with_rho = (k, x["k"], b_rows(rho=True), *args[3:])
+    assert_same_bits(two, bwd(*with_rho, warpgroups=2, guess="uncoupled"))
     for warpgroups, plain in ((1, one), (2, two)):  # ∂k by tile products
         assert_same_bits(plain, bwd(*args, warpgroups=warpgroups, tile_io=True))
 
@@ -103,7 +105,8 @@ def test_lowers_for_cuda(guess):
                             **static)
     for fn, args, name in [
             (fwd, (seq, s((2, 2, 7, 192), jnp.float32), state), "osgm_fwd_mosaic"),
-            (bwd, (seq, seq, s((2, 2, 8, 192), jnp.float32), s((2, 3, 2, 128), jnp.float32),
+            (bwd, (seq, seq, s((2, 2, 7 + (guess == "uncoupled"), 192), jnp.float32),
+                   s((2, 3, 2, 128), jnp.float32),
                    state, state), "osgm_bwd_mosaic")]:
         found = modules(fn, args)
         assert list(found) == [name]
@@ -144,9 +147,13 @@ def test_better_guesses_save_sweeps():
     plain = fwd()
     assert_same_bits(plain, fwd(first_order_guess=True))
     u, a = (jnp.moveaxis(plain[2][:, :, i], 1, 2) for i in range(2))
-    args = (x["k"], jr.normal(key, x["k"].shape, jnp.bfloat16),
-            osgm_mosaic.backward_rows(coefs, u, a, 1e-6, 128), plain[3], init, init * 0.1)
-    bwd = functools.partial(osgm_mosaic.osgm_bwd, *args, **static)
+    dkw = jr.normal(key, x["k"].shape, jnp.bfloat16)
+
+    def bwd(guess="zero"):  # ρ's row with the uncoupled guess
+        rows_b = osgm_mosaic.backward_rows(coefs, u, a, 1e-6, 128, rho=guess == "uncoupled")
+        return osgm_mosaic.osgm_bwd(x["k"], dkw, rows_b, plain[3], init, init * 0.1,
+                                    guess=guess, **static)
+
     assert_same_bits(bwd(), bwd(guess="uncoupled"))
     bounded = fwd(first_order_guess=True, bound_stop=True)[:2]
     for got, want in zip(bounded, plain[:2]):
