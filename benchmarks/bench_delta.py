@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import precond_linattn as pla
+from benchmarks.fp32_record import rel_rms
 from benchmarks.kernel_times import kernel_table, trace_events
 from pallas_kernels.delta_rule import Options, delta_rule_pallas
 from precond_linattn.layers.init import a_log_init, dt_bias_init
@@ -121,11 +122,6 @@ def poison():
     """Fill and free a few GiB of device memory with NaN so that fresh buffers start as NaN."""
     n = int(POISON_GIB[0] * 2**28)
     jax.block_until_ready(jnp.full((n,), jnp.nan, jnp.float32)).delete()
-
-
-def rel_rms(a, b):
-    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-    return float(jnp.sqrt(jnp.sum((a - b) ** 2) / jnp.sum(b ** 2)))
 
 
 class Guard:

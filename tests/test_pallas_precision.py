@@ -10,16 +10,12 @@ import jax.numpy as jnp
 import pytest
 
 import precond_linattn as pla
+from benchmarks.fp32_record import rel_rms
 from pallas_kernels.delta_rule import Options, delta_rule_pallas, resolve
 from pallas_kernels.triton_common import Dots
 from conftest import packed_cu_seqlens
 
 B, T, H, K, V = 2, 150, 2, 32, 48  # T: two full chunks of 64 and a tail; V padded to 64
-
-
-def rel_rms(a, b):
-    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-    return float(jnp.sqrt(jnp.sum((a - b) ** 2) / jnp.sum(b ** 2)))
 
 
 def outputs_and_grads(f, x, key):
