@@ -79,7 +79,7 @@ def packed(x, key):
 
 def variant(text):
     """``Options`` from "prefetch/num_warps[/unroll[/bwd_unroll]][/scalar][/pN[/bkM][/fixed]
-    [/cpN|/cpauto]][/mosaic[/wgN][/stN][/bitstop|/bound][/ug][/fo][/tio]]" (e.g. "4/1",
+    [/cpN|/cpauto]][/mosaic[/wgN][/stN][/bitstop|/bound][/ug][/fo]]" (e.g. "4/1",
     "2/1/4/scalar", "2/1/16/8": the forward 16 tokens an iteration, the backward 8;
     "2/1/8/p8/bk32": phase 1 by at most 8 Picard sweeps each way over blocks of 32 coordinates;
     "fixed": exactly N sweeps, no early exit; "cp8" / "cpauto": each sweep over 8 /
@@ -90,9 +90,8 @@ def variant(text):
     ``Options.stream``; "bitstop" / "bound": their sweeps stopped bit for bit only / at the
     contraction bound, ``mosaic_bound_stop`` False / True, by default Options'; "ug": the
     backward's sweeps from the uncoupled scan's coupling, ``mosaic_backward_guess`` "uncoupled";
-    "fo": the forward's first-order guess, ``mosaic_first_order_guess``; "tio":
-    ``mosaic_tile_io``). Without "pN" the token loops (not ``picard_iters=None``'s choice by
-    shape: a variant names its kernels)."""
+    "fo": the forward's first-order guess, ``mosaic_first_order_guess``). Without "pN" the
+    token loops (not ``picard_iters=None``'s choice by shape: a variant names its kernels)."""
     parts = text.split("/")
     flags = [t for t in parts if not t.isdigit()]
     numbers = [t for t in parts if t.isdigit()]
@@ -104,12 +103,12 @@ def variant(text):
     stream = [int(t[2:]) for t in flags if t[:2] == "st" and t[2:].isdigit()]
     known = (len(picard) + len(block) + len(pieces) + flags.count("scalar")
              + flags.count("fixed") + flags.count("mosaic") + len(warpgroups) + len(stream)
-             + sum(flags.count(f) for f in ("bitstop", "bound", "ug", "fo", "tio")))
+             + sum(flags.count(f) for f in ("bitstop", "bound", "ug", "fo")))
     if (not 2 <= len(numbers) <= 4 or known != len(flags) or parts[:len(numbers)] != numbers
             or {"bitstop", "bound"} <= set(flags)):
         raise ValueError("--variants entries are prefetch/num_warps[/unroll[/bwd_unroll]]"
                          "[/scalar][/pN[/bkM][/fixed][/cpN|/cpauto]]"
-                         "[/mosaic[/wgN][/stN][/bitstop|/bound][/ug][/fo][/tio]], "
+                         "[/mosaic[/wgN][/stN][/bitstop|/bound][/ug][/fo]], "
                          f"got {text!r}")
     numbers = list(map(int, numbers))
     return Options(*numbers[:3], scalar_aux="scalar" in flags,
@@ -118,7 +117,7 @@ def variant(text):
                    picard_early_exit=bool(picard) and "fixed" not in flags,
                    mosaic_loops="mosaic" in flags,
                    mosaic_backward_guess="uncoupled" if "ug" in flags else "zero",
-                   mosaic_first_order_guess="fo" in flags, mosaic_tile_io="tio" in flags,
+                   mosaic_first_order_guess="fo" in flags,
                    **({"mosaic_bound_stop": "bound" in flags}
                       if "bound" in flags or "bitstop" in flags else {}),
                    **({"mosaic_warpgroups": warpgroups[0]} if warpgroups else {}),

@@ -50,7 +50,7 @@ from pallas_kernels.rows_mosaic import (
     document_out, flag_mask, issue, padded, restart_rows, row, row_sums, rows_layout,
     send, slot_tile, square_rows, tile, tokens, walk_tiles)
 from pallas_kernels.state_mosaic import (
-    BF16, COLS, ROWS, bcast_cols, bcast_rows, matmul, smem, tile_iotas, write)
+    BF16, COLS, ROWS, bcast_cols, bcast_rows, matmul, smem, tile_iotas)
 from pallas_kernels.triton_common import out_struct
 
 SPACING = 2.0 ** -26  # _accepts: a quarter of float32's spacing at 1 (2^-23), relative
@@ -204,7 +204,6 @@ def _first_order(S, d0, a0, rows, bounds, staged, interpret):
 
 
 GUESSES = ("zero", "uncoupled")  # osgm_bwd's first guesses
-HALVES = tuple(pl.ds(h * K_THREADS // 2, K_THREADS // 2) for h in range(2))  # ``tile_io``'s
 
 
 def _forward_sweep(d0, s_row, u, r, D, bounds, interpret, first=None):
@@ -226,7 +225,7 @@ def _forward_sweep(d0, s_row, u, r, D, bounds, interpret, first=None):
 
 
 def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residuals=False,
-             warpgroups=1, bound_stop=False, first_order_guess=False, tile_io=False):
+             warpgroups=1, bound_stop=False, first_order_guess=False):
     """k [B, Tp, H, 128] (Tp a multiple of TILE), coefs [B, H, 4 (+ 3 if ``packed``), Tp]
     (``coefficient_rows``), initial_state [N, H, 128] float32 (N = B, or the documents);
     bounds (d_min, d_max). Returns k̃ [B, Tp, H, 128] in k's dtype and the final d [N, H, 128]
@@ -239,8 +238,7 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
     ``first_order_guess``: the guess gains ``_first_order``'s term (two wgmmas on the chain, a
     [TILE, 64] bf16 buffer): 3.00 -> 2.09 sweeps a tile without retention on the H100, 1.00
     with ``bound_stop`` (RESULTS run 173), but no faster there: the kernel is not bound by its
-    chain. ``tile_io``: the forming warpgroup's squares and k̃ by tile products (column halves
-    in the WGMMA layout, wide shared-memory accesses) instead of by rows; the same bits."""
+    chain."""
     B, Tp, H, K = k.shape
     check_shape("osgm_mosaic.osgm_fwd", K, Tp)
     check_warpgroups(warpgroups, k)
@@ -271,12 +269,7 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
 
         def form(i, slot):  # s_t = k_t ⊙ k_t of the tile's tokens into S
             with jax.named_scope("squares"):
-                if tile_io:
-                    for cols in HALVES:
-                        k_h = tile(k.at[slot].at[:, cols], interpret)
-                        write(slot_tile(S, slot).at[:, cols], k_h * k_h, interpret)
-                else:
-                    square_rows(k.at[slot], slot_tile(S, slot), interpret)
+                square_rows(k.at[slot], slot_tile(S, slot), interpret)
 
         def chain(i, slot, d0):
             D_, S_, u_t = slot_tile(D, slot), slot_tile(S, slot), u.at[slot]
@@ -329,12 +322,7 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
                 return carry
 
             with jax.named_scope("emit"):
-                if tile_io:
-                    for cols in HALVES:
-                        x = tile(D_.at[:, cols], interpret) * tile(k_tile.at[:, cols], interpret)
-                        write(out.at[slot].at[:, cols], x.astype(k.dtype), interpret)
-                else:
-                    tokens(lambda t: (row(D_.at[t]), row(k_tile.at[t])), step, None, interpret)
+                tokens(lambda t: (row(D_.at[t]), row(k_tile.at[t])), step, None, interpret)
 
         def store_tile(i, slot):
             rows_ref, starts_ref = res_refs if residuals else (None, None)
@@ -351,7 +339,7 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
 
 
 def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=False,
-             warpgroups=1, bound_stop=False, guess="zero", tile_io=False):
+             warpgroups=1, bound_stop=False, guess="zero"):
     """The reverse scan by Picard sweeps per tile (tiles in reverse): with λ = ∂L/∂d_{t+1},
     μ = λ ⊙ [d_min < r d + u s < d_max], γ = ⟨μ, s⟩ (the sweeps' coupling),
 
@@ -379,9 +367,7 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
     the tile) reaches μ_tj as ρ_t λ⁰_j where z_j < t (ρ_t = Π_{m>t} r_m, its fifth row), so the
     chain's guess is σ_t + ρ_t Σ_j s_tj λ⁰_j [z_j < t] (document restarts ignored: a guess
     only). A sweep fewer a tile (3.97 -> 2.96 without retention, RESULTS run 173) but slower
-    on the H100 (0.256 against 0.246 ms): the kernel is not bound by its chain.
-    ``tile_io``: the forming warpgroup's ∂k by tile products (column halves in the WGMMA
-    layout, wide shared-memory accesses) instead of by rows; the same bits."""
+    on the H100 (0.256 against 0.246 ms): the kernel is not bound by its chain."""
     B, Tp, H, K = k.shape
     check_shape("osgm_mosaic.osgm_bwd", K, Tp)
     check_warpgroups(warpgroups, k, dkw)
@@ -487,21 +473,7 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
                 out.at[t][...] = (2.0 * k_t * ds + dkw_t * d).astype(out.dtype)
                 return carry
 
-            if not tile_io:
-                tokens(load, step, None, interpret)
-                return
-            u_r, neg_gam = (plgpu.load(x.at[slot], layout=ROWS) for x in (u, gam))
-            neg_gam = -neg_gam
-            a_r = neg_gam * plgpu.load(gw.at[slot], layout=ROWS)
-            c_r = neg_gam * plgpu.load(gn.at[slot], layout=ROWS)
-            for cols in HALVES:
-                k_t, dkw_t, mu, d = (tile(x.at[:, cols], interpret)
-                                     for x in (k.at[slot], dkw.at[slot], M, D))
-                shape = k_t.shape
-                ds = (bcast_rows(u_r, shape) * mu + bcast_rows(a_r, shape) * d
-                      + bcast_rows(c_r, shape))
-                write(out.at[:, cols], (2.0 * k_t * ds + dkw_t * d).astype(out.dtype),
-                      interpret)
+            tokens(load, step, None, interpret)
 
         def form(i, slot):  # the tile's d_t into D, by one forward sweep
             D = D_of(slot)

@@ -92,9 +92,7 @@ class Options:
     kernel's guess gains the first-order effect of the tile's earlier updates (``osgm_mosaic.
     _first_order``, two bf16 wgmmas on the chain). Each saves a sweep a tile without retention
     but neither is faster on the H100 (RESULTS run 173: the kernels are not bound by their
-    chains); both off by default. ``mosaic_tile_io``: the Mosaic kernels' per-token work off
-    the chain (squares, k̃, ∂k) as tile products instead of by rows (the same bits; untimed,
-    off by default). ``stream``: the Mosaic kernels on that XLA
+    chains); both off by default. ``stream``: the Mosaic kernels on that XLA
     GPU stream (``rows_mosaic.on_stream``: asynchronous beside the main stream, e.g. the
     backward's reverse scan beside a training step's weight gradients); None (the default):
     on the main stream."""
@@ -113,7 +111,6 @@ class Options:
     mosaic_bound_stop: bool = False
     mosaic_backward_guess: str = "zero"
     mosaic_first_order_guess: bool = False
-    mosaic_tile_io: bool = False
     stream: int | None = None
 
     def __post_init__(self):
@@ -136,7 +133,7 @@ class Options:
             raise ValueError(f"Options.mosaic_backward_guess must be one of "
                              f"{osgm_mosaic.GUESSES}, got {self.mosaic_backward_guess!r}")
         for name in ("scalar_aux", "picard_early_exit", "mosaic_loops", "mosaic_bound_stop",
-                     "mosaic_first_order_guess", "mosaic_tile_io"):
+                     "mosaic_first_order_guess"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Options.{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -257,8 +254,7 @@ def _mosaic_forward(cfg, k, aux, init, residuals=False):
         cfg, functools.partial(osgm_mosaic.osgm_fwd, residuals=residuals,
                                warpgroups=_warpgroups(cfg, k),
                                bound_stop=cfg.options.mosaic_bound_stop,
-                               first_order_guess=cfg.options.mosaic_first_order_guess,
-                               tile_io=cfg.options.mosaic_tile_io),
+                               first_order_guess=cfg.options.mosaic_first_order_guess),
         [rows_mosaic.tile_padded(k, Tp), coefs, init], ["b t h k", "b h r t", "n h k"],
         ["b t h k", "n h k"] + (["b h j t", "b i h k"] if residuals else []))
     return (out[0][:, :T], *out[1:])
@@ -278,8 +274,7 @@ def _mosaic_backward(cfg, k, aux, residuals, init, dkw, dfinal):
     dk, rows, dinit = _mosaic_call(
         cfg, functools.partial(osgm_mosaic.osgm_bwd, warpgroups=_warpgroups(cfg, k, dkw),
                                bound_stop=cfg.options.mosaic_bound_stop,
-                               guess=cfg.options.mosaic_backward_guess,
-                               tile_io=cfg.options.mosaic_tile_io),
+                               guess=cfg.options.mosaic_backward_guess),
         [rows_mosaic.tile_padded(k, Tp), rows_mosaic.tile_padded(dkw, Tp), coefs, starts, init,
          dfinal],
         ["b t h k", "b t h k", "b h r t", "b i h k", "n h k", "n h k"],

@@ -36,8 +36,6 @@ from pallas_kernels.osgm_precond import Options
     ("2/1/16/scalar/mosaic/ug", Options(prefetch=2, num_warps=1, unroll=16, scalar_aux=True,
                                         picard_iters=0, mosaic_loops=True,
                                         mosaic_backward_guess="uncoupled")),
-    ("2/1/8/mosaic/tio", Options(prefetch=2, num_warps=1, unroll=8, scalar_aux=False,
-                                 picard_iters=0, mosaic_loops=True, mosaic_tile_io=True)),
     ("2/1/16/scalar/mosaic/ug/fo", Options(prefetch=2, num_warps=1, unroll=16, scalar_aux=True,
                                            picard_iters=0, mosaic_loops=True,
                                            mosaic_backward_guess="uncoupled",

@@ -264,20 +264,18 @@ def test_stopping_early_moves_each_tile_by_a_quarter_spacing():
 def test_stop_and_guess_options_reach_the_kernels(monkeypatch, bound_stop, guesses):
     """``Options.mosaic_bound_stop`` of the public op's options arrives as both Mosaic kernels'
     ``bound_stop``, ``mosaic_first_order_guess`` as the forward's ``first_order_guess`` and
-    ``mosaic_backward_guess`` as the backward's ``guess``, ``mosaic_tile_io`` as both's
-    ``tile_io`` (forward and backward of one gradient, interpret mode)."""
+    ``mosaic_backward_guess`` as the backward's ``guess`` (forward and backward of one
+    gradient, interpret mode)."""
     from test_kernel_streams import osgm_inputs, osgm_loss
     seen = []
     for name, option in (("osgm_fwd", "first_order_guess"), ("osgm_bwd", "guess")):
         real = getattr(osgm_mosaic, name)
         monkeypatch.setattr(osgm_mosaic, name, lambda *a, real=real, name=name, option=option,
-                            **kw: seen.append((name, kw["bound_stop"], kw[option],
-                                               kw["tile_io"]))
+                            **kw: seen.append((name, kw["bound_stop"], kw[option]))
                             or real(*a, **kw))
     first_order, backward = guesses
     options = Options(picard_iters=0, mosaic_bound_stop=bound_stop,
-                      mosaic_first_order_guess=first_order, mosaic_backward_guess=backward,
-                      mosaic_tile_io=bound_stop)
+                      mosaic_first_order_guess=first_order, mosaic_backward_guess=backward)
     jax.grad(osgm_loss(options, interpret=True), argnums=(0, 1, 2))(*osgm_inputs())
-    assert sorted(set(seen)) == [("osgm_bwd", bound_stop, backward, bound_stop),
-                                 ("osgm_fwd", bound_stop, first_order, bound_stop)]
+    assert sorted(set(seen)) == [("osgm_bwd", bound_stop, backward),
+                                 ("osgm_fwd", bound_stop, first_order)]

@@ -42,7 +42,7 @@ def test_two_warpgroups_give_the_same_bits(packed):
     states and residuals (u_t, a_t, the states entering the tiles), and the backward's ∂k
     (in k's dtype: one warpgroup's float32 ∂k rounded), γ, ∂r and ∂d_1 from them, bit for bit
     those of one warpgroup, those of the better guesses (the forward's ``first_order_guess``,
-    the backward's ``guess="uncoupled"``) and of ``tile_io`` on either; with packed
+    the backward's ``guess="uncoupled"``); with packed
     documents (a boundary inside a tile, one spanning three) each document's states too."""
     k, rows, init = kernel_inputs(11, b=1, t=192, packed=packed)
     static = dict(bounds=(0.5, 2.0), interpret=True, packed=packed)
@@ -51,8 +51,6 @@ def test_two_warpgroups_give_the_same_bits(packed):
     assert float(jnp.mean((one[1] == 0.5) | (one[1] == 2.0))) > 0.1  # the clip pins some
     assert_same_bits(one, two)
     assert_same_bits(two, fwd(k, rows, init, warpgroups=2, first_order_guess=True))
-    for warpgroups, plain in ((1, one), (2, two)):  # squares and k̃ by tile products
-        assert_same_bits(plain, fwd(k, rows, init, warpgroups=warpgroups, tile_io=True))
     x = one_head(make_inputs(12, b=1, t=192, k_dim=128, n_init=init.shape[0],
                              dtype=jnp.bfloat16))
     u, a = (jnp.moveaxis(one[2][:, :, j], 1, 2) for j in range(2))
@@ -69,8 +67,6 @@ def test_two_warpgroups_give_the_same_bits(packed):
     # documents it ignores their restarts)
     with_rho = (k, x["k"], b_rows(rho=True), *args[3:])
     assert_same_bits(two, bwd(*with_rho, warpgroups=2, guess="uncoupled"))
-    for warpgroups, plain in ((1, one), (2, two)):  # ∂k by tile products
-        assert_same_bits(plain, bwd(*args, warpgroups=warpgroups, tile_io=True))
 
 
 def one_head(x):
@@ -93,16 +89,15 @@ def assert_same_bits(one, two):
 @pytest.mark.parametrize("guess", ["zero", "uncoupled"])
 def test_lowers_for_cuda(guess):
     """Both kernels through Mosaic GPU's passes with packed documents (and the forward's
-    residuals), with and without the better guesses and tile products (the forward's
-    ``first_order_guess``, the backward's ``guess``, both ``tile_io``), three tiles: one
+    residuals), with and without the better guesses (the forward's ``first_order_guess``,
+    the backward's ``guess``), three tiles: one
     kernel each, no warpgroup barrier inside a token loop (the chain's tokens at depth 3)."""
     s = jax.ShapeDtypeStruct
     seq, state = s((2, 192, 2, 128), jnp.bfloat16), s((5, 2, 128), jnp.float32)
     static = dict(bounds=(0.5, 2.0), interpret=False, packed=True, warpgroups=2)
     fwd = functools.partial(osgm_mosaic.osgm_fwd, residuals=True,
-                            first_order_guess=guess != "zero", tile_io=guess != "zero", **static)
-    bwd = functools.partial(osgm_mosaic.osgm_bwd, guess=guess, tile_io=guess != "zero",
-                            **static)
+                            first_order_guess=guess != "zero", **static)
+    bwd = functools.partial(osgm_mosaic.osgm_bwd, guess=guess, **static)
     for fn, args, name in [
             (fwd, (seq, s((2, 2, 7, 192), jnp.float32), state), "osgm_fwd_mosaic"),
             (bwd, (seq, seq, s((2, 2, 7 + (guess == "uncoupled"), 192), jnp.float32),
