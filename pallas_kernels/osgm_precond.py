@@ -92,10 +92,10 @@ class Options:
     kernel's guess gains the first-order effect of the tile's earlier updates (``osgm_mosaic.
     _first_order``, two bf16 wgmmas on the chain). Each saves a sweep a tile without retention
     but neither is faster on the H100 (RESULTS run 173: the kernels are not bound by their
-    chains); both off by default. ``stream``: the Mosaic kernels on that XLA
-    GPU stream (``rows_mosaic.on_stream``: asynchronous beside the main stream, e.g. the
-    backward's reverse scan beside a training step's weight gradients); None (the default):
-    on the main stream."""
+    chains); both off by default. ``stream``: the Mosaic kernels on that XLA GPU stream
+    (``rows_mosaic.on_stream``: asynchronous beside the main stream, e.g. the backward's
+    reverse scan beside a training step's weight gradients); None (the default): on the main
+    stream."""
 
     prefetch: int = 2
     num_warps: int = 1

@@ -42,8 +42,8 @@ def test_two_warpgroups_give_the_same_bits(packed):
     states and residuals (u_t, a_t, the states entering the tiles), and the backward's ∂k
     (in k's dtype: one warpgroup's float32 ∂k rounded), γ, ∂r and ∂d_1 from them, bit for bit
     those of one warpgroup, those of the better guesses (the forward's ``first_order_guess``,
-    the backward's ``guess="uncoupled"``); with packed
-    documents (a boundary inside a tile, one spanning three) each document's states too."""
+    the backward's ``guess="uncoupled"``); with packed documents (a boundary inside a tile,
+    one spanning three) each document's states too."""
     k, rows, init = kernel_inputs(11, b=1, t=192, packed=packed)
     static = dict(bounds=(0.5, 2.0), interpret=True, packed=packed)
     fwd = functools.partial(osgm_mosaic.osgm_fwd, residuals=True, **static)
@@ -90,8 +90,8 @@ def assert_same_bits(one, two):
 def test_lowers_for_cuda(guess):
     """Both kernels through Mosaic GPU's passes with packed documents (and the forward's
     residuals), with and without the better guesses (the forward's ``first_order_guess``,
-    the backward's ``guess``), three tiles: one
-    kernel each, no warpgroup barrier inside a token loop (the chain's tokens at depth 3)."""
+    the backward's ``guess``), three tiles: one kernel each, no warpgroup barrier inside a
+    token loop (the chain's tokens at depth 3)."""
     s = jax.ShapeDtypeStruct
     seq, state = s((2, 192, 2, 128), jnp.bfloat16), s((5, 2, 128), jnp.float32)
     static = dict(bounds=(0.5, 2.0), interpret=False, packed=True, warpgroups=2)
