@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.compute_on import compute_on
 from jax.experimental import pallas as pl
+from jax.experimental.layout import Layout, with_layout_constraint
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.partition import sharded_call
@@ -40,8 +41,8 @@ def rows_layout(rows, docs, Tp, ones):
     XLA, a row with a reduction over K (n̄ = |k|² in w) fuses into the transposing stack, each
     thread then reducing a token's K values with 2 KB between neighbours (0.070 ms at
     8x2048x8x128 on the H200, RESULTS run 122; apart, run 123: the reduction 0.011 and the
-    stack too short to list)."""
-    rows = lax.optimization_barrier(tuple(rows))
+    stack too short to list). Each row is pinned row-major (``row_major``) before the barrier."""
+    rows = lax.optimization_barrier(tuple(row_major(x) for x in rows))
     B, T, H = rows[0].shape
     rows = list(rows) + ([] if docs is None else [jnp.broadcast_to(
         x.astype(F32)[..., None], (B, T, H)) for x in docs])
@@ -60,8 +61,17 @@ def tile_padded(x, Tp):
 
 
 def token_rows(rows, T):
-    """The rows [B, H, n, Tp] a kernel returns, as n arrays [B, T, H]."""
-    return tuple(jnp.moveaxis(rows[:, :, j, :T], 1, 2) for j in range(rows.shape[2]))
+    """The rows [B, H, n, Tp] a kernel returns, as n arrays [B, T, H] (row-major, ``row_major``)."""
+    return tuple(row_major(jnp.moveaxis(rows[:, :, j, :T], 1, 2)) for j in range(rows.shape[2]))
+
+
+def row_major(x):
+    """x with its layout pinned row-major. Left free, XLA lays the [B, T, H] rows out [B, H, T]
+    so that the kernels' transposes are free, and that layout spreads back to every reduction
+    over K that feeds them and on through the layer (the q / k L2 norms, the output RMSNorm's
+    statistics and its backward: a strided [B, T, H] reduction of ~0.15 ms a layer, RESULTS run
+    180); pinned, only the small [B, H, n, Tp] rows are transposed."""
+    return with_layout_constraint(x, Layout(tuple(range(x.ndim))))
 
 
 def pair_fits(*seqs):
