@@ -79,7 +79,7 @@ def packed(x, key):
 
 def variant(text):
     """``Options`` from "prefetch/num_warps[/unroll[/bwd_unroll]][/scalar][/pN[/bkM][/fixed]
-    [/cpN|/cpauto]][/mosaic[/wgN][/stN][/bitstop|/bound][/ug][/fo]]" (e.g. "4/1",
+    [/cpN|/cpauto]][/mosaic[/wgN][/stN][/bitstop|/bound]]" (e.g. "4/1",
     "2/1/4/scalar", "2/1/16/8": the forward 16 tokens an iteration, the backward 8;
     "2/1/8/p8/bk32": phase 1 by at most 8 Picard sweeps each way over blocks of 32 coordinates;
     "fixed": exactly N sweeps, no early exit; "cp8" / "cpauto": each sweep over 8 /
@@ -88,9 +88,7 @@ def variant(text):
     ``Options.mosaic_loops``; "wg1" / "wg2": their forward on one / two warpgroups,
     ``mosaic_warpgroups``, by default Options'; "st1": their calls on XLA GPU stream 1,
     ``Options.stream``; "bitstop" / "bound": their sweeps stopped bit for bit only / at the
-    contraction bound, ``mosaic_bound_stop`` False / True, by default Options'; "ug": the
-    backward's sweeps from the uncoupled scan's coupling, ``mosaic_backward_guess`` "uncoupled";
-    "fo": the forward's first-order guess, ``mosaic_first_order_guess``). Without "pN" the
+    contraction bound, ``mosaic_bound_stop`` False / True, by default Options'). Without "pN" the
     token loops (not ``picard_iters=None``'s choice by shape: a variant names its kernels)."""
     parts = text.split("/")
     flags = [t for t in parts if not t.isdigit()]
@@ -103,12 +101,12 @@ def variant(text):
     stream = [int(t[2:]) for t in flags if t[:2] == "st" and t[2:].isdigit()]
     known = (len(picard) + len(block) + len(pieces) + flags.count("scalar")
              + flags.count("fixed") + flags.count("mosaic") + len(warpgroups) + len(stream)
-             + sum(flags.count(f) for f in ("bitstop", "bound", "ug", "fo")))
+             + sum(flags.count(f) for f in ("bitstop", "bound")))
     if (not 2 <= len(numbers) <= 4 or known != len(flags) or parts[:len(numbers)] != numbers
             or {"bitstop", "bound"} <= set(flags)):
         raise ValueError("--variants entries are prefetch/num_warps[/unroll[/bwd_unroll]]"
                          "[/scalar][/pN[/bkM][/fixed][/cpN|/cpauto]]"
-                         "[/mosaic[/wgN][/stN][/bitstop|/bound][/ug][/fo]], "
+                         "[/mosaic[/wgN][/stN][/bitstop|/bound]], "
                          f"got {text!r}")
     numbers = list(map(int, numbers))
     return Options(*numbers[:3], scalar_aux="scalar" in flags,
@@ -116,8 +114,6 @@ def variant(text):
                    picard_iters=picard[0] if picard else 0,
                    picard_early_exit=bool(picard) and "fixed" not in flags,
                    mosaic_loops="mosaic" in flags,
-                   mosaic_backward_guess="uncoupled" if "ug" in flags else "zero",
-                   mosaic_first_order_guess="fo" in flags,
                    **({"mosaic_bound_stop": "bound" in flags}
                       if "bound" in flags or "bitstop" in flags else {}),
                    **({"mosaic_warpgroups": warpgroups[0]} if warpgroups else {}),

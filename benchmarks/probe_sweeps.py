@@ -1,7 +1,7 @@
 """How many Picard sweeps ``osgm_mosaic``'s kernels run a tile, and what a sweep costs (issue 4).
 
     python benchmarks/probe_sweeps.py [--shape B T H K] [--eta 0.003] [--bound] [--cpu]
-        [--vanilla] [--guesses]
+        [--vanilla] [--warpgroups 2]
 
 On the inputs of ``bench_osgm`` (unit keys, β = σ(x), APF r = σ(x + 6), bf16) it swaps
 ``osgm_mosaic._settle`` for a counting one whose result row carries, for each tile, the
@@ -12,8 +12,7 @@ sweeps fixed at 1, 2, 4 and 8 (no convergence test), whose differences are the c
 sweep. The sweeps stop bit for bit (the kernels' default), with ``--bound`` at ``_accepts``'
 contraction bound too (``bound_stop``). ``--vanilla``: no retention (OSDN; the model,
 ``sweep_model.py``, counts 3.0 / 3.97 sweeps there against APF's 2.14 / 3.10).
-``--guesses``: both kernels on two warpgroups with the better first guesses (the forward's
-``first_order_guess``, the backward's ``guess="uncoupled"``).
+``--warpgroups 2``: both kernels on two warpgroups (the ops' default; 1 by default here).
 ``--cpu``: interpret mode at a small shape (checks the script, times nothing real).
 """
 
@@ -74,8 +73,7 @@ def main():
     ap.add_argument("--eta", type=float, default=0.003)
     ap.add_argument("--bound", action="store_true", help="the kernels' bound_stop=True")
     ap.add_argument("--vanilla", action="store_true", help="no APF retention (OSDN)")
-    ap.add_argument("--guesses", action="store_true", help="two warpgroups, the forward's "
-                    "first_order_guess and the backward's uncoupled guess")
+    ap.add_argument("--warpgroups", type=int, choices=(1, 2), default=1)
     ap.add_argument("--cpu", action="store_true")
     a = ap.parse_args()
     B, T, H, K = (1, 128, 1, 128) if a.cpu else a.shape
@@ -85,27 +83,24 @@ def main():
                          a.eta, True, 1e-6)
     rows = om.coefficient_rows(coefs, T)
     init = jnp.ones((B, H, K), jnp.float32)
-    kw = dict(bounds=(0.5, 2.0), interpret=a.cpu, bound_stop=a.bound,
-              **(dict(warpgroups=2) if a.guesses else {}))
-    fwd_kw = dict(kw, **(dict(first_order_guess=True) if a.guesses else {}))
-    fwd = lambda: jax.jit(functools.partial(om.osgm_fwd, residuals=True, **fwd_kw))  # noqa: E731
+    kw = dict(bounds=(0.5, 2.0), interpret=a.cpu, bound_stop=a.bound, warpgroups=a.warpgroups)
+    fwd = lambda: jax.jit(functools.partial(om.osgm_fwd, residuals=True, **kw))  # noqa: E731
     reps = 1 if a.cpu else 20  # (a new jit for each ``_settle``: the kernel is traced again)
     real = fwd()
     print(f"{B}x{T}x{H}x{K} bf16, eta {a.eta}, {'vanilla' if a.vanilla else 'APF'}"
-          f"{', better guesses' if a.guesses else ''}: forward "
+          f", {a.warpgroups} warpgroup(s): forward "
           f"{timed(real, x['k'], rows, init, reps=reps):.3f} ms")
     _, _, fwd_rows, starts = real(x["k"], rows, init)
     u, av = rows_mosaic.token_rows(fwd_rows, T)
-    brows = om.backward_rows(coefs, u, av, 1e-6, T, rho=a.guesses)
+    brows = om.backward_rows(coefs, u, av, 1e-6, T)
     dkw = jax.random.normal(jax.random.PRNGKey(1), x["k"].shape, jnp.bfloat16)
-    bwd_kw = dict(kw, **(dict(guess="uncoupled") if a.guesses else {}))
-    bwd = jax.jit(functools.partial(om.osgm_bwd, **bwd_kw))
+    bwd = jax.jit(functools.partial(om.osgm_bwd, **kw))
     bargs = (x["k"], dkw, brows, starts, init, init * 0.1)
     print(f"backward {timed(bwd, *bargs, reps=reps):.3f} ms")
     om._settle = counting_settle
     try:
         describe("forward", fwd()(x["k"], rows, init)[2][:, :, 1, ::om.TILE])
-        describe("backward", jax.jit(functools.partial(om.osgm_bwd, **bwd_kw))(*bargs)[1][:, :, 0, ::om.TILE])
+        describe("backward", jax.jit(functools.partial(om.osgm_bwd, **kw))(*bargs)[1][:, :, 0, ::om.TILE])
         for n in (1, 2, 4, 8):
             om._settle = functools.partial(counting_settle, fixed=n)
             print(f"forward, {n} sweeps a tile: {timed(fwd(), x['k'], rows, init, reps=reps):.3f} ms")

@@ -42,20 +42,18 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.rows_mosaic import (
     F32, K_THREADS, KP, TILE, VEC, check_shape, check_warpgroups, cta_kernel, doc_scratch,
     document_out, flag_mask, issue, padded, restart_rows, row, row_sums, rows_layout,
     send, slot_tile, square_rows, tile, tokens, walk_tiles)
-from pallas_kernels.state_mosaic import (
-    BF16, COLS, ROWS, bcast_cols, bcast_rows, matmul, smem, tile_iotas)
+from pallas_kernels.state_mosaic import COLS, ROWS, bcast_cols, bcast_rows
 from pallas_kernels.triton_common import out_struct
 
 SPACING = 2.0 ** -26  # _accepts: a quarter of float32's spacing at 1 (2^-23), relative
 W, G, R, P = 0, 1, 2, 3  # the forward's rows; with packed documents three more follow:
-U, RB, WG, GN = 0, 1, 2, 3  # document, first, last; and the backward's (ρ fifth, if asked)
+U, RB, WG, GN = 0, 1, 2, 3  # document, first, last; and the backward's
 
 
 def runs(*, K: int) -> bool:
@@ -72,29 +70,24 @@ def coefficient_rows(coefs, Tp, docs=None):
     return rows_layout([w, g, r, retained(r, Tp)], docs, Tp, R)
 
 
-def retained(r, Tp, reverse=False):
+def retained(r, Tp):
     """p_t = Π r_m over the tile's tokens m before t [B, T, H] (1 at a tile's first token): the
     first guess's d_t = clip(p_t d_0) follows the retention, which moves a_t by ~10 % a tile
-    at r ~ 0.998 where the updates u_t s_t move it by ~1e-4 (one sweep fewer a tile).
-    ``reverse``: ρ_t = Π r_m over the tokens m after t (1 at a tile's last token), how much of
-    the λ entering a tile from the next reaches μ_t (``osgm_bwd``'s guesses)."""
+    at r ~ 0.998 where the updates u_t s_t move it by ~1e-4 (one sweep fewer a tile)."""
     B, T, H = r.shape
     x = jnp.pad(r, [(0, 0), (0, Tp - T), (0, 0)], constant_values=1.0)
     x = x.reshape(B, Tp // TILE, TILE, H)
-    x = x[:, :, ::-1] if reverse else x
     x = jnp.concatenate([jnp.ones_like(x[:, :, :1]), jnp.cumprod(x[:, :, :-1], axis=2)], axis=2)
-    x = x[:, :, ::-1] if reverse else x
     return x.reshape(B, Tp, H)[:, :T]
 
 
-def backward_rows(coefs, u, a, eps, Tp, docs=None, rho=False):
-    """The backward's [B, H, 4 (+ 1) (+ 3), Tp] from ``coefs`` (as ``coefficient_rows``'s) and
-    the forward's u_t, a_t [B, T, H]: u, r, w g, [n̄ > ε] (1 − g a) w / n̄ and, with ``rho``
-    (``osgm_bwd``'s ``guess="uncoupled"``), ``retained(r, reverse=True)``, padded with zeros
-    but r = 1 (a padded token passes λ on unchanged); ``docs`` as ``coefficient_rows``'s."""
+def backward_rows(coefs, u, a, eps, Tp, docs=None):
+    """The backward's [B, H, 4 (+ 3), Tp] from ``coefs`` (as ``coefficient_rows``'s) and the
+    forward's u_t, a_t [B, T, H]: u, r, w g, [n̄ > ε] (1 − g a) w / n̄, padded with zeros but
+    r = 1 (a padded token passes λ on unchanged); ``docs`` as ``coefficient_rows``'s."""
     _, n, g, w, r = coefs
-    rows = [u, r, w * g, jnp.where(n > eps, (1.0 - g * a) * w / n, 0.0)]
-    return rows_layout(rows + ([retained(r, Tp, reverse=True)] if rho else []), docs, Tp, RB)
+    return rows_layout([u, r, w * g, jnp.where(n > eps, (1.0 - g * a) * w / n, 0.0)], docs, Tp,
+                       RB)
 
 
 def _check_rows(coefs, rows, packed):
@@ -170,42 +163,6 @@ def _settle(step, x0, carry0, accept):
     return x, carry
 
 
-def _first_order(S, d0, a0, rows, bounds, staged, interpret):
-    """The first-order term of the forward's guess (``osgm_fwd``'s ``first_order_guess``): what
-    the updates before token t move a_t by when each runs with the guess's coupling a⁰,
-
-        Σ_{τ<t} (p_t / p_{τ+1}) v_τ ⟨s_τ ⊙ f_t, s_t⟩,   v = w (1 − g a⁰),
-        f_t = [d_min < p_t d⁰ < d_max] (the coordinates the clip leaves free),
-
-    as p_t Σ_j f_tj s_tj C_tj with C = L diag(v / p') S: bf16 wgmmas, L the strictly lower
-    ones (exact), diag(v / p') S rounded once (the sweep model counts the same sweeps with
-    bf16 operands), staged in ``staged`` [TILE, 64] a half of the columns at a time (the
-    kernel's shared memory has no room for all). S: the tile's s_t [TILE, KP] buffer, d0 the
-    state entering it [128] (shared memory), a0 and ``rows`` (w, g, r, p) [TILE] (ROWS). A p' =
-    p r below 2⁻⁶⁰ drops its token's term (a guess only: no overflow)."""
-    w_row, g_row, r_row, p_row = rows
-    p_next = p_row * r_row
-    v = jnp.where(p_next > 2.0 ** -60, w_row * (1.0 - g_row * a0) / p_next, 0.0)
-    i, j = tile_iotas()
-    lower = jnp.where(i > j, 1.0, 0.0).astype(BF16)
-    total = plgpu.layout_cast(jnp.zeros((TILE,), F32), ROWS)
-    half = K_THREADS // 2
-    for h in range(2):
-        cols = pl.ds(h * half, half)
-        s = tile(S.at[:, cols], interpret)
-        staged[...] = (bcast_rows(v, s.shape) * s).astype(BF16)
-        plgpu.commit_smem()
-        C = matmul([(lower, staged)], s.shape, None, interpret)
-        d_t = bcast_rows(p_row, s.shape) * bcast_cols(plgpu.load(d0.at[cols], layout=COLS),
-                                                      s.shape)
-        free = (d_t > bounds[0]) & (d_t < bounds[1])
-        total = total + jnp.sum(jnp.where(free, s * C, 0.0), axis=1)
-    return p_row * total
-
-
-GUESSES = ("zero", "uncoupled")  # osgm_bwd's first guesses
-
-
 def _forward_sweep(d0, s_row, u, r, D, bounds, interpret, first=None):
     """d_t of the tile's tokens into the rows of ``D`` (a document's first token: the restart
     row already there) for the per-token u_t, r_t (shared-memory rows) and s_t = ``s_row(t)``;
@@ -225,7 +182,7 @@ def _forward_sweep(d0, s_row, u, r, D, bounds, interpret, first=None):
 
 
 def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residuals=False,
-             warpgroups=1, bound_stop=False, first_order_guess=False):
+             warpgroups=1, bound_stop=False):
     """k [B, Tp, H, 128] (Tp a multiple of TILE), coefs [B, H, 4 (+ 3 if ``packed``), Tp]
     (``coefficient_rows``), initial_state [N, H, 128] float32 (N = B, or the documents);
     bounds (d_min, d_max). Returns k̃ [B, Tp, H, 128] in k's dtype and the final d [N, H, 128]
@@ -234,11 +191,7 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
     keys): the sweeps' warpgroup does only the chain (the guess, the sweeps, the row sums) while
     a second one forms S of the next tile and k̃ of the last (``rows_mosaic.walk_pair``; two S
     and D tiles). ``bound_stop``: a tile's sweeps end at ``_accepts``' bound too (True), or
-    only when the coupling comes back bit for bit (False, as ``osgm_precond.Options``).
-    ``first_order_guess``: the guess gains ``_first_order``'s term (two wgmmas on the chain, a
-    [TILE, 64] bf16 buffer): 3.00 -> 2.09 sweeps a tile without retention on the H100, 1.00
-    with ``bound_stop`` (RESULTS run 173), but no faster there: the kernel is not bound by its
-    chain."""
+    only when the coupling comes back bit for bit (False, as ``osgm_precond.Options``)."""
     B, Tp, H, K = k.shape
     check_shape("osgm_mosaic.osgm_fwd", K, Tp)
     check_warpgroups(warpgroups, k)
@@ -253,14 +206,12 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
                    out=plgpu.SMEM((2, TILE, K), k.dtype), D=plgpu.SMEM((warpgroups, TILE, KP), F32),
                    S=plgpu.SMEM((warpgroups, TILE, KP), F32), starts=plgpu.SMEM((2, K), F32),
                    **doc_scratch(packed, vec))
-    if first_order_guess:
-        scratch["staged"] = smem((TILE, K // 2), BF16)
     rows = range(7 if packed else 4)
     _check_rows(coefs, rows, packed)
 
     def body(k_ref, c_ref, init_ref, out_ref, final_ref, *res_refs, k, w, g, r, p, u, a, out, D,
              S, starts, state, start_bar, in_bar, doc_buf, stage, doc=None, first=None,
-             last=None, ready=None, done=None, staged=None):
+             last=None, ready=None, done=None):
         b, h = lax.axis_index("b"), lax.axis_index("h")
         bufs = (w, g, r, p) + ((doc, first, last) if packed else ())
 
@@ -285,11 +236,6 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
                 d_t = (bcast_rows(p_row, s.shape)  # clip(p_t d_0)
                        * bcast_cols(plgpu.load(starts.at[slot], layout=COLS), s.shape))
                 guess = jnp.sum(s * _clip(d_t, *bounds), axis=1)
-                if first_order_guess:
-                    r_row = plgpu.load(r.at[slot], layout=ROWS)
-                    guess = guess + _first_order(S_, starts.at[slot], guess,
-                                                 (w_row, g_row, r_row, p_row), bounds, staged,
-                                                 interpret)
 
             def step(a_t):
                 with jax.named_scope("sweep"):
@@ -339,7 +285,7 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
 
 
 def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=False,
-             warpgroups=1, bound_stop=False, guess="zero"):
+             warpgroups=1, bound_stop=False):
     """The reverse scan by Picard sweeps per tile (tiles in reverse): with λ = ∂L/∂d_{t+1},
     μ = λ ⊙ [d_min < r d + u s < d_max], γ = ⟨μ, s⟩ (the sweeps' coupling),
 
@@ -348,8 +294,8 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
 
     (with ``packed`` documents λ = dfinal[doc] at a document's last token, and ∂d_1[doc] the λ
     after its first), each tile's d_t recomputed by one forward sweep from ``starts`` [B, Tp /
-    TILE, H, 128] and the rows' u_t. k and ∂k̃ [B, Tp, H, 128], coefs [B, H, 4 (+ 1) (+ 3), Tp]
-    (``backward_rows``, ρ with ``guess="uncoupled"``), init (the documents' initial states; read
+    TILE, H, 128] and the rows' u_t. k and ∂k̃ [B, Tp, H, 128], coefs [B, H, 4 (+ 3), Tp]
+    (``backward_rows``), init (the documents' initial states; read
     with ``packed`` only) and dfinal [N, H, 128]. Padded tokens (k = 0, r = 1) mask λ by [d_min
     < d < d_max] for the final d, as the last real token's clip derivative does already. Returns
     (∂k [B, Tp, H, 128] float32, rows (γ, ∂r) [B, H, 2, Tp] float32, ∂d_1 [N, H, 128]).
@@ -358,16 +304,7 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
     walked before and sends them (``rows_mosaic.walk_pair``; two D and M tiles, s_t squared
     where read); ∂k then comes in k's dtype (the float32 values rounded once; ∂k̃ in the same
     dtype), written over ∂k̃'s tile and sent as one copy. ``bound_stop``: as ``osgm_fwd``'s.
-
-    ``guess``: where each tile's sweeps start, γ = 0 ("zero") or ("uncoupled", two
-    warpgroups; one takes "zero", its first sweep being this) the coupling of the scan without
-    coupling, c = 0: the forming warpgroup runs one more reverse pass after the recompute, μ'_t
-    = m_t ⊙ (r_{t+1} μ'_{t+1} + ∂k̃ ⊙ k) from μ' = 0 (m_t the clip's mask), leaving the row sums
-    σ_t = ⟨μ'_t, s_t⟩ and per coordinate z_j, the last token whose mask is 0; λ⁰ (the λ entering
-    the tile) reaches μ_tj as ρ_t λ⁰_j where z_j < t (ρ_t = Π_{m>t} r_m, its fifth row), so the
-    chain's guess is σ_t + ρ_t Σ_j s_tj λ⁰_j [z_j < t] (document restarts ignored: a guess
-    only). A sweep fewer a tile (3.97 -> 2.96 without retention, RESULTS run 173) but slower
-    on the H100 (0.256 against 0.246 ms): the kernel is not bound by its chain."""
+    Each tile's sweeps start from γ = 0."""
     B, Tp, H, K = k.shape
     check_shape("osgm_mosaic.osgm_bwd", K, Tp)
     check_warpgroups(warpgroups, k, dkw)
@@ -389,23 +326,15 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
         scratch["S"] = plgpu.SMEM((TILE, KP), F32)
     if packed and warpgroups == 2:  # the second warpgroup's own restart rows
         scratch.update(form_bar=plgpu.Barrier(), form_stage=plgpu.SMEM((K,), F32))
-    if guess not in GUESSES:
-        raise ValueError(f"guess must be one of {GUESSES}, got {guess!r}")
-    if guess == "uncoupled":  # ρ's row comes with the guess (read on two warpgroups only)
-        scratch["rho"] = vec
-    rows = range(4 + (guess == "uncoupled") + 3 * packed)
-    guess = guess if warpgroups == 2 else "zero"
-    if guess != "zero":  # σ_t and z_j of each slot's tile
-        scratch.update(sigma=vec, z=plgpu.SMEM((2, K), F32))
+    rows = range(4 + 3 * packed)
     _check_rows(coefs, rows, packed)
 
     def body(k_ref, dkw_ref, c_ref, st_ref, init_ref, dfinal_ref, dk_ref, rows_ref, dinit_ref,
              *, k, dkw, st, u, r, gw, gn, c, gam, dr, D, M, state, start_bar, in_bar,
              doc_buf, stage, S=None, doc=None, first=None, last=None, ready=None, done=None,
-             form_bar=None, form_stage=None, rho=None, sigma=None, z=None):
+             form_bar=None, form_stage=None):
         b, h = lax.axis_index("b"), lax.axis_index("h")
-        bufs = ((u, r, gw, gn) + (() if rho is None else (rho,))
-                + ((doc, first, last) if packed else ()))
+        bufs = (u, r, gw, gn) + ((doc, first, last) if packed else ())
         S = padded(S) if squares else None
         D_of, M_of = (functools.partial(slot_tile, x) for x in (D, M))
 
@@ -487,45 +416,6 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
                 _forward_sweep(plgpu.load(st.at[slot], layout=VEC), lambda t: s_row(t, slot),
                                u.at[slot], r.at[slot], D, bounds, interpret,
                                first.at[slot] if packed else None)
-            if guess != "zero":
-                plgpu.commit_smem()  # D whole for every thread
-                with jax.named_scope("guess"):
-                    uncoupled_pass(slot)
-
-        def uncoupled_pass(slot):
-            """σ and z of the tile (``guess`` "uncoupled"): the reverse scan without coupling from
-            μ' = 0, μ' into M (free until the chain's sweeps: the tile two back was sent)."""
-            M = M_of(slot)
-
-            def load(t):
-                return inside(t, slot), r[slot, t], row(dkw.at[slot, t]) * row(k.at[slot, t])
-
-            def step(t, values, carry):
-                keep, r_t, e_t = values
-                lam, last_cut = carry
-                mu = jnp.where(keep, lam, 0.0)
-                M.at[t][...] = mu
-                found = keep | (last_cut >= 0.0)  # not cut here, or cut later already
-                return r_t * mu + e_t, jnp.where(found, last_cut, jnp.asarray(t, F32))
-
-            none = plgpu.layout_cast(jnp.full((K,), -1.0, F32), VEC)
-            _, last_cut = tokens(load, step, (none + 1.0, none), interpret, reverse=True)
-            z.at[slot][...] = last_cut
-            plgpu.commit_smem()
-            sigma.at[slot][...] = row_sums(M, s_tile(slot), interpret)
-
-        def first_guess(slot, s):
-            """γ's first guess [TILE] (ROWS): 0, or (``guess``) the coupling of the scan
-            without it, σ_t + ρ_t Σ_j s_tj λ⁰_j [z_j < t]."""
-            if guess == "zero":
-                return plgpu.layout_cast(jnp.zeros((TILE,), F32), ROWS)
-            rho_row = plgpu.load(rho.at[slot], layout=ROWS)
-            t = plgpu.broadcasted_iota(jnp.int32, (TILE,), 0, layout=ROWS).astype(F32)
-            reached = (bcast_rows(t, s.shape)  # [z_j < t]: no mask cuts λ⁰ at or after t
-                       > bcast_cols(plgpu.load(z.at[slot], layout=COLS), s.shape))
-            lam = bcast_cols(plgpu.load(st.at[slot], layout=COLS), s.shape)  # λ⁰ (below)
-            return (plgpu.load(sigma.at[slot], layout=ROWS)
-                    + rho_row * jnp.sum(jnp.where(reached, s * lam, 0.0), axis=1))
 
         def chain(i, slot, lam0):
             M = M_of(slot)
@@ -539,8 +429,6 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
                     keep = flag_mask(last[slot, t]) & inside(t, slot)
                     M.at[t][...] = jnp.where(keep, row(M.at[t]), 0.0)
                 lax.fori_loop(0, TILE, masked, None)
-            if guess != "zero":  # λ⁰ for the guess's product, where the tile's start was (read
-                st.at[slot][...] = lam0  # by its recompute before the chain began)
             plgpu.commit_smem()
             s = s_tile(slot)
             gw_row = plgpu.load(gw.at[slot], layout=ROWS)
@@ -556,7 +444,8 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
 
             accept = (_accepts(s, gw_row, plgpu.load(r.at[slot], layout=ROWS)) if bound_stop
                       else None)
-            gam_t, lam = _settle(step, first_guess(slot, s), lam0, accept)
+            gam_t, lam = _settle(step, plgpu.layout_cast(jnp.zeros((TILE,), F32), ROWS), lam0,
+                                 accept)
             gam.at[slot][...] = gam_t
             if packed:  # each document starting here: the λ before its first token
                 def starts_(t, _):

@@ -85,17 +85,12 @@ class Options:
     fixed point's values, at most an ulp from the bitwise stop; fewer sweeps, each dearer) or
     only when the coupling comes back bit for bit (False, the default: RESULTS run 170, APF
     phase 1 at 8x2048x8x128 bf16 on an H100, fwd / fwd+bwd 0.203 / 0.399 ms against 0.220-0.226
-    / 0.419-0.420 with the bound). ``mosaic_backward_guess``: where the backward kernel's
-    sweeps start (``osgm_mosaic.osgm_bwd``'s ``guess``): γ = 0 ("zero", the default), or
-    ("uncoupled", two warpgroups) the adjoint scan's coupling without coupling, its λ-free
-    part formed off the chain by a reverse pass; ``mosaic_first_order_guess``: the forward
-    kernel's guess gains the first-order effect of the tile's earlier updates (``osgm_mosaic.
-    _first_order``, two bf16 wgmmas on the chain). Each saves a sweep a tile without retention
-    but neither is faster on the H100 (RESULTS run 173: the kernels are not bound by their
-    chains); both off by default. ``stream``: the Mosaic kernels on that XLA GPU stream
-    (``rows_mosaic.on_stream``: asynchronous beside the main stream, e.g. the backward's
-    reverse scan beside a training step's weight gradients); None (the default): on the main
-    stream."""
+    / 0.419-0.420 with the bound). (Better first guesses for the sweeps, a first-order term
+    in the forward and the uncoupled adjoint in the backward, saved a sweep a tile but no time
+    on the H100 and were removed: NOTES, sessions 37-39.) ``stream``: the Mosaic kernels on
+    that XLA GPU stream (``rows_mosaic.on_stream``: asynchronous beside the main stream, e.g.
+    the backward's reverse scan beside a training step's weight gradients); None (the
+    default): on the main stream (run 179: no faster in a training step)."""
 
     prefetch: int = 2
     num_warps: int = 1
@@ -109,8 +104,6 @@ class Options:
     mosaic_loops: bool = True
     mosaic_warpgroups: int = 2
     mosaic_bound_stop: bool = False
-    mosaic_backward_guess: str = "zero"
-    mosaic_first_order_guess: bool = False
     stream: int | None = None
 
     def __post_init__(self):
@@ -129,11 +122,7 @@ class Options:
             raise ValueError(f"Options.mosaic_warpgroups must be 1 or 2, got "
                              f"{self.mosaic_warpgroups!r}")
         rows_mosaic.check_stream(self.stream)
-        if self.mosaic_backward_guess not in osgm_mosaic.GUESSES:
-            raise ValueError(f"Options.mosaic_backward_guess must be one of "
-                             f"{osgm_mosaic.GUESSES}, got {self.mosaic_backward_guess!r}")
-        for name in ("scalar_aux", "picard_early_exit", "mosaic_loops", "mosaic_bound_stop",
-                     "mosaic_first_order_guess"):
+        for name in ("scalar_aux", "picard_early_exit", "mosaic_loops", "mosaic_bound_stop"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Options.{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -253,8 +242,7 @@ def _mosaic_forward(cfg, k, aux, init, residuals=False):
     out = _mosaic_call(
         cfg, functools.partial(osgm_mosaic.osgm_fwd, residuals=residuals,
                                warpgroups=_warpgroups(cfg, k),
-                               bound_stop=cfg.options.mosaic_bound_stop,
-                               first_order_guess=cfg.options.mosaic_first_order_guess),
+                               bound_stop=cfg.options.mosaic_bound_stop),
         [rows_mosaic.tile_padded(k, Tp), coefs, init], ["b t h k", "b h r t", "n h k"],
         ["b t h k", "n h k"] + (["b h j t", "b i h k"] if residuals else []))
     return (out[0][:, :T], *out[1:])
@@ -269,12 +257,10 @@ def _mosaic_backward(cfg, k, aux, residuals, init, dkw, dfinal):
     per_token = _coefficients(cfg, k, aux)
     fwd_rows, starts = residuals
     u, a = rows_mosaic.token_rows(fwd_rows, T)
-    coefs = osgm_mosaic.backward_rows(per_token, u, a, eps, Tp, _documents(cfg, aux),
-                                      rho=cfg.options.mosaic_backward_guess == "uncoupled")
+    coefs = osgm_mosaic.backward_rows(per_token, u, a, eps, Tp, _documents(cfg, aux))
     dk, rows, dinit = _mosaic_call(
         cfg, functools.partial(osgm_mosaic.osgm_bwd, warpgroups=_warpgroups(cfg, k, dkw),
-                               bound_stop=cfg.options.mosaic_bound_stop,
-                               guess=cfg.options.mosaic_backward_guess),
+                               bound_stop=cfg.options.mosaic_bound_stop),
         [rows_mosaic.tile_padded(k, Tp), rows_mosaic.tile_padded(dkw, Tp), coefs, starts, init,
          dfinal],
         ["b t h k", "b t h k", "b h r t", "b i h k", "n h k", "n h k"],

@@ -33,13 +33,6 @@ from pallas_kernels.osgm_precond import Options
                                      picard_iters=0, mosaic_loops=True, mosaic_bound_stop=False)),
     ("2/1/8/mosaic/bound", Options(prefetch=2, num_warps=1, unroll=8, scalar_aux=False,
                                    picard_iters=0, mosaic_loops=True, mosaic_bound_stop=True)),
-    ("2/1/16/scalar/mosaic/ug", Options(prefetch=2, num_warps=1, unroll=16, scalar_aux=True,
-                                        picard_iters=0, mosaic_loops=True,
-                                        mosaic_backward_guess="uncoupled")),
-    ("2/1/16/scalar/mosaic/ug/fo", Options(prefetch=2, num_warps=1, unroll=16, scalar_aux=True,
-                                           picard_iters=0, mosaic_loops=True,
-                                           mosaic_backward_guess="uncoupled",
-                                           mosaic_first_order_guess=True)),
 ])
 def test_variant_strings(text, options):
     assert variant(text) == options
@@ -48,7 +41,7 @@ def test_variant_strings(text, options):
 @pytest.mark.parametrize("text", ["2", "2/1/8/8/8", "2/x/8", "2/1/0", "2/1/p8/8", "2/1/q4",
                                   "2/1/8/p4/cpx", "2/1/8/mosaic/wg3",
                                   "2/1/8/mosaic/st0", "2/1/8/mosaic/stx",
-                                  "2/1/8/mosaic/bitstop/bound", "2/1/8/mosaic/ugx",
+                                  "2/1/8/mosaic/bitstop/bound", "2/1/8/mosaic/ug", "2/1/8/mosaic/fo",
                                   "2/1/8/mosaic/tg"])
 def test_bad_variant_strings_raise(text):
     with pytest.raises(ValueError):

@@ -167,14 +167,6 @@ def test_bad_shapes_raise():
         Options(mosaic_loops=1)
     with pytest.raises(ValueError, match="mosaic_bound_stop must be a bool"):
         Options(mosaic_bound_stop=0)
-    with pytest.raises(ValueError, match="mosaic_backward_guess must be one of"):
-        Options(mosaic_backward_guess="first")
-    with pytest.raises(ValueError, match="guess must be one of"):
-        osgm_mosaic.osgm_bwd(k, k, jnp.zeros((1, 1, 5, 64)), jnp.ones((1, 1, 1, 128)),
-                             jnp.ones((1, 1, 128)), jnp.ones((1, 1, 128)), bounds=(0.5, 2.0),
-                             interpret=True, guess=None)
-    with pytest.raises(ValueError, match="mosaic_first_order_guess must be a bool"):
-        Options(mosaic_first_order_guess="yes")
 
 
 @pytest.mark.parametrize("dtype, residuals, packed", [(jnp.bfloat16, False, False),
@@ -184,13 +176,11 @@ def test_lowers_for_cuda(dtype, residuals, packed):
     row sums and the sweeps' while loop; with packed documents the restart rows and the
     document states), three tiles each way; no warpgroup barrier inside the sweeps' token
     loops (loop depth 3: tiles, sweeps, tokens), where Pallas would put two around each row
-    store by default. The float32 case's forward with ``first_order_guess`` (its wgmmas and
-    staging buffer beside float32 tiles and packed documents' scratch)."""
+    store by default."""
     s, docs = jax.ShapeDtypeStruct, 3 * packed
     seq, state = s((2, 192, 2, 128), dtype), s((5 if packed else 2, 2, 128), jnp.float32)
     fwd = lambda k, c, i: osgm_mosaic.osgm_fwd(k, c, i, bounds=(0.5, 2.0), interpret=False,  # noqa: E731
-                                               packed=packed, residuals=residuals,
-                                               first_order_guess=dtype == jnp.float32)
+                                               packed=packed, residuals=residuals)
     bwd = lambda *a: osgm_mosaic.osgm_bwd(*a, bounds=(0.5, 2.0), interpret=False,  # noqa: E731
                                           packed=packed)
     starts = s((2, 3, 2, 128), jnp.float32)
@@ -259,23 +249,16 @@ def test_stopping_early_moves_each_tile_by_a_quarter_spacing():
         assert float(jnp.max(jnp.abs(a - b))) <= 4 * 2.0 ** -24 * float(jnp.max(jnp.abs(b)))
 
 
-@pytest.mark.parametrize("bound_stop, guesses", [(True, (False, "uncoupled")),
-                                                 (False, (True, "zero"))])
-def test_stop_and_guess_options_reach_the_kernels(monkeypatch, bound_stop, guesses):
+@pytest.mark.parametrize("bound_stop", [True, False])
+def test_stop_option_reaches_the_kernels(monkeypatch, bound_stop):
     """``Options.mosaic_bound_stop`` of the public op's options arrives as both Mosaic kernels'
-    ``bound_stop``, ``mosaic_first_order_guess`` as the forward's ``first_order_guess`` and
-    ``mosaic_backward_guess`` as the backward's ``guess`` (forward and backward of one
-    gradient, interpret mode)."""
+    ``bound_stop`` (forward and backward of one gradient, interpret mode)."""
     from test_kernel_streams import osgm_inputs, osgm_loss
     seen = []
-    for name, option in (("osgm_fwd", "first_order_guess"), ("osgm_bwd", "guess")):
+    for name in ("osgm_fwd", "osgm_bwd"):
         real = getattr(osgm_mosaic, name)
-        monkeypatch.setattr(osgm_mosaic, name, lambda *a, real=real, name=name, option=option,
-                            **kw: seen.append((name, kw["bound_stop"], kw[option]))
-                            or real(*a, **kw))
-    first_order, backward = guesses
-    options = Options(picard_iters=0, mosaic_bound_stop=bound_stop,
-                      mosaic_first_order_guess=first_order, mosaic_backward_guess=backward)
+        monkeypatch.setattr(osgm_mosaic, name, lambda *a, real=real, name=name, **kw:
+                            seen.append((name, kw["bound_stop"])) or real(*a, **kw))
+    options = Options(picard_iters=0, mosaic_bound_stop=bound_stop)
     jax.grad(osgm_loss(options, interpret=True), argnums=(0, 1, 2))(*osgm_inputs())
-    assert sorted(set(seen)) == [("osgm_bwd", bound_stop, backward),
-                                 ("osgm_fwd", bound_stop, first_order)]
+    assert sorted(set(seen)) == [("osgm_bwd", bound_stop), ("osgm_fwd", bound_stop)]
