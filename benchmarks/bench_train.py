@@ -10,7 +10,8 @@ tokens per data-parallel device by default; 2 warm-up steps, then the median ste
         [--osgm-variant 2/1/16/8/scalar/p4/cpauto]  # OSGM kernel options (bench_osgm's strings)
         [--atk-stream N]  # the ATK phase's Mosaic kernels on XLA GPU stream N (PDN's phase 1)
         [--layers N] [--impl pallas|chunked]  # a memory probe: the peak of an N-block step
-        [--profile DIR]  # 3 more steps traced: device time by kernel, the device's idle gaps
+        [--profile DIR]  # 3 more steps traced: device time by kernel, the device's idle gaps,
+                         # each model's difference by kind of kernel from the first model's
         [--hlo DIR]  # the compiled steps' HLO, to read the profile's fusion names against
 
 Rows are plain [b, T] sequences as in the anchors' runs; ``--packed`` passes each row's document
@@ -55,7 +56,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from benchmarks.bench_osgm import variant as osgm_variant
-from benchmarks.kernel_times import idle_table, kernel_table, trace_events
+from benchmarks.kernel_times import diff_table, idle_table, kernel_table, trace_events
 from pallas_kernels import atk_precond
 from pallas_kernels.osgm_precond import default_options
 from precond_linattn.models import LanguageModel, count_params, preset
@@ -344,6 +345,19 @@ def main():
                                  hlo=a.hlo and os.path.join(a.hlo, f"{p}_{r.kind}.hlo.txt"))
                        for r in runs]
             print_model(name, runs, results, a.losses)
+    if a.profile:
+        print("\n".join(profile_diffs(a.profile, a.preset, list(configs))), flush=True)
+
+
+def profile_diffs(profile, preset, models):
+    """Lines: each model's traced steps against the first model's, by kind of kernel
+    (``kernel_times.diff_table``; the newest trace under each model's directory)."""
+    lines, (first, *others) = [], models
+    base = trace_events(os.path.join(profile, first))
+    for p in others:
+        lines.append(f"{preset}/{p} against {preset}/{first}: device time by kind, a step")
+        lines += diff_table(trace_events(os.path.join(profile, p)), base, steps=PROFILE_STEPS)
+    return lines
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Device time by kernel, read from a ``jax.profiler`` trace: where a step's milliseconds go.
 
-    python benchmarks/kernel_times.py TRACE_DIR [--top 25] [--steps N] [--idle]
+    python benchmarks/kernel_times.py TRACE_DIR [--top 25] [--steps N] [--idle] [--against DIR]
 
 ``TRACE_DIR`` is what ``jax.profiler.trace(TRACE_DIR, create_perfetto_trace=True)`` wrote; the
 newest ``perfetto_trace.json.gz`` under it is read. The table sums the complete ("X") events of
@@ -10,8 +10,11 @@ GPU, the host's XLA threads instead, which is what the tests read) by event name
 total. ``--idle`` adds where the device waited: the time inside the traced window that no stream
 was busy, per step, and the ``--top`` largest gaps grouped by the kernels before and after them
 (a gap after a kernel that ends a host-side step, e.g. a while loop's condition, or before
-a custom call the host launches late). ``bench_train.py --profile`` traces steps after its
-timed ones and prints both tables per model.
+a custom call the host launches late). ``--against DIR``: where the two traces' device time
+differs, by kind of kernel (``kind``: XLA's fusion names without their numbers, which differ
+from one compile to the next), the largest differences first: how one model's step spends
+what another's does not (RESULTS run 180). ``bench_train.py --profile`` traces steps after
+its timed ones and prints the first two tables per model.
 """
 
 import argparse
@@ -20,6 +23,7 @@ import glob
 import gzip
 import json
 import os
+import re
 
 
 def newest_trace(trace_dir):
@@ -105,17 +109,48 @@ def idle_table(events, top=10, steps=1):
     return lines
 
 
+def kind(name):
+    """A kernel's name without XLA's numbering: "input_transpose_fusion_239" ->
+    "input_transpose_fusion" (a kernel of one's own keeps its name)."""
+    return re.sub(r"[._]\d+$", "", name)
+
+
+def diff_table(events, other, top=25, steps=1):
+    """Lines of a table: per ``kind``, ms per step and calls in ``events`` and in ``other``
+    (both ``trace_events``, ``steps`` steps each) and their difference, the ``top`` largest
+    differences first, then the totals."""
+    def by_kind(evs):
+        ms, calls = collections.Counter(), collections.Counter()
+        for name, us, _ in evs:
+            ms[kind(name)] += us / 1e3 / steps
+            calls[kind(name)] += 1 / steps
+        return ms, calls
+
+    (ms, calls), (ms0, calls0) = by_kind(events), by_kind(other)
+    ranked = sorted(set(ms) | set(ms0), key=lambda k: -abs(ms[k] - ms0[k]))
+    lines = [f"{'diff ms':>8s} {'ms':>8s} {'calls':>6s} {'other ms':>8s} {'calls':>6s}  kind"]
+    lines += [f"{ms[k] - ms0[k]:+8.3f} {ms[k]:8.3f} {calls[k]:6.1f} {ms0[k]:8.3f} {calls0[k]:6.1f}"
+              f"  {k[:90]}" for k in ranked[:top]]
+    total, total0 = sum(ms.values()), sum(ms0.values())
+    lines.append(f"{total - total0:+8.3f} {total:8.3f} {'':6s} {total0:8.3f} {'':6s}  total")
+    return lines
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace_dir")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--steps", type=int, default=1, help="calls the trace holds (per-step times)")
     ap.add_argument("--idle", action="store_true", help="also the device's idle time and its gaps")
+    ap.add_argument("--against", metavar="DIR", help="also the difference by kind from this "
+                    "trace (as many steps)")
     a = ap.parse_args(argv)
     events = trace_events(a.trace_dir)
     print("\n".join(kernel_table(events, a.top, a.steps)))
     if a.idle:
         print("\n".join(idle_table(events, a.top, a.steps)))
+    if a.against:
+        print("\n".join(diff_table(events, trace_events(a.against), a.top, a.steps)))
 
 
 if __name__ == "__main__":

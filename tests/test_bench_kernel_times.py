@@ -69,3 +69,36 @@ def test_idle_table_sums_the_gaps_between_busy_streams(tmp_path):
     assert [line.split() for line in lines[2:]] == [["0.5", "0.150", "a", "->", "b"],
                                                     ["0.5", "0.125", "copy", "->", "b"],
                                                     ["0.5", "0.100", "b", "->", "a"]]
+
+
+def test_diff_table_by_kind(tmp_path):
+    """Two traces compared by kind (fusion names without their numbers): the largest
+    difference first, a kind in one trace only counted against zero, the totals last."""
+    meta = [dict(ph="M", pid=1, name="process_name", args=dict(name="/device:GPU:0")),
+            dict(ph="M", pid=1, tid=7, name="thread_name", args=dict(name="Stream #13(Compute)"))]
+    x = lambda name, dur: dict(ph="X", pid=1, tid=7, name=name, dur=dur, ts=0)  # noqa: E731
+    write_trace(tmp_path / "a", meta + [x("loop_fusion_3", 2000), x("loop_fusion_12", 1000),
+                                        x("osgm_fwd", 4000), x("gemm", 5000)])
+    write_trace(tmp_path / "b", meta + [x("loop_fusion_7", 1000), x("gemm", 5000)])
+    events, other = (kernel_times.trace_events(str(tmp_path / n)) for n in "ab")
+    lines = kernel_times.diff_table(events, other, top=2)
+    assert lines[1].split() == ["+4.000", "4.000", "1.0", "0.000", "0.0", "osgm_fwd"]
+    assert lines[2].split() == ["+2.000", "3.000", "2.0", "1.000", "1.0", "loop_fusion"]
+    assert lines[3].split() == ["+6.000", "12.000", "6.000", "total"]
+    assert kernel_times.kind("input_transpose_fusion.407") == "input_transpose_fusion"
+
+
+def test_bench_train_prints_each_model_against_the_first(tmp_path):
+    """``bench_train.profile_diffs``: one table a model after the first, from the newest trace
+    in each model's directory, per step of the PROFILE_STEPS traced."""
+    from benchmarks import bench_train
+    meta = [dict(ph="M", pid=1, name="process_name", args=dict(name="/device:GPU:0")),
+            dict(ph="M", pid=1, tid=7, name="thread_name", args=dict(name="Stream #13(Compute)"))]
+    x = lambda name, dur: dict(ph="X", pid=1, tid=7, name=name, dur=dur, ts=0)  # noqa: E731
+    steps = bench_train.PROFILE_STEPS
+    write_trace(tmp_path / "none" / "run", meta + [x("gemm", 3000 * steps)])
+    write_trace(tmp_path / "osgm" / "run", meta + [x("gemm", 3000 * steps), x("osgm_fwd", 1000 * steps)])
+    lines = bench_train.profile_diffs(str(tmp_path), "m", ["none", "osgm"])
+    assert lines[0] == "m/osgm against m/none: device time by kind, a step"
+    assert lines[2].split() == ["+1.000", "1.000", "0.3", "0.000", "0.0", "osgm_fwd"]  # 1 call
+    assert lines[-1].split()[0] == "+1.000" and len(lines) == 5
