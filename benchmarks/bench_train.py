@@ -345,7 +345,7 @@ def main():
                                  hlo=a.hlo and os.path.join(a.hlo, f"{p}_{r.kind}.hlo.txt"))
                        for r in runs]
             print_model(name, runs, results, a.losses)
-    if a.profile:
+    if a.profile and len(configs) > 1:
         print("\n".join(profile_diffs(a.profile, a.preset, list(configs))), flush=True)
 
 

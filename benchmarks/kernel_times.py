@@ -67,13 +67,19 @@ def trace_events(trace_dir):
     return events
 
 
+def _sums(events, key=lambda name: name):
+    """(µs, calls) Counters of ``trace_events`` by ``key(name)``."""
+    totals, calls = collections.Counter(), collections.Counter()
+    for name, us, _ in events:
+        totals[key(name)] += us
+        calls[key(name)] += 1
+    return totals, calls
+
+
 def kernel_table(events, top=25, steps=1):
     """Lines of a table of ``trace_events``: per name, calls and ms per step and % of the total,
     largest first, the rest summed in one line, then the total."""
-    totals, calls = collections.Counter(), collections.Counter()
-    for name, us, _ in events:
-        totals[name] += us
-        calls[name] += 1
+    totals, calls = _sums(events)
     whole = sum(totals.values())
     lines = [f"{'calls':>6s} {'ms/step':>8s} {'%':>5s}  kernel"]
     ranked = totals.most_common()
@@ -119,18 +125,13 @@ def diff_table(events, other, top=25, steps=1):
     """Lines of a table: per ``kind``, ms per step and calls in ``events`` and in ``other``
     (both ``trace_events``, ``steps`` steps each) and their difference, the ``top`` largest
     differences first, then the totals."""
-    def by_kind(evs):
-        ms, calls = collections.Counter(), collections.Counter()
-        for name, us, _ in evs:
-            ms[kind(name)] += us / 1e3 / steps
-            calls[kind(name)] += 1 / steps
-        return ms, calls
-
-    (ms, calls), (ms0, calls0) = by_kind(events), by_kind(other)
-    ranked = sorted(set(ms) | set(ms0), key=lambda k: -abs(ms[k] - ms0[k]))
+    (us, calls), (us0, calls0) = _sums(events, kind), _sums(other, kind)
+    ms = {k: us[k] / 1e3 / steps for k in set(us) | set(us0)}
+    ms0 = {k: us0[k] / 1e3 / steps for k in ms}
+    ranked = sorted(ms, key=lambda k: -abs(ms[k] - ms0[k]))
     lines = [f"{'diff ms':>8s} {'ms':>8s} {'calls':>6s} {'other ms':>8s} {'calls':>6s}  kind"]
-    lines += [f"{ms[k] - ms0[k]:+8.3f} {ms[k]:8.3f} {calls[k]:6.1f} {ms0[k]:8.3f} {calls0[k]:6.1f}"
-              f"  {k[:90]}" for k in ranked[:top]]
+    lines += [f"{ms[k] - ms0[k]:+8.3f} {ms[k]:8.3f} {calls[k] / steps:6.1f} {ms0[k]:8.3f} "
+              f"{calls0[k] / steps:6.1f}  {k[:90]}" for k in ranked[:top]]
     total, total0 = sum(ms.values()), sum(ms0.values())
     lines.append(f"{total - total0:+8.3f} {total:8.3f} {'':6s} {total0:8.3f} {'':6s}  total")
     return lines

@@ -174,7 +174,7 @@ class PrecondDeltaAttention(nnx.Module):
         input transposes, which the barrier splits (DeltaNet 126.9 -> 134.4 ms; RESULTS,
         2026-12-06 session 39)."""
         c = self.config
-        if c.preconditioner in ("osgm", "osgm_apf"):
+        if c.preconditioner.startswith("osgm"):
             q, k, v = jax.lax.optimization_barrier((q, k, v))
         split = lambda a, d: a.reshape(*a.shape[:-1], c.num_heads, d)
         return (_l2norm(split(q, c.head_k_dim)), _l2norm(split(k, c.head_k_dim)),
