@@ -18,10 +18,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.compute_on import compute_on
 from jax.experimental import pallas as pl
-from jax.experimental.layout import Layout, with_layout_constraint
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.partition import sharded_call
+from precond_linattn.layout import row_major
 from pallas_kernels.state_mosaic import kernel, read
 
 F32 = jnp.float32
@@ -63,15 +63,6 @@ def tile_padded(x, Tp):
 def token_rows(rows, T):
     """The rows [B, H, n, Tp] a kernel returns, as n arrays [B, T, H] (row-major, ``row_major``)."""
     return tuple(row_major(jnp.moveaxis(rows[:, :, j, :T], 1, 2)) for j in range(rows.shape[2]))
-
-
-def row_major(x):
-    """x with its layout pinned row-major. Left free, XLA lays the [B, T, H] rows out [B, H, T]
-    so that the kernels' transposes are free, and that layout spreads back to every reduction
-    over K that feeds them and on through the layer (the q / k L2 norms, the output RMSNorm's
-    statistics and its backward: a strided [B, T, H] reduction of ~0.15 ms a layer, RESULTS run
-    180); pinned, only the small [B, H, n, Tp] rows are transposed."""
-    return with_layout_constraint(x, Layout(tuple(range(x.ndim))))
 
 
 def pair_fits(*seqs):
