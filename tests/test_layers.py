@@ -254,3 +254,23 @@ def test_fused_input_projection_equals_each_linear(backbone, pre, rand):
         want = m(x)
         assert fused[name].dtype == want.dtype and fused[name].shape == want.shape, name
         assert rel_err(fused[name], want) == 0.0, name  # the same products and sums on the CPU
+
+
+@pytest.mark.parametrize("pre", PRECONDITIONERS)
+def test_convolutions_pinned_and_fenced_with_a_preconditioner(pre, rand):
+    """With a preconditioner the q / k / v convolutions' inputs and outputs are pinned row-major
+    (six layout constraints, ``_convolve``) and their outputs pass one optimisation barrier
+    (``_heads``); without one XLA keeps both free (they cost DeltaNet time and memory). Either
+    way the layer's output is the same as computed without them."""
+    layer = PrecondDeltaAttention(LayerConfig(D, H, preconditioner=pre, impl="chunked"),
+                                  rngs=nnx.Rngs(0))
+    x = rand.normal(2, 9, D)
+    text = jax.jit(lambda x: nnx.merge(*nnx.split(layer))(x)).lower(x).as_text()
+    fenced = pre != "none"
+    assert text.count("@LayoutConstraint") == 6 * fenced
+    assert text.count("optimization_barrier") == 1 * fenced
+    pre_conv = layer._project(x)
+    convs = (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d)
+    got = layer._convolve(convs, [pre_conv[n] for n in ("q_proj", "k_proj", "v_proj")], None)
+    for m, n, y in zip(convs, ("q_proj", "k_proj", "v_proj"), got):
+        assert bool(jnp.all(y == m(pre_conv[n])))

@@ -47,6 +47,7 @@ from pallas_kernels import decode_step
 from precond_linattn._typing import Array, Float
 from precond_linattn.layers.config import LayerConfig
 from precond_linattn.layers.conv import ShortConvolution
+from precond_linattn.layout import row_major
 from precond_linattn.layers.init import a_log_init, dt_bias_init, normal
 from precond_linattn.layers.norm import RMSNorm
 from precond_linattn.ops.atk import atk_precondition, atk_step
@@ -165,16 +166,29 @@ class PrecondDeltaAttention(nnx.Module):
             pre = dict(retention=jax.nn.sigmoid(p["retention_proj"].astype(jnp.float32)))
         return beta, g, pre
 
+    def _convolve(self, convs, xs, cu_seqlens):
+        """The q, k, v short convolutions of the projections ``xs``; with a preconditioner their
+        inputs and outputs pinned row-major (``layout.row_major``). Left free around the ATK
+        kernels, XLA fuses the convolutions into the L2 norms' reductions (10.9 ms a step at
+        the 340M shape, run 184). H200 train steps (RESULTS runs 184-188; the barrier is
+        ``_heads``'): PDN 124.1 ms (barrier alone 125.1, pins alone 122.5) -> 116.7 with both,
+        PGDN 126.5 -> 122.4; OSDN 116.5 either way; DeltaNet 113.4 / 113.6 -> 114.3 / 115.1
+        with the pins alone, so not without a preconditioner (pins and barrier together are
+        untried there)."""
+        if self.config.preconditioner == "none":
+            return tuple(m(x, cu_seqlens=cu_seqlens) for m, x in zip(convs, xs))
+        return tuple(row_major(m(row_major(x), cu_seqlens=cu_seqlens)) for m, x in zip(convs, xs))
+
     def _heads(self, q, k, v):
-        """q, k L2-normalised per head and v, as [..., H, d]. With an OSGM preconditioner the
+        """q, k L2-normalised per head and v, as [..., H, d]. With a preconditioner the
         convolutions' outputs are materialised first (the barrier; values unchanged): left to
         XLA, they fuse into the L2 norms' reductions there, a multi-output fusion of ~0.54 ms
-        a layer at the 340M shape (H100 train step 134.8 -> 125.8 ms with the barrier). Not
-        for the others: without the OSGM kernels XLA fuses the convolutions into the core's
-        input transposes, which the barrier splits (DeltaNet 126.9 -> 134.4 ms; RESULTS,
-        2026-12-06 session 39)."""
+        a layer at the 340M shape (H100 OSDN train step 134.8 -> 125.8 ms with the barrier;
+        PDN's see ``_convolve``). Not without one: XLA fuses DeltaNet's convolutions into the
+        core's input transposes, which the barrier splits (H100 126.9 -> 134.4 ms; GDN on the
+        H200 135.7 -> 140.3; RESULTS, 2026-12-06 sessions 39 and 41)."""
         c = self.config
-        if c.preconditioner.startswith("osgm"):
+        if c.preconditioner != "none":
             q, k, v = jax.lax.optimization_barrier((q, k, v))
         split = lambda a, d: a.reshape(*a.shape[:-1], c.num_heads, d)
         return (_l2norm(split(q, c.head_k_dim)), _l2norm(split(k, c.head_k_dim)),
@@ -232,7 +246,7 @@ class PrecondDeltaAttention(nnx.Module):
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
         p = self._project(x)
         pre_conv = (p["q_proj"], p["k_proj"], p["v_proj"])
-        q, k, v = self._heads(*(m(a, cu_seqlens=cu_seqlens) for m, a in zip(convs, pre_conv)))
+        q, k, v = self._heads(*self._convolve(convs, pre_conv, cu_seqlens))
         beta, g, pre = self._gates(p)
         run = dict(output_final_state=want_cache, cu_seqlens=cu_seqlens, impl=c.impl,
                    chunk_size=c.chunk_size)
