@@ -12,7 +12,8 @@ tokens per data-parallel device by default; 2 warm-up steps, then the median ste
         [--layers N] [--impl pallas|chunked]  # a memory probe: the peak of an N-block step
         [--profile DIR]  # 3 more steps traced: device time by kernel, the device's idle gaps,
                          # each model's difference by kind of kernel from the first model's
-        [--hlo DIR]  # the compiled steps' HLO, to read the profile's fusion names against
+        [--hlo DIR]  # the compiled steps' HLO: what a profile's kernel computes and which
+                     # lines made it, `benchmarks/hlo_fusion.py DIR/FILE KERNEL`
 
 Rows are plain [b, T] sequences as in the anchors' runs; ``--packed`` passes each row's document
 boundaries (one document a row) so the step takes the packed-documents path of a text corpus
