@@ -258,19 +258,24 @@ def test_fused_input_projection_equals_each_linear(backbone, pre, rand):
 
 @pytest.mark.parametrize("pre", PRECONDITIONERS)
 def test_convolutions_pinned_and_fenced_with_a_preconditioner(pre, rand):
-    """With a preconditioner the q / k / v convolutions' inputs and outputs are pinned row-major
-    (six layout constraints, ``_convolve``) and their outputs pass one optimisation barrier
-    (``_heads``); without one XLA keeps both free (they cost DeltaNet time and memory). Either
-    way the layer's output is the same as computed without them."""
+    """Over full sequences with a preconditioner the q / k / v convolutions' inputs and outputs
+    are pinned row-major (six layout constraints) and their outputs pass one optimisation
+    barrier (``_convolve``); without one XLA keeps both free (they cost DeltaNet time), and a
+    decode step has neither. The convolutions' values are the same as without them."""
     layer = PrecondDeltaAttention(LayerConfig(D, H, preconditioner=pre, impl="chunked"),
                                   rngs=nnx.Rngs(0))
     x = rand.normal(2, 9, D)
-    text = jax.jit(lambda x: nnx.merge(*nnx.split(layer))(x)).lower(x).as_text()
+    graph, state = nnx.split(layer)
+    text = jax.jit(lambda x: nnx.merge(graph, state)(x)).lower(x).as_text()
     fenced = pre != "none"
     assert text.count("@LayoutConstraint") == 6 * fenced
     assert text.count("optimization_barrier") == 1 * fenced
+    step = jax.jit(lambda x, cache: nnx.merge(graph, state).step(x, cache))
+    step_text = step.lower(x[:, 0], layer.init_cache(2)).as_text()
+    assert "optimization_barrier" not in step_text and "@LayoutConstraint" not in step_text
     pre_conv = layer._project(x)
+    names = ("q_proj", "k_proj", "v_proj")
     convs = (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d)
-    got = layer._convolve(convs, [pre_conv[n] for n in ("q_proj", "k_proj", "v_proj")], None)
-    for m, n, y in zip(convs, ("q_proj", "k_proj", "v_proj"), got):
+    got = layer._convolve(convs, [pre_conv[n] for n in names], None)
+    for m, n, y in zip(convs, names, got):
         assert bool(jnp.all(y == m(pre_conv[n])))

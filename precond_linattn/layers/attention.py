@@ -167,29 +167,26 @@ class PrecondDeltaAttention(nnx.Module):
         return beta, g, pre
 
     def _convolve(self, convs, xs, cu_seqlens):
-        """The q, k, v short convolutions of the projections ``xs``; with a preconditioner their
-        inputs and outputs pinned row-major (``layout.row_major``). Left free around the ATK
-        kernels, XLA fuses the convolutions into the L2 norms' reductions (10.9 ms a step at
-        the 340M shape, run 184). H200 train steps (RESULTS runs 184-188; the barrier is
-        ``_heads``'): PDN 124.1 ms (barrier alone 125.1, pins alone 122.5) -> 116.7 with both,
-        PGDN 126.5 -> 122.4; OSDN 116.5 either way; DeltaNet 113.4 / 113.6 -> 114.3 / 115.1
-        with the pins alone, so not without a preconditioner (pins and barrier together are
-        untried there)."""
+        """The q, k, v short convolutions of the projections ``xs`` over full sequences. With a
+        preconditioner they are fenced off from XLA's fusion choices around its kernels (values
+        unchanged): their inputs and outputs pinned row-major (``layout.row_major``) and their
+        outputs materialised (an optimisation barrier). Left free, XLA fuses the convolutions
+        into the q / k L2 norms' reductions, a multi-output fusion of ~0.5 ms a layer at the
+        340M shape (OSDN, RESULTS run 181; PDN, run 184). Train steps: OSDN 134.8 -> 125.8 ms
+        with the barrier (H100, runs 181 / 183); PDN 124.1 -> 116.7 with both, 125.1 with the
+        barrier alone, 122.5 with the pins alone, PGDN 126.5 -> 122.4 (H200, runs 184-188).
+        Not without a preconditioner: XLA fuses DeltaNet's convolutions into the core's input
+        transposes, which the barrier splits (H100 126.9 -> 134.4 ms; GDN, H200, 135.7 ->
+        140.3) and the pins alone do not help (113.6 -> 114.3 / 115.1); pins and barrier
+        together are untried there. Not in ``step`` either: one token has nothing to lay out."""
         if self.config.preconditioner == "none":
             return tuple(m(x, cu_seqlens=cu_seqlens) for m, x in zip(convs, xs))
-        return tuple(row_major(m(row_major(x), cu_seqlens=cu_seqlens)) for m, x in zip(convs, xs))
+        ys = tuple(row_major(m(row_major(x), cu_seqlens=cu_seqlens)) for m, x in zip(convs, xs))
+        return jax.lax.optimization_barrier(ys)
 
     def _heads(self, q, k, v):
-        """q, k L2-normalised per head and v, as [..., H, d]. With a preconditioner the
-        convolutions' outputs are materialised first (the barrier; values unchanged): left to
-        XLA, they fuse into the L2 norms' reductions there, a multi-output fusion of ~0.54 ms
-        a layer at the 340M shape (H100 OSDN train step 134.8 -> 125.8 ms with the barrier;
-        PDN's see ``_convolve``). Not without one: XLA fuses DeltaNet's convolutions into the
-        core's input transposes, which the barrier splits (H100 126.9 -> 134.4 ms; GDN on the
-        H200 135.7 -> 140.3; RESULTS, 2026-12-06 sessions 39 and 41)."""
+        """q, k L2-normalised per head and v, as [..., H, d]."""
         c = self.config
-        if c.preconditioner != "none":
-            q, k, v = jax.lax.optimization_barrier((q, k, v))
         split = lambda a, d: a.reshape(*a.shape[:-1], c.num_heads, d)
         return (_l2norm(split(q, c.head_k_dim)), _l2norm(split(k, c.head_k_dim)),
                 split(v, c.head_v_dim))
