@@ -21,8 +21,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.partition import sharded_call
-from precond_linattn.layout import row_major
 from pallas_kernels.state_mosaic import kernel, read
+from precond_linattn.layout import row_major
 
 F32 = jnp.float32
 K_THREADS = 128  # the head dim the kernels take: one coordinate a thread of a warpgroup

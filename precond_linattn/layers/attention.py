@@ -47,9 +47,9 @@ from pallas_kernels import decode_step
 from precond_linattn._typing import Array, Float
 from precond_linattn.layers.config import LayerConfig
 from precond_linattn.layers.conv import ShortConvolution
-from precond_linattn.layout import row_major
 from precond_linattn.layers.init import a_log_init, dt_bias_init, normal
 from precond_linattn.layers.norm import RMSNorm
+from precond_linattn.layout import row_major
 from precond_linattn.ops.atk import atk_precondition, atk_step
 from precond_linattn.ops.delta import delta_rule, delta_rule_step
 from precond_linattn.ops.dispatch import choose_impl
