@@ -1,7 +1,8 @@
 """Training throughput of the 340M presets (issues 6 and 7): the jitted, donated train step of
 ``train.step`` (AdamW, fp32 weights, bf16 compute) on random tokens, one sequence a row, 8 x 2048
 tokens per data-parallel device by default; 2 warm-up steps, then the median step time of
-``--steps``; the step's peak device memory. Progress goes to stderr every ~10 % of a run's steps.
+``--steps``; the step's peak device memory; with several models, each one's tokens/s as a ratio
+of the first's (one process, one device). Progress goes to stderr every ~10 % of a run's steps.
 
     python benchmarks/bench_train.py [--preconditioners none osgm] [--remat] [--scan-layers] [--tied]
         [--packed]  # rows as packed documents: cu_seqlens [0, T] each, the ops vmapped over rows
@@ -336,6 +337,7 @@ def main():
     print(f"{'model':20s} {'run':18s} {'rows/dev':>8s} {'step ms':>8s} {'tok/s':>9s} {'tok/s/dev':>9s} "
           f"{'TFLOP/s':>7s} {'XLA GiB':>7s} {'alloc GiB':>9s} {'compile s':>9s} {'loss':>7s} {'weak':>6s} "
           f"{'max|dloss|':>10s}", flush=True)
+    first_runs = {}  # each model's first run (its first mesh), for the ratios at the end
     with default_options(a.osgm_variant), atk_precond.default_options(a.atk_options):
         for p, config in configs.items():
             name = f"{a.preset}/{p}"
@@ -346,8 +348,20 @@ def main():
                                  hlo=a.hlo and os.path.join(a.hlo, f"{p}_{r.kind}.hlo.txt"))
                        for r in runs]
             print_model(name, runs, results, a.losses)
+            first_runs[name] = results[0]
+    for line in ratio_lines(first_runs, runs[0].label):
+        print(line, flush=True)
     if a.profile and len(configs) > 1:
         print("\n".join(profile_diffs(a.profile, a.preset, list(configs))), flush=True)
+
+
+def ratio_lines(first_runs, label):
+    """Lines: each model's tokens/s as a ratio of the first model's and its XLA GiB as a
+    difference, from their runs ``label`` (one process, so one device: the ratio issue 6 asks
+    for); none for one model."""
+    (base_name, base), *others = first_runs.items()
+    return [f"{name} / {base_name} ({label}): tokens/s {res['tok_s'] / base['tok_s']:.3f}x, "
+            f"XLA GiB {res['xla_gib'] - base['xla_gib']:+.2f}" for name, res in others]
 
 
 def profile_diffs(profile, preset, models):

@@ -96,3 +96,13 @@ def test_packed_rows_train_like_dense_rows():
     dense, packed = losses(), losses("--packed")
     assert len(set(dense)) == 3
     np.testing.assert_allclose(packed, dense, rtol=1e-6)
+
+
+def test_ratio_lines_compare_each_model_with_the_first():
+    """The closing lines: tokens/s as a ratio of the first model's, XLA GiB as a difference."""
+    runs = {"m/none": dict(tok_s=144243.0, xla_gib=28.78), "m/osgm": dict(tok_s=140643.0, xla_gib=29.63),
+            "m/atk": dict(tok_s=132009.0, xla_gib=29.62)}
+    assert load_bench().ratio_lines(runs, "mesh 1,1,1") == [
+        "m/osgm / m/none (mesh 1,1,1): tokens/s 0.975x, XLA GiB +0.85",
+        "m/atk / m/none (mesh 1,1,1): tokens/s 0.915x, XLA GiB +0.84"]
+    assert load_bench().ratio_lines({"m/none": runs["m/none"]}, "mesh 1,1,1") == []
