@@ -21,31 +21,27 @@ _TABLE = re.compile(r"^(\d+) (.*)$")
 _HEADER = re.compile(r"^(?:ENTRY )?%(\S+) \(.*\{$")
 
 
+def _closing(s, i):
+    """The index just past the parenthesis that closes the one at ``s[i]``."""
+    depth = 0
+    while True:
+        depth += {"(": 1, ")": -1}.get(s[i], 0)
+        i += 1
+        if depth == 0:
+            return i
+
+
 def _split_instruction(line):
     """(name, type, opcode, operands text, rest) of an HLO instruction line, or None."""
     m = re.match(r"^\s*(?:ROOT )?%(\S+) = ", line)
     if not m:
         return None
-    s, i = line, m.end()
-    if s[i] == "(":  # a tuple type: up to its matching parenthesis
-        depth, j = 0, i
-        while True:
-            depth += {"(": 1, ")": -1}.get(s[j], 0)
-            j += 1
-            if depth == 0:
-                break
-        type_, i = s[i:j], j + 1
-    else:
-        j = s.index(" ", i)
-        type_, i = s[i:j], j + 1
-    j = s.index("(", i)
-    opcode, depth, k = s[i:j], 0, j
-    while True:
-        depth += {"(": 1, ")": -1}.get(s[k], 0)
-        k += 1
-        if depth == 0:
-            break
-    return m.group(1), type_, opcode, s[j + 1:k - 1], s[k:]
+    i = m.end()
+    j = _closing(line, i) if line[i] == "(" else line.index(" ", i)  # a tuple type, or one
+    type_, i = line[i:j], j + 1
+    j = line.index("(", i)
+    k = _closing(line, j)
+    return m.group(1), type_, line[i:j], line[j + 1:k - 1], line[k:]
 
 
 def parse(text):
@@ -107,9 +103,10 @@ def describe(text, names, n_frames=3):
     defined = {inst[0]: inst for insts in comps.values() for inst in insts}
     lines = []
     for name in names:
-        key = re.sub(r"_(\d+)$", r".\1", name)
-        found = [i for i in defined.values() if i[0] == key] or [
-            i for i in defined.values() if re.fullmatch(re.escape(key) + r"(\.\d+)?", i[0])]
+        key = re.sub(r"_(\d+)$", r".\1", name)  # the profile's _23 is the HLO's .23
+        numbered = re.search(r"\.\d+$", key)  # one instruction; else every one of the kind
+        pattern = re.escape(key) + ("" if numbered else r"(\.\d+)?")
+        found = [i for i in defined.values() if re.fullmatch(pattern, i[0])]
         if not found:
             lines.append(f"{name}: no such instruction")
             continue

@@ -42,3 +42,22 @@ def test_a_fusion_points_at_the_lines_that_made_it(tmp_path, capsys):
     assert f"[{here}:{concat_line} _joined; {here}:{caller_line} _step]" in concat[0]
     assert any(line.strip().startswith("transpose") and "{0,1}" in line for line in out)
     assert out[-1] == "no_such_fusion_3: no such instruction"
+
+
+def test_a_name_without_its_number_takes_the_whole_kind():
+    """``loop_add_fusion`` lists every instruction of that kind (with and without a number);
+    ``loop_add_fusion_4`` (the profile's spelling) and ``loop_add_fusion.4`` only that one."""
+    text = "\n".join([
+        "ENTRY %main (p: f32[4]) -> f32[4] {",
+        "  %p = f32[4]{0} parameter(0)",
+        "  %loop_add_fusion = f32[4]{0} fusion(%p), kind=kLoop, calls=%c",
+        "  %loop_add_fusion.4 = f32[4]{0} fusion(%loop_add_fusion), kind=kLoop, calls=%c",
+        "  ROOT %loop_add_fusion.41 = (f32[4]{0}, f32[4]{0}) fusion(%p), kind=kLoop, calls=%c",
+        "}"])
+    heads = lambda name: [line.split(" = ")[0] for line in hlo_fusion.describe(text, [name])
+                          if " = " in line]
+    assert heads("loop_add_fusion") == ["loop_add_fusion", "loop_add_fusion.4",
+                                        "loop_add_fusion.41"]
+    assert heads("loop_add_fusion_4") == heads("loop_add_fusion.4") == ["loop_add_fusion.4"]
+    assert hlo_fusion.describe(text, ["loop_add_fusion.41"])[0] == (
+        "loop_add_fusion.41 = (f32[4]{0}, f32[4]{0}) fusion")
