@@ -167,20 +167,15 @@ class PrecondDeltaAttention(nnx.Module):
         return beta, g, pre
 
     def _convolve(self, convs, xs, cu_seqlens):
-        """The q, k, v short convolutions of the projections ``xs`` over full sequences. With a
-        preconditioner they are fenced off from XLA's fusion choices around its kernels (values
-        unchanged): their inputs and outputs pinned row-major (``layout.row_major``) and their
-        outputs materialised (an optimisation barrier). Left free, XLA fuses the convolutions
-        into the q / k L2 norms' reductions, a multi-output fusion of ~0.5 ms a layer at the
-        340M shape (OSDN, RESULTS run 181; PDN, run 184). Train steps: OSDN 134.8 -> 125.8 ms
-        with the barrier (H100, runs 181 / 183); PDN 124.1 -> 116.7 with both, 125.1 with the
-        barrier alone, 122.5 with the pins alone, PGDN 126.5 -> 122.4 (H200, runs 184-188).
-        Not without a preconditioner: XLA fuses DeltaNet's convolutions into the core's input
-        transposes, which the barrier splits (H100 126.9 -> 134.4 ms; GDN, H200, 135.7 ->
-        140.3) and the pins alone do not help (113.6 -> 114.3 / 115.1); pins and barrier
-        together are untried there. Not in ``step`` either: one token has nothing to lay out."""
-        if self.config.preconditioner == "none":
-            return tuple(m(x, cu_seqlens=cu_seqlens) for m, x in zip(convs, xs))
+        """The q, k, v short convolutions of the projections ``xs`` over full sequences, fenced
+        off from XLA's fusion choices around the core's kernels (values unchanged): their inputs
+        and outputs pinned row-major (``layout.row_major``) and their outputs materialised (an
+        optimisation barrier). Left free, XLA fuses the convolutions into the q / k L2 norms'
+        reductions or into transposes feeding the core, computing them in a [B, D, T] layout.
+        Train steps at the 340M shapes, H200: DeltaNet 110.5 -> 105.3 ms, GDN 131.5 -> 112.4
+        (RESULTS runs 190-191); PDN 124.1 -> 116.7 (122.5 with the pins alone, 125.1 with the
+        barrier alone, runs 184-188); OSDN 134.8 -> 125.8 with the barrier (H100, runs 181 /
+        183). Not in ``step``: one token has nothing to lay out."""
         ys = tuple(row_major(m(row_major(x), cu_seqlens=cu_seqlens)) for m, x in zip(convs, xs))
         return jax.lax.optimization_barrier(ys)
 
