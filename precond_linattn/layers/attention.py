@@ -175,7 +175,8 @@ class PrecondDeltaAttention(nnx.Module):
         Train steps at the 340M shapes, H200: DeltaNet 110.5 -> 105.3 ms, GDN 131.5 -> 112.4
         (RESULTS runs 190-191); PDN 124.1 -> 116.7 (122.5 with the pins alone, 125.1 with the
         barrier alone, runs 184-188); OSDN 134.8 -> 125.8 with the barrier (H100, runs 181 /
-        183). Not in ``step``: one token has nothing to lay out."""
+        183). The barrier costs memory: +2.2 GiB a DeltaNet / GDN step (the outputs are kept).
+        Not in ``step``: one token has nothing to lay out."""
         ys = tuple(row_major(m(row_major(x), cu_seqlens=cu_seqlens)) for m, x in zip(convs, xs))
         return jax.lax.optimization_barrier(ys)
 
