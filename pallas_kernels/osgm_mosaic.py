@@ -105,8 +105,14 @@ def _clip(p, d_min, d_max):
 
 
 def _affine(r_t, d, u_t, s_t):
-    """r_t d + u_t s_t (s_t = k_t ⊙ k_t): the argument of token t's clip."""
-    return r_t * d + u_t * s_t
+    """r_t d + u_t s_t (s_t = k_t ⊙ k_t): the argument of token t's clip (r_t None: r ≡ 1,
+    no retention, one multiplication fewer on the sweeps' chain)."""
+    return _retained(r_t, d) + u_t * s_t
+
+
+def _retained(r_t, x):
+    """r_t x (r_t None: x, r ≡ 1)."""
+    return x if r_t is None else r_t * x
 
 
 def _changed(new, old):
@@ -123,12 +129,12 @@ def _accepts(s, wg, r, scale=None):
     and F contracts by κ <= ω max_t Σ_j s_tj; hence ‖x − x*‖∞ <= ‖x_new − x‖∞ / (1 − κ) and
     the test ω ‖x_new − x‖∞ <= 2⁻²⁶ ``scale`` (1 − κ). ``scale``: the largest |d| the box
     allows; None (the adjoint): max_t |x_new_t| / max_t Σ_j s_tj, a lower bound of max |M|.
-    s [TILE, 128] (WGMMA layout), wg = w g and r [TILE] (ROWS). Never true where |r_t| > 1
-    or κ >= 1: such a tile settles bit for bit."""
+    s [TILE, 128] (WGMMA layout), wg = w g and r [TILE] (ROWS; None: r ≡ 1). Never true where
+    |r_t| > 1 or κ >= 1: such a tile settles bit for bit."""
     omega = jnp.max(jnp.sum(bcast_rows(jnp.abs(wg), s.shape) * s, axis=0))
     n_max = jnp.max(jnp.sum(s, axis=1))
     kappa = omega * n_max
-    valid = (jnp.max(jnp.abs(r)) <= 1.0) & (kappa < 1.0)
+    valid = kappa < 1.0 if r is None else (jnp.max(jnp.abs(r)) <= 1.0) & (kappa < 1.0)
 
     def accept(x_new, x):
         error = omega * jnp.max(jnp.abs(x_new - x))
@@ -165,11 +171,11 @@ def _settle(step, x0, carry0, accept):
 
 def _forward_sweep(d0, s_row, u, r, D, bounds, interpret, first=None):
     """d_t of the tile's tokens into the rows of ``D`` (a document's first token: the restart
-    row already there) for the per-token u_t, r_t (shared-memory rows) and s_t = ``s_row(t)``;
-    returns the state after the tile."""
+    row already there) for the per-token u_t, r_t (shared-memory rows; ``r`` None: r ≡ 1) and
+    s_t = ``s_row(t)``; returns the state after the tile."""
     def load(t):
         restart = None if first is None else (flag_mask(first[t]), row(D.at[t]))
-        return r[t], u[t], s_row(t), restart
+        return None if r is None else r[t], u[t], s_row(t), restart
 
     def step(t, values, d):
         r_t, u_t, s_t, restart = values
@@ -182,7 +188,7 @@ def _forward_sweep(d0, s_row, u, r, D, bounds, interpret, first=None):
 
 
 def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residuals=False,
-             warpgroups=1, bound_stop=False):
+             warpgroups=1, bound_stop=False, retention=True):
     """k [B, Tp, H, 128] (Tp a multiple of TILE), coefs [B, H, 4 (+ 3 if ``packed``), Tp]
     (``coefficient_rows``), initial_state [N, H, 128] float32 (N = B, or the documents);
     bounds (d_min, d_max). Returns k̃ [B, Tp, H, 128] in k's dtype and the final d [N, H, 128]
@@ -191,7 +197,9 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
     keys): the sweeps' warpgroup does only the chain (the guess, the sweeps, the row sums) while
     a second one forms S of the next tile and k̃ of the last (``rows_mosaic.walk_pair``; two S
     and D tiles). ``bound_stop``: a tile's sweeps end at ``_accepts``' bound too (True), or
-    only when the coupling comes back bit for bit (False, as ``osgm_precond.Options``)."""
+    only when the coupling comes back bit for bit (False, as ``osgm_precond.Options``).
+    ``retention`` False: r ≡ 1 (vanilla OSDN), compiled in: the coefficient rows r and p are
+    never read and the sweeps' chain loses its multiplication r_t d."""
     B, Tp, H, K = k.shape
     check_shape("osgm_mosaic.osgm_fwd", K, Tp)
     check_warpgroups(warpgroups, k)
@@ -224,6 +232,7 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
 
         def chain(i, slot, d0):
             D_, S_, u_t = slot_tile(D, slot), slot_tile(S, slot), u.at[slot]
+            r_ = r.at[slot] if retention else None
             starts.at[slot][...] = d0
             if packed:
                 restart_rows(init_ref, h, doc.at[slot], first.at[slot], D_, start_bar, stage)
@@ -232,29 +241,29 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
                 s = tile(S_, interpret)
                 w_row = plgpu.load(w.at[slot], layout=ROWS)
                 g_row = plgpu.load(g.at[slot], layout=ROWS)
-                p_row = plgpu.load(p.at[slot], layout=ROWS)
-                d_t = (bcast_rows(p_row, s.shape)  # clip(p_t d_0)
-                       * bcast_cols(plgpu.load(starts.at[slot], layout=COLS), s.shape))
+                d_t = bcast_cols(plgpu.load(starts.at[slot], layout=COLS), s.shape)
+                if retention:  # clip(p_t d_0)
+                    d_t = bcast_rows(plgpu.load(p.at[slot], layout=ROWS), s.shape) * d_t
                 guess = jnp.sum(s * _clip(d_t, *bounds), axis=1)
 
             def step(a_t):
                 with jax.named_scope("sweep"):
                     u_t[...] = w_row * (1.0 - g_row * a_t)
                     plgpu.commit_smem()
-                    d = _forward_sweep(d0, lambda t: row(S_.at[t]), u_t, r.at[slot], D_, bounds,
+                    d = _forward_sweep(d0, lambda t: row(S_.at[t]), u_t, r_, D_, bounds,
                                        interpret, first.at[slot] if packed else None)
                     plgpu.commit_smem()
                 with jax.named_scope("row_sums"):
                     return row_sums(D_, s, interpret), d
 
-            accept = _accepts(s, w_row * g_row, plgpu.load(r.at[slot], layout=ROWS),
+            accept = _accepts(s, w_row * g_row, None if r_ is None else plgpu.load(r_, layout=ROWS),
                               max(abs(bounds[0]), abs(bounds[1]))) if bound_stop else None
             a_t, d = _settle(step, guess, d0, accept)
             a.at[slot][...] = a_t
             if packed:  # each document ending here: its state after its last token
                 def ends(t, _):
-                    value = _clip(_affine(r[slot, t], row(D_.at[t]), u_t[t], row(S_.at[t])),
-                                  *bounds)
+                    r_t = None if r_ is None else r_[t]
+                    value = _clip(_affine(r_t, row(D_.at[t]), u_t[t], row(S_.at[t])), *bounds)
                     document_out(value, final_ref, h, doc[slot, t].astype(jnp.int32),
                                  last[slot, t], doc_buf)
                 lax.fori_loop(0, TILE, ends, None)
@@ -285,7 +294,7 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
 
 
 def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=False,
-             warpgroups=1, bound_stop=False):
+             warpgroups=1, bound_stop=False, retention=True):
     """The reverse scan by Picard sweeps per tile (tiles in reverse): with λ = ∂L/∂d_{t+1},
     μ = λ ⊙ [d_min < r d + u s < d_max], γ = ⟨μ, s⟩ (the sweeps' coupling),
 
@@ -303,8 +312,8 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
     while a second one recomputes d_t for the tile walked next and forms ∂r and ∂k of the tile
     walked before and sends them (``rows_mosaic.walk_pair``; two D and M tiles, s_t squared
     where read); ∂k then comes in k's dtype (the float32 values rounded once; ∂k̃ in the same
-    dtype), written over ∂k̃'s tile and sent as one copy. ``bound_stop``: as ``osgm_fwd``'s.
-    Each tile's sweeps start from γ = 0."""
+    dtype), written over ∂k̃'s tile and sent as one copy. ``bound_stop``, ``retention``: as
+    ``osgm_fwd``'s (without retention ∂r is 0, not formed). Each tile's sweeps start from γ = 0."""
     B, Tp, H, K = k.shape
     check_shape("osgm_mosaic.osgm_bwd", K, Tp)
     check_warpgroups(warpgroups, k, dkw)
@@ -338,11 +347,11 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
         S = padded(S) if squares else None
         D_of, M_of = (functools.partial(slot_tile, x) for x in (D, M))
 
-        def s_row(t, slot):
-            """s_t = k_t ⊙ k_t (float32)."""
+        def s_row(t, slot, k_t=None):
+            """s_t = k_t ⊙ k_t (float32); ``k_t``: its row if already read."""
             if squares:
                 return row(S.at[t])
-            k_t = row(k.at[slot, t])
+            k_t = row(k.at[slot, t]) if k_t is None else k_t
             return k_t * k_t
 
         def s_tile(slot):
@@ -356,14 +365,24 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
             issue((b, h), i, slot, in_bar, [(k_ref, k), (dkw_ref, dkw)], rows, c_ref, bufs,
                    [(st_ref, st)])
 
-        def inside(t, slot):
+        def r_at(slot, t):
+            """r_t from shared memory, or None without retention (r ≡ 1)."""
+            return r[slot, t] if retention else None
+
+        def inside(t, slot, s_t):
             """[d_min < r_t d_t + u_t s_t < d_max]: where the clip passes λ at token t."""
-            p = _affine(r[slot, t], row(D_of(slot).at[t]), u[slot, t], s_row(t, slot))
+            p = _affine(r_at(slot, t), row(D_of(slot).at[t]), u[slot, t], s_t)
             return (p > d_min) & (p < d_max)
 
-        def source(t, slot):
+        def source(t, slot, k_t, s_t):
             """c_t s_t + ∂k̃_t ⊙ k_t: the adjoint's step at token t less its r_t μ_t."""
-            return c[t] * s_row(t, slot) + row(dkw.at[slot, t]) * row(k.at[slot, t])
+            return c[t] * s_t + row(dkw.at[slot, t]) * k_t
+
+        def key(t, slot):
+            """(k_t, s_t) of token t, k's row read once (its 16-bit loads held the sweeps'
+            loop, RESULTS run 178)."""
+            k_t = row(k.at[slot, t])
+            return k_t, s_row(t, slot, k_t)
 
         def reverse_sweep(lam, slot):
             """μ_t into the rows of M (a document's last token: λ from the row there, whose μ
@@ -373,7 +392,8 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
 
             def load(t):
                 restart = (flag_mask(last[slot, t]), row(M.at[t])) if packed else None
-                return inside(t, slot), r[slot, t], source(t, slot), restart
+                k_t, s_t = key(t, slot)
+                return inside(t, slot, s_t), r_at(slot, t), source(t, slot, k_t, s_t), restart
 
             def step(t, values, lam):
                 keep, r_t, e_t, restart = values
@@ -381,7 +401,7 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
                 if restart is not None:
                     mu = jnp.where(restart[0], restart[1], mu)
                 M.at[t][...] = mu
-                return r_t * mu + e_t
+                return _retained(r_t, mu) + e_t
 
             return tokens(load, step, lam, interpret, reverse=True)
 
@@ -414,7 +434,7 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
                     restart_rows(init_ref, h, doc.at[slot], first.at[slot], D, bar, buf)
             with jax.named_scope("recompute"):
                 _forward_sweep(plgpu.load(st.at[slot], layout=VEC), lambda t: s_row(t, slot),
-                               u.at[slot], r.at[slot], D, bounds, interpret,
+                               u.at[slot], r.at[slot] if retention else None, D, bounds, interpret,
                                first.at[slot] if packed else None)
 
         def chain(i, slot, lam0):
@@ -426,7 +446,7 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
                 restart_rows(dfinal_ref, h, doc.at[slot], last.at[slot], M, start_bar, stage)
 
                 def masked(t, _):
-                    keep = flag_mask(last[slot, t]) & inside(t, slot)
+                    keep = flag_mask(last[slot, t]) & inside(t, slot, key(t, slot)[1])
                     M.at[t][...] = jnp.where(keep, row(M.at[t]), 0.0)
                 lax.fori_loop(0, TILE, masked, None)
             plgpu.commit_smem()
@@ -442,14 +462,14 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
                 with jax.named_scope("row_sums"):
                     return row_sums(M, s, interpret), lam
 
-            accept = (_accepts(s, gw_row, plgpu.load(r.at[slot], layout=ROWS)) if bound_stop
-                      else None)
+            r_row = plgpu.load(r.at[slot], layout=ROWS) if retention else None
+            accept = _accepts(s, gw_row, r_row) if bound_stop else None
             gam_t, lam = _settle(step, plgpu.layout_cast(jnp.zeros((TILE,), F32), ROWS), lam0,
                                  accept)
             gam.at[slot][...] = gam_t
             if packed:  # each document starting here: the λ before its first token
                 def starts_(t, _):
-                    lam_t = r[slot, t] * row(M.at[t]) + source(t, slot)
+                    lam_t = _retained(r_at(slot, t), row(M.at[t])) + source(t, slot, *key(t, slot))
                     document_out(lam_t, dinit_ref, h, doc[slot, t].astype(jnp.int32),
                                  first[slot, t], doc_buf)
                 lax.fori_loop(0, TILE, starts_, None)
@@ -458,8 +478,11 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
         def gradients(i, slot):  # ∂r_t = ⟨μ_t, d_t⟩, then ∂k_t in place of μ_t
             plgpu.commit_smem()  # γ in shared memory for every thread
             with jax.named_scope("dr"):
-                dr.at[slot][...] = jnp.sum(tile(M_of(slot), interpret) * tile(D_of(slot), interpret),
-                                           axis=1)
+                if retention:
+                    dr.at[slot][...] = jnp.sum(tile(M_of(slot), interpret)
+                                               * tile(D_of(slot), interpret), axis=1)
+                else:
+                    dr.at[slot][...] = plgpu.layout_cast(jnp.zeros((TILE,), F32), ROWS)
             with jax.named_scope("gradients"):
                 gradient_rows(slot)
 

@@ -173,6 +173,7 @@ class _Config:
     options: Options
     interpret: bool
     pieces: int = 1  # sequence pieces of each dense row in the Picard sweeps
+    retention: bool = True  # False: r ≡ 1 (no APF), compiled into the Mosaic kernels
 
 
 def supports(*, K: int, dtype) -> bool:
@@ -242,7 +243,8 @@ def _mosaic_forward(cfg, k, aux, init, residuals=False):
     out = _mosaic_call(
         cfg, functools.partial(osgm_mosaic.osgm_fwd, residuals=residuals,
                                warpgroups=_warpgroups(cfg, k),
-                               bound_stop=cfg.options.mosaic_bound_stop),
+                               bound_stop=cfg.options.mosaic_bound_stop,
+                               retention=cfg.retention),
         [rows_mosaic.tile_padded(k, Tp), coefs, init], ["b t h k", "b h r t", "n h k"],
         ["b t h k", "n h k"] + (["b h j t", "b i h k"] if residuals else []))
     return (out[0][:, :T], *out[1:])
@@ -260,7 +262,8 @@ def _mosaic_backward(cfg, k, aux, residuals, init, dkw, dfinal):
     coefs = osgm_mosaic.backward_rows(per_token, u, a, eps, Tp, _documents(cfg, aux))
     dk, rows, dinit = _mosaic_call(
         cfg, functools.partial(osgm_mosaic.osgm_bwd, warpgroups=_warpgroups(cfg, k, dkw),
-                               bound_stop=cfg.options.mosaic_bound_stop),
+                               bound_stop=cfg.options.mosaic_bound_stop,
+                               retention=cfg.retention),
         [rows_mosaic.tile_padded(k, Tp), rows_mosaic.tile_padded(dkw, Tp), coefs, starts, init,
          dfinal],
         ["b t h k", "b t h k", "b h r t", "b i h k", "n h k", "n h k"],
@@ -484,6 +487,6 @@ def osgm_pallas(k, beta, retention, eta, d_min, d_max, beta_aware, eps, initial_
     cfg = _Config(tuple(float(x) for x in hyper), beta_aware, cu_seqlens is not None, options,
                   interpret_default() if interpret is None else interpret,
                   _pieces(options, B * H * (Kp // min(options.picard_block_k, Kp)), T,
-                          cu_seqlens is not None))
+                          cu_seqlens is not None), retention is not None)
     k_write, final = _scan(cfg, *vary_alike(pad_last(k, Kp), aux, init))
     return k_write[..., :K], final[..., :K]

@@ -84,16 +84,17 @@ def test_bf16_keys(monkeypatch):
 
 
 @pytest.mark.heavy
-def test_packed_documents(monkeypatch):
+@pytest.mark.parametrize("retention", [True, False])
+def test_packed_documents(monkeypatch, retention):
     """Documents of 5, 1 (first and last token at once), 58 and 6 tokens in one row of 70 (a
-    boundary inside each tile, a partial last tile), the clip active: forward, each
-    document's final state and every gradient within 2e-5 of the reference, the documents'
-    initial states given (without them the wrapper passes ones, the same kernel path); the
-    Triton loops never ran."""
+    boundary inside each tile, a partial last tile), the clip active, with APF retention and
+    without (the kernels' r ≡ 1 form): forward, each document's final state and every
+    gradient within 2e-5 of the reference, the documents' initial states given (without them
+    the wrapper passes ones, the same kernel path); the Triton loops never ran."""
     x = make_inputs(6, b=1, t=70, k_dim=128, n_init=4, skewed=True)
-    kw = dict(eta=2.0, cu_seqlens=jnp.asarray([0, 5, 6, 64, 70], jnp.int32))
+    kw = dict(eta=2.0, cu_seqlens=jnp.asarray([0, 5, 6, 64, 70], jnp.int32), retention=retention)
     triton_loops_poisoned(monkeypatch)
-    grads = ("k", "beta", "retention", "initial_state")
+    grads = ("k", "beta", "initial_state") + (("retention",) if retention else ())
     assert_runs_match(run(MOSAIC, x, **kw), run("reference", x, **kw), 2e-5, grads)
 
 
@@ -169,9 +170,10 @@ def test_bad_shapes_raise():
         Options(mosaic_bound_stop=0)
 
 
-@pytest.mark.parametrize("dtype, residuals, packed", [(jnp.bfloat16, False, False),
-                                                      (jnp.float32, True, True)])
-def test_lowers_for_cuda(dtype, residuals, packed):
+@pytest.mark.parametrize("dtype, residuals, packed, retention", [
+    (jnp.bfloat16, False, False, True), (jnp.float32, True, True, True),
+    (jnp.bfloat16, True, False, False)])
+def test_lowers_for_cuda(dtype, residuals, packed, retention):
     """Through Mosaic GPU's own passes (layout inference of the per-thread rows, the tiles'
     row sums and the sweeps' while loop; with packed documents the restart rows and the
     document states), three tiles each way; no warpgroup barrier inside the sweeps' token
@@ -180,9 +182,10 @@ def test_lowers_for_cuda(dtype, residuals, packed):
     s, docs = jax.ShapeDtypeStruct, 3 * packed
     seq, state = s((2, 192, 2, 128), dtype), s((5 if packed else 2, 2, 128), jnp.float32)
     fwd = lambda k, c, i: osgm_mosaic.osgm_fwd(k, c, i, bounds=(0.5, 2.0), interpret=False,  # noqa: E731
-                                               packed=packed, residuals=residuals)
+                                               packed=packed, residuals=residuals,
+                                               retention=retention)
     bwd = lambda *a: osgm_mosaic.osgm_bwd(*a, bounds=(0.5, 2.0), interpret=False,  # noqa: E731
-                                          packed=packed)
+                                          packed=packed, retention=retention)
     starts = s((2, 3, 2, 128), jnp.float32)
     for fn, args, name in [
             (fwd, (seq, s((2, 2, 4 + docs, 192), jnp.float32), state), "osgm_fwd_mosaic"),
@@ -196,14 +199,15 @@ def test_lowers_for_cuda(dtype, residuals, packed):
 MOST_BITWISE = 4  # sweeps a tile at the paper's settings with the bitwise stop
 
 
-def paper_settings(t):
-    """bench_osgm's inputs (η = 0.003, unit keys, APF retention ~0.998) at one row and head of
-    t tokens: (the forward's arguments, the backward's given the forward's residuals)."""
+def paper_settings(t, r=None, **options):
+    """bench_osgm's inputs (η = 0.003, unit keys, APF retention ~0.998, or ``r`` given) at one
+    row and head of t tokens: (the forward's arguments, the backward's given the forward's
+    residuals, run with the kernels' ``options``)."""
     x, _ = make_bench_inputs(jax.random.PRNGKey(3), 1, t, 1, 128, jnp.float32)
-    coefs = coefficients(x["k"], x["beta"], x["r"], 0.003, True, 1e-6)
+    coefs = coefficients(x["k"], x["beta"], x["r"] if r is None else r, 0.003, True, 1e-6)
     rows, init = osgm_mosaic.coefficient_rows(coefs, t), jnp.ones((1, 1, 128), jnp.float32)
     _, _, res, starts = osgm_mosaic.osgm_fwd(x["k"], rows, init, bounds=(0.5, 2.0),
-                                             interpret=True, residuals=True)
+                                             interpret=True, residuals=True, **options)
     u, a = (jnp.moveaxis(res[:, :, i], 1, 2) for i in range(2))
     return ((x["k"], rows, init), (x["k"], x["k"] * 0.5,
             osgm_mosaic.backward_rows(coefs, u, a, 1e-6, t), starts, init, init * 0.1))
@@ -262,3 +266,48 @@ def test_stop_option_reaches_the_kernels(monkeypatch, bound_stop):
     options = Options(picard_iters=0, mosaic_bound_stop=bound_stop)
     jax.grad(osgm_loss(options, interpret=True), argnums=(0, 1, 2))(*osgm_inputs())
     assert sorted(set(seen)) == [("osgm_bwd", bound_stop), ("osgm_fwd", bound_stop)]
+
+
+def test_without_retention_the_r_rows_are_never_read():
+    """``retention=False`` (vanilla OSDN: r ≡ 1 compiled in) on rows whose r and p are random
+    gives bit for bit what the retention path gives on rows with r ≡ 1 (k̃, final d, the
+    residuals, ∂k, γ, ∂d_1), and ∂r = 0; two tiles each way, both warpgroup layouts."""
+    t = 128
+    ones = jnp.ones((1, t, 1), jnp.float32)
+    noise = jax.random.uniform(jax.random.PRNGKey(5), (1, t, 1), minval=0.5, maxval=0.9)
+    for warpgroups in (1, 2):
+        dtype = jnp.float32 if warpgroups == 1 else jnp.bfloat16
+        want = both_ways(*_cast(paper_settings(t, ones), dtype), warpgroups=warpgroups)
+        got = both_ways(*_cast(paper_settings(t, noise, retention=False), dtype),
+                        warpgroups=warpgroups, retention=False)
+        for a, b in zip(got[0] + got[1][::2], want[0] + want[1][::2]):
+            assert jnp.array_equal(a, b)
+        assert jnp.array_equal(got[1][1][:, :, 0], want[1][1][:, :, 0])  # γ
+        assert float(jnp.max(jnp.abs(want[1][1][:, :, 1]))) > 0  # ∂r, with retention
+        assert not jnp.any(got[1][1][:, :, 1])
+
+
+def _cast(settings, dtype):
+    """``paper_settings``' arguments with k and ∂k̃ in ``dtype`` (two warpgroups take 16-bit)."""
+    (k, rows, init), (_, dkw, *rest) = settings
+    return (k.astype(dtype), rows, init), (k.astype(dtype), dkw.astype(dtype), *rest)
+
+
+def test_vanilla_calls_take_the_kernels_without_retention(monkeypatch):
+    """The public op passes ``retention=False`` to both Mosaic kernels exactly when it has no
+    retention (OSDN), True with one (OSDN-APF)."""
+    from test_kernel_streams import osgm_inputs
+    seen = []
+    for name in ("osgm_fwd", "osgm_bwd"):
+        real = getattr(osgm_mosaic, name)
+        monkeypatch.setattr(osgm_mosaic, name, lambda *a, real=real, name=name, **kw:
+                            seen.append((name, kw["retention"])) or real(*a, **kw))
+    k, beta, r = osgm_inputs()
+    for retention in (None, r):
+        seen.clear()
+        loss = lambda k, beta: jnp.sum(osgm_pallas(  # noqa: E731
+            k, beta, retention, 0.003, 0.5, 2.0, True, 1e-6, None, None, 64,
+            Options(picard_iters=0), interpret=True)[0].astype(jnp.float32) ** 2)
+        jax.grad(loss, argnums=(0, 1))(k, beta)
+        assert set(seen) == {("osgm_fwd", retention is not None),
+                             ("osgm_bwd", retention is not None)}
