@@ -14,10 +14,13 @@ the float32 state S [K, V]:
         S̄ = S | exp(g) S | Diag(exp(g)) S          (no / scalar / per-channel decay)
         u = v − S̄ᵀ k      S_new = S̄ + β k̃ uᵀ      o = S_newᵀ (scale · q)
 
-Grid (B, H, V / BV): each program holds one state tile S [K, BV] and the K-sized vectors; the
-OSGM update is K-sized, so every V tile redoes it, and tile 0 alone stores d_new. The products
-S̄ᵀ k and S_newᵀ q are column sums of broadcast products (no dots: one column of outputs a
-tile). The new state may overwrite the old one (``input_output_aliases``). Head dims that are
+Grid (B, H, V / BV): each program holds one state tile S [K, BV] and the K-sized vectors. The
+products S̄ᵀ k and S_newᵀ q are column sums of broadcast products (no dots: one column of
+outputs a tile). The new state may overwrite the old one (``input_output_aliases``), and so may
+OSGM's d_new the old d: with OSGM the grid has a single V tile (BV = V, the warps scaled with
+it up to 8), so the one program that reads d writes d_new over it, and a decoding loop carries
+d without a copy (a separate d_new buffer must be copied into the loop's carry, one small
+device copy a layer a token). Head dims that are
 not powers of two >= 16 are zero-padded (``pow2_dim``) and the results sliced back. Inside a
 ``jit`` over a device mesh the call goes through ``partition.sharded_call`` (rows and heads stay
 sharded). Without a GPU it runs in interpret mode.
@@ -57,7 +60,9 @@ class OSGMStep(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class Launch:
     """The kernel's launch: block_v, the V tile BV of a program (a power of two >= 16; min(block_v,
-    padded V)), and num_warps, warps a program (GPU only). Untuned: no device measurement yet."""
+    padded V)), and num_warps, warps a program (GPU only). With OSGM the tile is the whole padded V
+    and the warps num_warps x the tiles it replaces, at most 8 (the module docstring). RESULTS
+    run 60: 32 / 4 the fastest of four launches without OSGM."""
 
     block_v: int = 32
     num_warps: int = 4
@@ -121,10 +126,7 @@ def _kernel(*refs, names, decay, hyper, scale):
     if hyper is not None:
         r = f32("retention") if "retention" in inputs else None
         kw, d_new = _osgm_update(k, f32("d"), beta, r, hyper, inputs["k"].dtype)
-
-        @pl.when(pl.program_id(2) == 0)
-        def _():
-            d_out[0][...] = d_new
+        d_out[0][...] = d_new  # over d (aliased): this program alone read it (one V tile)
     else:
         kw = f32("write_key") if "write_key" in inputs else k
     alpha = None
@@ -237,7 +239,10 @@ def _step(q, k, v, beta, state, log_decay, write_key, d, retention, *, decay, hy
         if retention is not None:
             inputs["retention"] = (retention, "scalar")
     kernel = functools.partial(_kernel, names=tuple(inputs), decay=decay, hyper=hyper, scale=scale)
-    o, S, d = _call(kernel, inputs, min(launch.block_v, Vp), launch.num_warps, interpret)
+    BV, warps = min(launch.block_v, Vp), launch.num_warps
+    if d is not None:  # one V tile, so that d_new may overwrite d (the module docstring)
+        BV, warps = Vp, min(8, warps * (Vp // BV))
+    o, S, d = _call(kernel, inputs, BV, warps, interpret)
     if padded:
         o, S, d = o[..., :V], S[:, :, :K, :V], None if d is None else d[..., :K]
     return o, S, d
@@ -246,11 +251,13 @@ def _step(q, k, v, beta, state, log_decay, write_key, d, retention, *, decay, hy
 def _call(kernel, inputs, BV, num_warps, interpret):
     """(o, S_new, d_new or None) of ``kernel`` over the grid (B, H, Vp / BV) of ``inputs``
     {name: (array, kind)}, through ``sharded_call`` (rows and heads stay sharded on a mesh);
-    S_new overwrites ``inputs["state"]`` where XLA can."""
+    S_new overwrites ``inputs["state"]`` and d_new ``inputs["d"]`` where XLA can (d: one V tile
+    only, BV = Vp)."""
     names, arrays = list(inputs), [a for a, _ in inputs.values()]
     _, _, K, Vp = inputs["state"][0].shape
     outputs = [("state", jnp.float32), ("value", inputs["v"][0].dtype)]
     outputs += [("key", jnp.float32)] if "d" in inputs else []
+    aliases = {names.index("state"): 0} | ({names.index("d"): 2} if "d" in inputs else {})
 
     def call(*xs):
         """The pallas_call on (a shard of) the operands."""
@@ -261,7 +268,7 @@ def _call(kernel, inputs, BV, num_warps, interpret):
             kernel, grid=(size["b"], size["h"], Vp // BV),
             in_specs=[_spec(kind, K, BV) for _, kind in inputs.values()],
             out_specs=[_spec(kind, K, BV) for kind, _ in outputs], out_shape=out_shape,
-            input_output_aliases={names.index("state"): 0},
+            input_output_aliases=aliases,
             compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=1),
             interpret=interpret, name="decode_step")(*xs))
 
