@@ -17,10 +17,12 @@ the float32 state S [K, V]:
 Grid (B, H, V / BV): each program holds one state tile S [K, BV] and the K-sized vectors. The
 products S̄ᵀ k and S_newᵀ q are column sums of broadcast products (no dots: one column of
 outputs a tile). The new state may overwrite the old one (``input_output_aliases``), and so may
-OSGM's d_new the old d: with OSGM the grid has a single V tile (BV = V, the warps scaled with
-it up to 8), so the one program that reads d writes d_new over it, and a decoding loop carries
-d without a copy (a separate d_new buffer must be copied into the loop's carry, one small
-device copy a layer a token). Head dims that are
+OSGM's d_new the old d where the grid has a single V tile (the one program that reads d writes
+d_new over it; with several, another tile's program could read d after tile 0 wrote it):
+with OSGM and a padded V up to ONE_TILE_V the tile is the whole V (the warps scaled with it,
+up to 8), so a decoding loop carries d without a copy (a separate d_new buffer must be copied
+into the loop's carry, one small device copy a layer a token); above it (GDN's V = 256) the
+launch's tiles stay, tile 0 stores d_new and the loop copies it. Head dims that are
 not powers of two >= 16 are zero-padded (``pow2_dim``) and the results sliced back. Inside a
 ``jit`` over a device mesh the call goes through ``partition.sharded_call`` (rows and heads stay
 sharded). Without a GPU it runs in interpret mode.
@@ -60,9 +62,9 @@ class OSGMStep(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class Launch:
     """The kernel's launch: block_v, the V tile BV of a program (a power of two >= 16; min(block_v,
-    padded V)), and num_warps, warps a program (GPU only). With OSGM the tile is the whole padded V
-    and the warps num_warps x the tiles it replaces, at most 8 (the module docstring). RESULTS
-    run 60: 32 / 4 the fastest of four launches without OSGM."""
+    padded V)), and num_warps, warps a program (GPU only). With OSGM and a padded V up to ONE_TILE_V
+    the tile is the whole V and the warps num_warps x the tiles it replaces, at most 8 (the
+    module docstring). RESULTS run 60: 32 / 4 the fastest of four launches without OSGM."""
 
     block_v: int = 32
     num_warps: int = 4
@@ -75,6 +77,7 @@ class Launch:
 
 
 _LAUNCH = TraceDefaults("default_launch", Launch, Launch())
+ONE_TILE_V = 128  # with OSGM up to this padded V: one V tile, d_new over d (module docstring)
 
 
 def default_launch(launch: Launch | None):
@@ -126,7 +129,10 @@ def _kernel(*refs, names, decay, hyper, scale):
     if hyper is not None:
         r = f32("retention") if "retention" in inputs else None
         kw, d_new = _osgm_update(k, f32("d"), beta, r, hyper, inputs["k"].dtype)
-        d_out[0][...] = d_new  # over d (aliased): this program alone read it (one V tile)
+
+        @pl.when(pl.program_id(2) == 0)
+        def _():
+            d_out[0][...] = d_new
     else:
         kw = f32("write_key") if "write_key" in inputs else k
     alpha = None
@@ -240,7 +246,7 @@ def _step(q, k, v, beta, state, log_decay, write_key, d, retention, *, decay, hy
             inputs["retention"] = (retention, "scalar")
     kernel = functools.partial(_kernel, names=tuple(inputs), decay=decay, hyper=hyper, scale=scale)
     BV, warps = min(launch.block_v, Vp), launch.num_warps
-    if d is not None:  # one V tile, so that d_new may overwrite d (the module docstring)
+    if d is not None and Vp <= ONE_TILE_V:  # d_new may overwrite d (the module docstring)
         BV, warps = Vp, min(8, warps * (Vp // BV))
     o, S, d = _call(kernel, inputs, BV, warps, interpret)
     if padded:
@@ -251,13 +257,14 @@ def _step(q, k, v, beta, state, log_decay, write_key, d, retention, *, decay, hy
 def _call(kernel, inputs, BV, num_warps, interpret):
     """(o, S_new, d_new or None) of ``kernel`` over the grid (B, H, Vp / BV) of ``inputs``
     {name: (array, kind)}, through ``sharded_call`` (rows and heads stay sharded on a mesh);
-    S_new overwrites ``inputs["state"]`` and d_new ``inputs["d"]`` where XLA can (d: one V tile
-    only, BV = Vp)."""
+    S_new overwrites ``inputs["state"]`` and, with one V tile (BV = Vp), d_new ``inputs["d"]``
+    where XLA can."""
     names, arrays = list(inputs), [a for a, _ in inputs.values()]
     _, _, K, Vp = inputs["state"][0].shape
     outputs = [("state", jnp.float32), ("value", inputs["v"][0].dtype)]
     outputs += [("key", jnp.float32)] if "d" in inputs else []
-    aliases = {names.index("state"): 0} | ({names.index("d"): 2} if "d" in inputs else {})
+    aliases = {names.index("state"): 0} | ({names.index("d"): 2} if "d" in inputs and BV == Vp
+                                           else {})
 
     def call(*xs):
         """The pallas_call on (a shard of) the operands."""

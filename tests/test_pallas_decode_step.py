@@ -122,13 +122,15 @@ def _pallas_call(fn):
     return eqn
 
 
-@pytest.mark.parametrize("precond", ["osgm", "none"])
-def test_osgm_overwrites_d_in_one_v_tile(precond, rand):
-    """With OSGM the kernel runs one V tile (V = 64 against block_v 16: the warps scaled 4 x 2
-    -> 8) and declares d_new over d, as S_new over S, so a decoding loop needs no copy of d a
-    step; without, the launch's tiles (4) and S alone. A jitted loop of 3 steps carrying (S, d)
-    equals the unfused ops step by step."""
+@pytest.mark.parametrize("precond, one_tile_v", [("osgm", 128), ("osgm", 32), ("none", 128)])
+def test_osgm_overwrites_d_in_one_v_tile(precond, one_tile_v, rand, monkeypatch):
+    """With OSGM and V <= ONE_TILE_V the kernel runs one V tile (V = 64 against block_v 16: the
+    warps scaled 4 x 2 -> 8) and declares d_new over d, as S_new over S, so a decoding loop
+    needs no copy of d a step; above it (ONE_TILE_V set to 32 here), and without OSGM, the
+    launch's tiles (4) and S alone aliased. A jitted loop of 3 steps carrying (S, d) equals the
+    unfused ops step by step."""
     x = make_inputs(rand, 32, 64, None, precond)
+    monkeypatch.setattr(ds, "ONE_TILE_V", one_tile_v)
     seen = []
     real = ds._call
     with pytest.MonkeyPatch.context() as mp:
@@ -137,11 +139,13 @@ def test_osgm_overwrites_d_in_one_v_tile(precond, rand):
         eqn = _pallas_call(lambda: decode_step(**x, launch=Launch(16, 2), interpret=True))
     names = ["q", "k", "v", "beta", "state"] + (["d"] if precond == "osgm" else [])
     aliased = dict(eqn.params["input_output_aliases"])
-    if precond == "osgm":
+    if precond == "osgm" and one_tile_v >= 64:
         assert seen == [(64, 8)] and aliased == {names.index("state"): 0, names.index("d"): 2}
         assert eqn.params["grid_mapping"].grid[2] == 1
     else:
         assert seen == [(16, 2)] and aliased == {names.index("state"): 0}
+        assert eqn.params["grid_mapping"].grid[2] == 4
+    if precond == "none":
         return
 
     @jax.jit
