@@ -115,6 +115,16 @@ def _retained(r_t, x):
     return x if r_t is None else r_t * x
 
 
+def _at(rows, t):
+    """rows[t], or None where ``rows`` is None (r ≡ 1: no retention rows read)."""
+    return None if rows is None else rows[t]
+
+
+def _row_of(rows):
+    """``rows`` read whole in the ROWS layout, or None where ``rows`` is None."""
+    return None if rows is None else plgpu.load(rows, layout=ROWS)
+
+
 def _changed(new, old):
     """Whether two ROWS vectors differ anywhere (a scalar)."""
     return jnp.sum(jnp.where(new != old, 1.0, 0.0)) > 0.0
@@ -175,7 +185,7 @@ def _forward_sweep(d0, s_row, u, r, D, bounds, interpret, first=None):
     s_t = ``s_row(t)``; returns the state after the tile."""
     def load(t):
         restart = None if first is None else (flag_mask(first[t]), row(D.at[t]))
-        return None if r is None else r[t], u[t], s_row(t), restart
+        return _at(r, t), u[t], s_row(t), restart
 
     def step(t, values, d):
         r_t, u_t, s_t, restart = values
@@ -256,14 +266,14 @@ def osgm_fwd(k, coefs, initial_state, *, bounds, interpret, packed=False, residu
                 with jax.named_scope("row_sums"):
                     return row_sums(D_, s, interpret), d
 
-            accept = _accepts(s, w_row * g_row, None if r_ is None else plgpu.load(r_, layout=ROWS),
+            accept = _accepts(s, w_row * g_row, _row_of(r_),
                               max(abs(bounds[0]), abs(bounds[1]))) if bound_stop else None
             a_t, d = _settle(step, guess, d0, accept)
             a.at[slot][...] = a_t
             if packed:  # each document ending here: its state after its last token
                 def ends(t, _):
-                    r_t = None if r_ is None else r_[t]
-                    value = _clip(_affine(r_t, row(D_.at[t]), u_t[t], row(S_.at[t])), *bounds)
+                    value = _clip(_affine(_at(r_, t), row(D_.at[t]), u_t[t], row(S_.at[t])),
+                                  *bounds)
                     document_out(value, final_ref, h, doc[slot, t].astype(jnp.int32),
                                  last[slot, t], doc_buf)
                 lax.fori_loop(0, TILE, ends, None)
@@ -365,13 +375,13 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
             issue((b, h), i, slot, in_bar, [(k_ref, k), (dkw_ref, dkw)], rows, c_ref, bufs,
                    [(st_ref, st)])
 
-        def r_at(slot, t):
-            """r_t from shared memory, or None without retention (r ≡ 1)."""
-            return r[slot, t] if retention else None
+        def r_of(slot):
+            """The slot's r row, None without retention (r ≡ 1)."""
+            return r.at[slot] if retention else None
 
         def inside(t, slot, s_t):
             """[d_min < r_t d_t + u_t s_t < d_max]: where the clip passes λ at token t."""
-            p = _affine(r_at(slot, t), row(D_of(slot).at[t]), u[slot, t], s_t)
+            p = _affine(_at(r_of(slot), t), row(D_of(slot).at[t]), u[slot, t], s_t)
             return (p > d_min) & (p < d_max)
 
         def source(t, slot, k_t, s_t):
@@ -393,7 +403,7 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
             def load(t):
                 restart = (flag_mask(last[slot, t]), row(M.at[t])) if packed else None
                 k_t, s_t = key(t, slot)
-                return inside(t, slot, s_t), r_at(slot, t), source(t, slot, k_t, s_t), restart
+                return inside(t, slot, s_t), _at(r_of(slot), t), source(t, slot, k_t, s_t), restart
 
             def step(t, values, lam):
                 keep, r_t, e_t, restart = values
@@ -434,7 +444,7 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
                     restart_rows(init_ref, h, doc.at[slot], first.at[slot], D, bar, buf)
             with jax.named_scope("recompute"):
                 _forward_sweep(plgpu.load(st.at[slot], layout=VEC), lambda t: s_row(t, slot),
-                               u.at[slot], r.at[slot] if retention else None, D, bounds, interpret,
+                               u.at[slot], r_of(slot), D, bounds, interpret,
                                first.at[slot] if packed else None)
 
         def chain(i, slot, lam0):
@@ -446,7 +456,7 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
                 restart_rows(dfinal_ref, h, doc.at[slot], last.at[slot], M, start_bar, stage)
 
                 def masked(t, _):
-                    keep = flag_mask(last[slot, t]) & inside(t, slot, key(t, slot)[1])
+                    keep = flag_mask(last[slot, t]) & inside(t, slot, s_row(t, slot))
                     M.at[t][...] = jnp.where(keep, row(M.at[t]), 0.0)
                 lax.fori_loop(0, TILE, masked, None)
             plgpu.commit_smem()
@@ -462,14 +472,13 @@ def osgm_bwd(k, dkw, coefs, starts, init, dfinal, *, bounds, interpret, packed=F
                 with jax.named_scope("row_sums"):
                     return row_sums(M, s, interpret), lam
 
-            r_row = plgpu.load(r.at[slot], layout=ROWS) if retention else None
-            accept = _accepts(s, gw_row, r_row) if bound_stop else None
+            accept = _accepts(s, gw_row, _row_of(r_of(slot))) if bound_stop else None
             gam_t, lam = _settle(step, plgpu.layout_cast(jnp.zeros((TILE,), F32), ROWS), lam0,
                                  accept)
             gam.at[slot][...] = gam_t
             if packed:  # each document starting here: the λ before its first token
                 def starts_(t, _):
-                    lam_t = _retained(r_at(slot, t), row(M.at[t])) + source(t, slot, *key(t, slot))
+                    lam_t = _retained(_at(r_of(slot), t), row(M.at[t])) + source(t, slot, *key(t, slot))
                     document_out(lam_t, dinit_ref, h, doc[slot, t].astype(jnp.int32),
                                  first[slot, t], doc_buf)
                 lax.fori_loop(0, TILE, starts_, None)
