@@ -14,15 +14,10 @@ the float32 state S [K, V]:
         S̄ = S | exp(g) S | Diag(exp(g)) S          (no / scalar / per-channel decay)
         u = v − S̄ᵀ k      S_new = S̄ + β k̃ uᵀ      o = S_newᵀ (scale · q)
 
-Grid (B, H, V / BV): each program holds one state tile S [K, BV] and the K-sized vectors. The
-products S̄ᵀ k and S_newᵀ q are column sums of broadcast products (no dots: one column of
-outputs a tile). The new state may overwrite the old one (``input_output_aliases``), and so may
-OSGM's d_new the old d where the grid has a single V tile (the one program that reads d writes
-d_new over it; with several, another tile's program could read d after tile 0 wrote it):
-with OSGM and a padded V up to ONE_TILE_V the tile is the whole V (the warps scaled with it,
-up to 8), so a decoding loop carries d without a copy (a separate d_new buffer must be copied
-into the loop's carry, one small device copy a layer a token); above it (GDN's V = 256) the
-launch's tiles stay, tile 0 stores d_new and the loop copies it. Head dims that are
+Grid (B, H, V / BV): each program holds one state tile S [K, BV] and the K-sized vectors; the
+OSGM update is K-sized, so every V tile redoes it, and tile 0 alone stores d_new. The products
+S̄ᵀ k and S_newᵀ q are column sums of broadcast products (no dots: one column of outputs a
+tile). The new state may overwrite the old one (``input_output_aliases``). Head dims that are
 not powers of two >= 16 are zero-padded (``pow2_dim``) and the results sliced back. Inside a
 ``jit`` over a device mesh the call goes through ``partition.sharded_call`` (rows and heads stay
 sharded). Without a GPU it runs in interpret mode.
@@ -62,9 +57,9 @@ class OSGMStep(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class Launch:
     """The kernel's launch: block_v, the V tile BV of a program (a power of two >= 16; min(block_v,
-    padded V)), and num_warps, warps a program (GPU only). With OSGM and a padded V up to ONE_TILE_V
-    the tile is the whole V and the warps num_warps x the tiles it replaces, at most 8 (the
-    module docstring). RESULTS run 60: 32 / 4 the fastest of four launches without OSGM."""
+    padded V)), and num_warps, warps a program (GPU only). RESULTS run 60: 32 / 4 the fastest of
+    four launches without OSGM; run 194: one V tile of 128 with 8 warps (so that d_new could
+    overwrite d) is ~30 µs a token slower at 24 layers than 32 / 4."""
 
     block_v: int = 32
     num_warps: int = 4
@@ -77,7 +72,6 @@ class Launch:
 
 
 _LAUNCH = TraceDefaults("default_launch", Launch, Launch())
-ONE_TILE_V = 128  # with OSGM up to this padded V: one V tile, d_new over d (module docstring)
 
 
 def default_launch(launch: Launch | None):
@@ -245,10 +239,7 @@ def _step(q, k, v, beta, state, log_decay, write_key, d, retention, *, decay, hy
         if retention is not None:
             inputs["retention"] = (retention, "scalar")
     kernel = functools.partial(_kernel, names=tuple(inputs), decay=decay, hyper=hyper, scale=scale)
-    BV, warps = min(launch.block_v, Vp), launch.num_warps
-    if d is not None and Vp <= ONE_TILE_V:  # d_new may overwrite d (the module docstring)
-        BV, warps = Vp, min(8, warps * (Vp // BV))
-    o, S, d = _call(kernel, inputs, BV, warps, interpret)
+    o, S, d = _call(kernel, inputs, min(launch.block_v, Vp), launch.num_warps, interpret)
     if padded:
         o, S, d = o[..., :V], S[:, :, :K, :V], None if d is None else d[..., :K]
     return o, S, d
@@ -257,14 +248,11 @@ def _step(q, k, v, beta, state, log_decay, write_key, d, retention, *, decay, hy
 def _call(kernel, inputs, BV, num_warps, interpret):
     """(o, S_new, d_new or None) of ``kernel`` over the grid (B, H, Vp / BV) of ``inputs``
     {name: (array, kind)}, through ``sharded_call`` (rows and heads stay sharded on a mesh);
-    S_new overwrites ``inputs["state"]`` and, with one V tile (BV = Vp), d_new ``inputs["d"]``
-    where XLA can."""
+    S_new overwrites ``inputs["state"]`` where XLA can."""
     names, arrays = list(inputs), [a for a, _ in inputs.values()]
     _, _, K, Vp = inputs["state"][0].shape
     outputs = [("state", jnp.float32), ("value", inputs["v"][0].dtype)]
     outputs += [("key", jnp.float32)] if "d" in inputs else []
-    aliases = {names.index("state"): 0} | ({names.index("d"): 2} if "d" in inputs and BV == Vp
-                                           else {})
 
     def call(*xs):
         """The pallas_call on (a shard of) the operands."""
@@ -275,7 +263,7 @@ def _call(kernel, inputs, BV, num_warps, interpret):
             kernel, grid=(size["b"], size["h"], Vp // BV),
             in_specs=[_spec(kind, K, BV) for _, kind in inputs.values()],
             out_specs=[_spec(kind, K, BV) for kind, _ in outputs], out_shape=out_shape,
-            input_output_aliases=aliases,
+            input_output_aliases={names.index("state"): 0},
             compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=1),
             interpret=interpret, name="decode_step")(*xs))
 

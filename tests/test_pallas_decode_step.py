@@ -109,61 +109,6 @@ def test_scale(rand):
     assert_close(o, o_ref, 1e-5, "o")
 
 
-def _pallas_call(fn):
-    """The one pallas_call equation in the jaxpr of ``fn()`` (inside its jits)."""
-    def walk(jaxpr):
-        for e in jaxpr.eqns:
-            if e.primitive.name == "pallas_call":
-                yield e
-            for v in e.params.values():
-                if hasattr(v, "jaxpr"):
-                    yield from walk(v.jaxpr)
-    [eqn] = walk(jax.make_jaxpr(fn)().jaxpr)
-    return eqn
-
-
-@pytest.mark.parametrize("precond, one_tile_v", [("osgm", 128), ("osgm", 32), ("none", 128)])
-def test_osgm_overwrites_d_in_one_v_tile(precond, one_tile_v, rand, monkeypatch):
-    """With OSGM and V <= ONE_TILE_V the kernel runs one V tile (V = 64 against block_v 16: the
-    warps scaled 4 x 2 -> 8) and declares d_new over d, as S_new over S, so a decoding loop
-    needs no copy of d a step; above it (ONE_TILE_V set to 32 here), and without OSGM, the
-    launch's tiles (4) and S alone aliased. A jitted loop of 3 steps carrying (S, d) equals the
-    unfused ops step by step."""
-    x = make_inputs(rand, 32, 64, None, precond)
-    monkeypatch.setattr(ds, "ONE_TILE_V", one_tile_v)
-    seen = []
-    real = ds._call
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ds, "_call", lambda kernel, inputs, BV, warps, interp: (
-            seen.append((BV, warps)), real(kernel, inputs, BV, warps, interp))[1])
-        eqn = _pallas_call(lambda: decode_step(**x, launch=Launch(16, 2), interpret=True))
-    names = ["q", "k", "v", "beta", "state"] + (["d"] if precond == "osgm" else [])
-    aliased = dict(eqn.params["input_output_aliases"])
-    if precond == "osgm" and one_tile_v >= 64:
-        assert seen == [(64, 8)] and aliased == {names.index("state"): 0, names.index("d"): 2}
-        assert eqn.params["grid_mapping"].grid[2] == 1
-    else:
-        assert seen == [(16, 2)] and aliased == {names.index("state"): 0}
-        assert eqn.params["grid_mapping"].grid[2] == 4
-    if precond == "none":
-        return
-
-    @jax.jit
-    def loop(S, d):
-        def body(_, carry):
-            S, d = carry
-            step = dict(x, state=S, osgm=x["osgm"]._replace(d=d))
-            return decode_step(**step, launch=Launch(16, 2), interpret=True)[1:]
-        return jax.lax.fori_loop(0, 3, body, (S, d))
-
-    S, d = loop(x["state"], x["osgm"].d)
-    S_ref, d_ref = x["state"], x["osgm"].d
-    for _ in range(3):
-        _, S_ref, d_ref = unfused(**dict(x, state=S_ref, osgm=x["osgm"]._replace(d=d_ref)))
-    assert_close(S, S_ref, 1e-5, "S")
-    assert_close(d, d_ref, 1e-5, "d")
-
-
 @pytest.mark.parametrize("fields, match", [
     (dict(block_v=24), "block_v must be a power of two >= 16, got 24"),
     (dict(num_warps=3), "num_warps must be 1, 2, 4 or 8, got 3")])
