@@ -17,7 +17,12 @@ the float32 state S [K, V]:
 Grid (B, H, V / BV): each program holds one state tile S [K, BV] and the K-sized vectors; the
 OSGM update is K-sized, so every V tile redoes it, and tile 0 alone stores d_new. The products
 S̄ᵀ k and S_newᵀ q are column sums of broadcast products (no dots: one column of outputs a
-tile). The new state may overwrite the old one (``input_output_aliases``). Head dims that are
+tile). The new state may overwrite the old one (``input_output_aliases``). d_new cannot
+overwrite d (another tile's program may read d after tile 0 wrote it), so a decoding loop would
+copy the fresh d_new into its carry every step; given two slots d [B, H, 2, K] and each row's
+``slot``, the programs read d from slot ``slot`` and tile 0 writes d_new into the other one,
+the whole two-slot buffer aliased (updated in place, no copy; the caller alternates the slot).
+Head dims that are
 not powers of two >= 16 are zero-padded (``pow2_dim``) and the results sliced back. Inside a
 ``jit`` over a device mesh the call goes through ``partition.sharded_call`` (rows and heads stay
 sharded). Without a GPU it runs in interpret mode.
@@ -37,13 +42,15 @@ from pallas_kernels.triton_common import (
     MAX_HEAD_DIM, TraceDefaults, interpret_default, out_struct, pad_last, pow2_dim)
 from precond_linattn.ops.osgm import check_osgm_hyper
 from precond_linattn.reference.osgm import osgm_step_fn
-from precond_linattn.validation import check_array, check_scale, check_tensor
+from precond_linattn.validation import check_array, check_scale, check_shape, check_tensor
 
 
 class OSGMStep(NamedTuple):
     """The OSGM preconditioner's part of a decode step: its state d [B, H, K] (float32), the APF
     retention r [B, H] (None: r ≡ 1) and the hyper-parameters of ``osgm_step`` (Python numbers:
-    they are compiled into the kernel)."""
+    they are compiled into the kernel). With ``slot`` [B] (int32), d is two slots [B, H, 2, K]:
+    row b's d is d[b, :, slot_b] and d_new goes into d[b, :, 1 − slot_b] in place (the module
+    docstring)."""
 
     d: jax.Array
     eta: float
@@ -52,6 +59,7 @@ class OSGMStep(NamedTuple):
     retention: jax.Array | None = None
     beta_aware: bool = True
     eps: float = 1e-6
+    slot: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,11 +130,16 @@ def _kernel(*refs, names, decay, hyper, scale):
     q, k, v, beta = f32("q"), f32("k"), f32("v"), f32("beta")
     if hyper is not None:
         r = f32("retention") if "retention" in inputs else None
-        kw, d_new = _osgm_update(k, f32("d"), beta, r, hyper, inputs["k"].dtype)
+        slot = inputs["slot"][0] if "slot" in inputs else None
+        d = f32("d") if slot is None else inputs["d"][slot, :]
+        kw, d_new = _osgm_update(k, d, beta, r, hyper, inputs["k"].dtype)
 
         @pl.when(pl.program_id(2) == 0)
         def _():
-            d_out[0][...] = d_new
+            if slot is None:
+                d_out[0][...] = d_new
+            else:
+                d_out[0][1 - slot, :] = d_new
     else:
         kw = f32("write_key") if "write_key" in inputs else k
     alpha = None
@@ -158,7 +171,14 @@ def _check(q, k, v, beta, state, log_decay, write_key, osgm):
     if osgm is not None:
         if not isinstance(osgm, OSGMStep):
             raise ValueError(f"osgm must be an OSGMStep or None, got {type(osgm).__name__}")
-        check_tensor("osgm.d", osgm.d, (B, H, K), "[B, H, K]")
+        if osgm.slot is None:
+            check_tensor("osgm.d", osgm.d, (B, H, K), "[B, H, K]")
+        else:
+            check_tensor("osgm.d", osgm.d, (B, H, 2, K), "[B, H, 2, K] (two slots, with osgm.slot)")
+            if not hasattr(osgm.slot, "dtype") or not jnp.issubdtype(osgm.slot.dtype, jnp.integer):
+                raise ValueError("osgm.slot must be an integer array (0 or 1 a row), got "
+                                 f"{getattr(osgm.slot, 'dtype', type(osgm.slot).__name__)}")
+            check_shape("osgm.slot", osgm.slot, (B,), "[B]")
         if osgm.retention is not None:
             check_tensor("osgm.retention", osgm.retention, (B, H), "[B, H]")
         check_osgm_hyper(osgm.eta, osgm.d_min, osgm.d_max, osgm.beta_aware, osgm.eps, prefix="osgm.")
@@ -171,15 +191,19 @@ def _check(q, k, v, beta, state, log_decay, write_key, osgm):
     return "scalar" if log_decay.ndim == 2 else "vector"
 
 
-KINDS = dict(scalar="b h", key="b h k", value="b h v", state="b h k v")  # operand kinds, by factors
+KINDS = dict(row="b", scalar="b h", key="b h k", slots="b h s k", value="b h v",
+             state="b h k v")  # operand kinds, by factors
 
 
 def _spec(kind, K, BV):
     """The BlockSpec of an operand of ``kind`` for the grid (b, h, j): a scalar per (row, head),
-    a K-vector, a V tile [BV] or the state tile [K, BV]."""
+    a K-vector, two slots of K-vectors, a V tile [BV] or the state tile [K, BV]; ``row``: a
+    row's one-element block."""
     return dict(
+        row=pl.BlockSpec((1,), lambda b, h, j: (b,)),
         scalar=pl.BlockSpec((None, None), lambda b, h, j: (b, h)),
         key=pl.BlockSpec((None, None, K), lambda b, h, j: (b, h, 0)),
+        slots=pl.BlockSpec((None, None, 2, K), lambda b, h, j: (b, h, 0, 0)),
         value=pl.BlockSpec((None, None, BV), lambda b, h, j: (b, h, j)),
         state=pl.BlockSpec((None, None, K, BV), lambda b, h, j: (b, h, 0, j)))[kind]
 
@@ -194,13 +218,15 @@ def decode_step(q, k, v, beta, state, *, log_decay=None, write_key=None, osgm=No
       state: S [B, H, K, V] float32 (the new state may reuse its buffer).
       log_decay: None, [B, H] (scalar, GDN) or [B, H, K] (per channel, KDA); g <= 0.
       write_key: k̃ [B, H, K] computed elsewhere (ATK's ``atk_step``); None: k̃ = k, or OSGM's.
-      osgm: ``OSGMStep`` (d, retention, hyper-parameters): k̃ = d ⊙ k and d's update; None: none.
+      osgm: ``OSGMStep`` (d, retention, hyper-parameters, slot): k̃ = d ⊙ k and d's update; None:
+        none.
       scale: query scale (a Python number), default K ** -0.5.
       launch: the kernel's ``Launch`` (V tile, warps); None: ``default_launch``'s.
       interpret: run in interpret mode; None: unless the default backend is a GPU.
 
     Returns:
-      (o [B, H, V] in v's dtype, S_new [B, H, K, V] float32, d_new [B, H, K] float32 or None).
+      (o [B, H, V] in v's dtype, S_new [B, H, K, V] float32, d_new [B, H, K] float32 or None; with
+      ``osgm.slot`` the two slots [B, H, 2, K], d_new in the other slot, in d's buffer).
     """
     decay = _check(q, k, v, beta, state, log_decay, write_key, osgm)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -211,17 +237,17 @@ def decode_step(q, k, v, beta, state, *, log_decay=None, write_key=None, osgm=No
     launch = _LAUNCH.current if launch is None else launch
     if not isinstance(launch, Launch):
         raise ValueError(f"launch must be a decode_step.Launch or None, got {launch!r}")
-    d, retention = (None, None) if osgm is None else (osgm.d, osgm.retention)
-    return _step(q, k, v, beta, state, log_decay, write_key, d, retention, decay=decay,
+    d, retention, slot = (None, None, None) if osgm is None else (osgm.d, osgm.retention, osgm.slot)
+    return _step(q, k, v, beta, state, log_decay, write_key, d, retention, slot, decay=decay,
                  hyper=hyper, scale=_static("scale", scale), launch=launch,
                  interpret=interpret_default() if interpret is None else interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("decay", "hyper", "scale", "launch", "interpret"))
-def _step(q, k, v, beta, state, log_decay, write_key, d, retention, *, decay, hyper, scale, launch,
-          interpret):
-    """``decode_step`` on checked arguments (``d``, ``retention``: ``OSGMStep``'s arrays, None
-    without OSGM; ``hyper``: its numbers). A ``jit``, so that a decoding loop over many layers
+def _step(q, k, v, beta, state, log_decay, write_key, d, retention, slot, *, decay, hyper, scale,
+          launch, interpret):
+    """``decode_step`` on checked arguments (``d``, ``retention``, ``slot``: ``OSGMStep``'s arrays,
+    None without OSGM; ``hyper``: its numbers). A ``jit``, so that a decoding loop over many layers
     lowers the kernel once for all of them (as ``partition.lowered_once`` does for the ops)."""
     K, V = q.shape[-1], v.shape[-1]
     Kp, Vp = pow2_dim(K), pow2_dim(V)
@@ -235,9 +261,11 @@ def _step(q, k, v, beta, state, log_decay, write_key, d, retention, *, decay, hy
     if write_key is not None:
         inputs["write_key"] = (pad_last(write_key, Kp), "key")
     if d is not None:
-        inputs["d"] = (pad_last(d, Kp), "key")
+        inputs["d"] = (pad_last(d, Kp), "key" if slot is None else "slots")
         if retention is not None:
             inputs["retention"] = (retention, "scalar")
+        if slot is not None:
+            inputs["slot"] = (slot.astype(jnp.int32), "row")
     kernel = functools.partial(_kernel, names=tuple(inputs), decay=decay, hyper=hyper, scale=scale)
     o, S, d = _call(kernel, inputs, min(launch.block_v, Vp), launch.num_warps, interpret)
     if padded:
@@ -248,22 +276,23 @@ def _step(q, k, v, beta, state, log_decay, write_key, d, retention, *, decay, hy
 def _call(kernel, inputs, BV, num_warps, interpret):
     """(o, S_new, d_new or None) of ``kernel`` over the grid (B, H, Vp / BV) of ``inputs``
     {name: (array, kind)}, through ``sharded_call`` (rows and heads stay sharded on a mesh);
-    S_new overwrites ``inputs["state"]`` where XLA can."""
+    S_new overwrites ``inputs["state"]`` and, in two slots, d_new ``inputs["d"]``, where XLA can."""
     names, arrays = list(inputs), [a for a, _ in inputs.values()]
     _, _, K, Vp = inputs["state"][0].shape
     outputs = [("state", jnp.float32), ("value", inputs["v"][0].dtype)]
-    outputs += [("key", jnp.float32)] if "d" in inputs else []
+    outputs += [(inputs["d"][1], jnp.float32)] if "d" in inputs else []
+    aliases = {names.index("state"): 0} | ({names.index("d"): 2} if "slot" in inputs else {})
 
     def call(*xs):
         """The pallas_call on (a shard of) the operands."""
-        size = dict(zip("bhkv", (*xs[0].shape[:2], K, Vp)))
+        size = dict(zip("bhkvs", (*xs[0].shape[:2], K, Vp, 2)))
         out_shape = [out_struct(tuple(size[f] for f in KINDS[kind].split()), dtype, *xs)
                      for kind, dtype in outputs]
         return tuple(pl.pallas_call(
             kernel, grid=(size["b"], size["h"], Vp // BV),
             in_specs=[_spec(kind, K, BV) for _, kind in inputs.values()],
             out_specs=[_spec(kind, K, BV) for kind, _ in outputs], out_shape=out_shape,
-            input_output_aliases={names.index("state"): 0},
+            input_output_aliases=aliases,
             compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=1),
             interpret=interpret, name="decode_step")(*xs))
 

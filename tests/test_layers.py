@@ -179,11 +179,15 @@ def test_short_convolution_documents_and_steps(rand):
         doc = x[:, a:b]
         alone = conv(doc)
         assert rel_err(packed[:, a:b], alone) <= 1e-6  # nothing leaks across documents
-        tail = jnp.zeros((1, W - 1, F))
-        for t in range(b - a):  # decoding from the empty tail gives the same outputs
-            y, tail = conv.step(doc[:, t], tail)
+        ring = jnp.zeros((1, W, F))
+        for t in range(b - a):  # decoding from the empty ring gives the same outputs
+            y, ring = conv.step(doc[:, t], ring, jnp.asarray([t]))
             assert rel_err(y, alone[:, t]) <= 1e-6
-        np.testing.assert_array_equal(tail, tails[n:n + 1])  # the prefill tail is that tail
+        # the prefill's ring (position 0: slot 0 free, the tail oldest first) is that ring
+        # turned by its position b − a, but for the free slot
+        turned = jnp.roll(ring, -int(b - a), axis=1)
+        np.testing.assert_array_equal(turned[:, 1:], tails[n:n + 1, 1:])
+        assert not tails[n, 0].any()
         np.testing.assert_array_equal(conv.tail(doc), tails[n:n + 1])
     # the reference: y_t = SiLU(b + Σ_i w_i x_{t−W+1+i}), zeros before the start
     pad = jnp.pad(x[0, :5], ((W - 1, 0), (0, 0)))

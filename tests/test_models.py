@@ -88,7 +88,9 @@ def test_decoding_and_packing_match_forward(backbone, pre):
         logits, cache = step(model, x[:, t], cache)
         assert rel_err(logits, full[:, t]) <= 1e-5
         if t == PROMPT - 1:
-            for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(cache_prefill)):
+            assert (cache.position == PROMPT).all() and not cache_prefill.position.any()
+            for a, b in zip(jax.tree.leaves(cache.ordered()), jax.tree.leaves(cache_prefill.ordered()),
+                            strict=True):
                 assert rel_err(a, b) <= 1e-5
 
     # packed documents (lengths T − 4 and T along one row) == separate runs (causality: the
@@ -162,11 +164,14 @@ def test_counts_and_state_bytes_match_a_real_model():
         assert count_params(config) == real
         assert decode_state_bytes(config, batch=3).total == sum(
             x.nbytes for x in jax.tree.leaves(model.init_cache(3)))
-    # the preconditioner adds one float32 per head and key channel: 1/V of the memory
+    # OSGM adds two slots of one float32 per head and key channel (the decode step's spare):
+    # 2/V of the memory; ATK one: 1/V
     c = preset("deltanet-340m", "osgm")
     with_d, without = decode_state_bytes(c), decode_state_bytes(preset("deltanet-340m"))
-    assert with_d.preconditioner * 128 == with_d.memory == without.memory
-    assert with_d.total - without.total == c.num_layers * 8 * 128 * 4
+    with_a = decode_state_bytes(preset("deltanet-340m", "atk"))
+    assert with_d.preconditioner * 64 == with_a.preconditioner * 128 == with_d.memory == without.memory
+    assert with_d.total - without.total == c.num_layers * 8 * 2 * 128 * 4
+    assert without.position == 4 and without.preconditioner == 0  # one int32 position a row
     # tied embeddings count once: untying adds the head, vocab × width
     untied = dataclasses.replace(c, tie_embeddings=False)
     assert count_params(untied) - count_params(c) == 32000 * 1024
@@ -225,7 +230,9 @@ def test_main_lists_presets(monkeypatch, capsys):
     cli.main()
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("deltanet")]
     assert [r[1] for r in rows] == ["DeltaNet", "OSDN", "OSDN-APF", "PDN"]
-    assert rows[0][2] == "341.6M" and rows[0][-1] == "0.00%" and rows[1][-1] == "0.78%"
+    # OSDN's d in two slots: 2/V of S; PDN's A: 1/V
+    assert rows[0][2] == "341.6M" and rows[0][-1] == "0.00%" and rows[1][-1] == "1.56%"
+    assert rows[3][-1] == "0.78%"
 
 
 def test_head_backward_runs_in_the_compute_dtype():

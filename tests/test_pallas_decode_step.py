@@ -109,6 +109,61 @@ def test_scale(rand):
     assert_close(o, o_ref, 1e-5, "o")
 
 
+def _pallas_call(fn):
+    """The one pallas_call equation in the jaxpr of ``fn()`` (inside its jits)."""
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name == "pallas_call":
+                yield e
+            for v in e.params.values():
+                if hasattr(v, "jaxpr"):
+                    yield from walk(v.jaxpr)
+    [eqn] = walk(jax.make_jaxpr(fn)().jaxpr)
+    return eqn
+
+
+@pytest.mark.parametrize("K, V", [(32, 64), (24, 40)])
+def test_two_slots_of_d_updated_in_place(K, V, rand):
+    """With ``OSGMStep.slot`` the kernel reads row b's d from slot slot_b of d [B, H, 2, K] and
+    writes d_new into the other slot, the slot it read left as it was, the whole buffer declared
+    over its input (as S_new over S) while the launch keeps its V tiles (4 here). Random contents
+    in both slots, the rows on different slots; a jitted loop of 3 steps alternating the slots
+    equals the unfused ops step by step (K = 24, V = 40: padded heads)."""
+    x = make_inputs(rand, K, V, None, "osgm_apf")
+    pair = jnp.stack([x["osgm"].d, jnp.asarray(rand.rng.uniform(0.5, 2.0, (B, H, K)), jnp.float32)], 2)
+    slot = jnp.asarray([1, 0], jnp.int32)
+    here = dict(x, osgm=x["osgm"]._replace(d=pair, slot=slot))
+    launch = Launch(16, 2)
+    eqn = _pallas_call(lambda: decode_step(**here, launch=launch, interpret=True))
+    names = ["q", "k", "v", "beta", "state", "d", "retention", "slot"]
+    assert dict(eqn.params["input_output_aliases"]) == {names.index("state"): 0, names.index("d"): 2}
+    assert eqn.params["grid_mapping"].grid[2] == 4
+    o, S, d = decode_step(**here, launch=launch, interpret=True)
+    rows = jnp.arange(B)
+    current = pair[rows, :, slot]
+    o_ref, S_ref, d_ref = unfused(**dict(x, osgm=x["osgm"]._replace(d=current)))
+    assert d.shape == (B, H, 2, K)
+    assert_close(o, o_ref, 1e-5, "o")
+    assert_close(S, S_ref, 1e-5, "S")
+    np.testing.assert_array_equal(d[rows, :, slot], current)
+    assert_close(d[rows, :, 1 - slot], d_ref, 1e-5, "d_new")
+
+    @jax.jit
+    def loop(S, d):
+        def body(t, carry):
+            S, d = carry
+            step = dict(x, state=S, osgm=x["osgm"]._replace(d=d, slot=(slot + t) % 2))
+            return decode_step(**step, launch=launch, interpret=True)[1:]
+        return jax.lax.fori_loop(0, 3, body, (S, d))
+
+    S, d = loop(x["state"], pair)
+    S_ref, d_ref = x["state"], current
+    for _ in range(3):
+        _, S_ref, d_ref = unfused(**dict(x, state=S_ref, osgm=x["osgm"]._replace(d=d_ref)))
+    assert_close(S, S_ref, 1e-5, "S after 3 steps")
+    assert_close(d[rows, :, (slot + 3) % 2], d_ref, 1e-5, "d after 3 steps")
+
+
 @pytest.mark.parametrize("fields, match", [
     (dict(block_v=24), "block_v must be a power of two >= 16, got 24"),
     (dict(num_warps=3), "num_warps must be 1, 2, 4 or 8, got 3")])
@@ -152,6 +207,12 @@ def test_default_launch_reaches_calls_that_name_none(rand, monkeypatch):
     (dict(osgm=OSGMStep(jnp.ones((B, H, 16)), 0.1, 0.5, 2.0, retention=jnp.ones((B, H, 1)))),
      r"osgm.retention must have shape \[B, H\]"),
     (dict(osgm=OSGMStep(jnp.ones((B, H, 16)), 0.1, 2.0, 0.5)), "osgm.d_max must be >= osgm.d_min"),
+    (dict(osgm=OSGMStep(jnp.ones((B, H, 16)), 0.1, 0.5, 2.0, slot=jnp.zeros((B,), jnp.int32))),
+     r"osgm.d must have shape \[B, H, 2, K\] \(two slots, with osgm.slot\)"),
+    (dict(osgm=OSGMStep(jnp.ones((B, H, 2, 16)), 0.1, 0.5, 2.0, slot=jnp.zeros((B, 1), jnp.int32))),
+     r"osgm.slot must have shape \[B\]"),
+    (dict(osgm=OSGMStep(jnp.ones((B, H, 2, 16)), 0.1, 0.5, 2.0, slot=jnp.zeros((B,)))),
+     "osgm.slot must be an integer array"),
     (dict(scale=float("nan")), "scale must be a finite scalar"),
     (dict(launch=(32, 4)), "launch must be a decode_step.Launch"),
 ])
@@ -172,10 +233,12 @@ def test_traced_hyper_parameter_is_an_error():
                                         interpret=True))(0.1)
 
 
-@pytest.mark.parametrize("decay, precond", [("vector", "osgm_apf"), ("scalar", "write_key"),
-                                            (None, "none")])
-def test_lowers_for_cuda(decay, precond):
-    """The step lowers for CUDA as one Triton kernel (K = V = 128, bf16, 2 V tiles of 64)."""
+@pytest.mark.parametrize("decay, precond, slots", [
+    ("vector", "osgm_apf", False), ("scalar", "write_key", False), (None, "none", False),
+    (None, "osgm", True)])
+def test_lowers_for_cuda(decay, precond, slots):
+    """The step lowers for CUDA as one Triton kernel (K = V = 128, bf16, 2 V tiles of 64); with
+    OSGM's two slots of d too."""
     K, V = 128, 128
     osgm, write_key = PRECONDS[precond]
     shapes = dict(q=(B, H, K), k=(B, H, K), v=(B, H, V), beta=(B, H), state=(B, H, K, V))
@@ -184,16 +247,19 @@ def test_lowers_for_cuda(decay, precond):
     if write_key:
         shapes["write_key"] = (B, H, K)
     if osgm is not None:
-        shapes.update(d=(B, H, K), retention=(B, H))
+        shapes.update(d=(B, H, 2, K) if slots else (B, H, K), retention=(B, H))
+    if slots:
+        shapes["slot"] = (B,)
     names = list(shapes)
 
     def step(*args):
         x = dict(zip(names, args))
         if osgm is not None:
-            x["osgm"] = OSGMStep(x.pop("d"), 0.003, 0.5, 2.0, retention=x.pop("retention"))
+            x["osgm"] = OSGMStep(x.pop("d"), 0.003, 0.5, 2.0, retention=x.pop("retention"),
+                                 slot=x.pop("slot", None))
         return decode_step(**x, launch=Launch(64), interpret=False)
 
-    dtypes = dict(q=jnp.bfloat16, k=jnp.bfloat16, v=jnp.bfloat16, write_key=jnp.bfloat16)
+    dtypes = dict(q=jnp.bfloat16, k=jnp.bfloat16, v=jnp.bfloat16, write_key=jnp.bfloat16, slot=jnp.int32)
     args = [jax.ShapeDtypeStruct(s, dtypes.get(n, jnp.float32)) for n, s in shapes.items()]
     assert triton_kernels_lowered_for_cuda(step, args, grad=False) == 1
 

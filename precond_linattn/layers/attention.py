@@ -17,6 +17,9 @@ Per token x_t (the layer input), heads h = 1..H, key size K, value size V:
 A decode ``step`` runs the preconditioner's step and the delta step either as the two ops
 (``osgm_step`` / ``atk_step``, ``delta_rule_step``) or, on the Pallas path (``LayerConfig.
 fused_decode``), as one kernel ``pallas_kernels.decode_step`` (ATK's k̃ still from ``atk_step``).
+Every part of the cache is updated in place, so a jitted decoding loop copies nothing a step:
+the convolution tails are rings and OSGM's d has two slots (current at ``position`` mod 2, the
+next written into the other), both turned by the cache's ``position`` (``LayerCache``).
 
 Parameter names follow FLA 0.6.0 (``fla/layers/{delta_net,gated_deltanet,kda,
 precond_gated_deltanet,precond_kda}.py``) with Flax's leaf names; converting a checkpoint is:
@@ -44,7 +47,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels import decode_step
-from precond_linattn._typing import Array, Float
+from precond_linattn._typing import Array, Float, Int
 from precond_linattn.layers.config import LayerConfig
 from precond_linattn.layers.conv import ShortConvolution
 from precond_linattn.layers.init import a_log_init, dt_bias_init, normal
@@ -57,11 +60,33 @@ from precond_linattn.ops.osgm import osgm_precondition, osgm_step
 
 
 class LayerCache(NamedTuple):
-    """Decode state of one layer, one row per sequence (document)."""
+    """Decode state of one layer, one row per sequence (document). ``position``: the tokens each
+    row has stepped since the cache was laid out (``prefill`` / ``init_cache``: 0); it turns the
+    convolution tails' rings (``ShortConvolution.step``) and OSGM's two slots of d, so that a
+    step writes each in place (``ordered`` gives the contents in plain order)."""
 
     memory: Float[Array, "n h k v"]            # S, float32
-    precond: Float[Array, "n h k"] | None      # d (OSGM) or A (ATK), float32; None without
-    conv: tuple                                 # (q, k, v) tails [N, W − 1, dim], compute dtype
+    precond: Float[Array, "n h ..."] | None    # OSGM: d in two slots [N, H, 2, K], current at
+                                                # position mod 2; ATK: A [N, H, K]; float32
+    conv: tuple                                 # (q, k, v) tail rings [N, W, dim], compute dtype
+    position: Int[Array, " n"]                 # int32
+
+    def ordered(self):
+        """(S, the preconditioner state [N, H, K] (OSGM's current d) or None, the (q, k, v)
+        tails [N, W − 1, dim], oldest first): the cache's contents whatever its position."""
+        rows, p = jnp.arange(self.position.shape[0]), self.position
+        precond = self.precond
+        if precond is not None and precond.ndim == 4:
+            precond = precond[rows, :, p % 2]
+        tails = tuple(jnp.take_along_axis(t, ((p[:, None] + 1 + jnp.arange(t.shape[1] - 1))
+                                              % t.shape[1])[..., None], axis=1) for t in self.conv)
+        return self.memory, precond, tails
+
+
+def _slots(d):
+    """OSGM's d [N, H, K] as the cache's two slots [N, H, 2, K], current in slot 0 (the other's
+    contents are never read before they are written)."""
+    return jnp.stack([d, d], axis=2)
 
 
 def _l2norm(x, eps=1e-6):
@@ -252,7 +277,9 @@ class PrecondDeltaAttention(nnx.Module):
         if not want_cache:
             return y, None
         tails = tuple(m.tail(a, cu_seqlens=cu_seqlens) for m, a in zip(convs, pre_conv))
-        return y, LayerCache(S, p_state, tails)
+        if c.preconditioner.startswith("osgm"):
+            p_state = _slots(p_state)
+        return y, LayerCache(S, p_state, tails, jnp.zeros((S.shape[0],), jnp.int32))
 
     def __call__(self, x: Float[Array, "b t d"], *, cu_seqlens=None) -> Float[Array, "b t d"]:
         """Full-sequence output; ``cu_seqlens`` (B = 1): packed documents, every state restarts."""
@@ -267,14 +294,15 @@ class PrecondDeltaAttention(nnx.Module):
     def init_cache(self, batch: int) -> LayerCache:
         """The state before any token: S = 0, d = d_1 (OSGM) or A = 0 (ATK), zero conv tails."""
         c = self.config
-        H, K, W = c.num_heads, c.head_k_dim, c.conv_size - 1
+        H, K, W = c.num_heads, c.head_k_dim, c.conv_size
         p_state = None
         if c.preconditioner == "atk":
             p_state = jnp.zeros((batch, H, K), jnp.float32)
         elif c.preconditioner.startswith("osgm"):
-            p_state = self._d_init(batch)
+            p_state = _slots(self._d_init(batch))
         tails = tuple(jnp.zeros((batch, W, d), c.dtype) for d in (c.key_dim, c.key_dim, c.value_dim))
-        return LayerCache(jnp.zeros((batch, H, K, c.head_v_dim), jnp.float32), p_state, tails)
+        return LayerCache(jnp.zeros((batch, H, K, c.head_v_dim), jnp.float32), p_state, tails,
+                          jnp.zeros((batch,), jnp.int32))
 
     def step(self, x: Float[Array, "b d"], cache: LayerCache):
         """One token per row in O(1): returns (output [B, D], the updated cache)."""
@@ -283,15 +311,15 @@ class PrecondDeltaAttention(nnx.Module):
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
         p = self._project(x)
         pre_conv = (p["q_proj"], p["k_proj"], p["v_proj"])
-        stepped = [m.step(a, tail) for m, a, tail in zip(convs, pre_conv, cache.conv)]
+        stepped = [m.step(a, tail, cache.position) for m, a, tail in zip(convs, pre_conv, cache.conv)]
         q, k, v = self._heads(*(s[0] for s in stepped))
         beta, g, pre = self._gates(p)
         if self._fused_decode():
             out, S, p_state = self._fused_core_step(q, k, v, beta, g, pre, cache)
         else:
-            k_write, p_state = self._write_key(k, beta, pre, cache.precond)
-            out, S = delta_rule_step(q, k, v, beta, cache.memory, write_key=k_write, log_decay=g)
-        return self._output(out, p), LayerCache(S, p_state, tuple(s[1] for s in stepped))
+            out, S, p_state = self._core_step(q, k, v, beta, g, pre, cache)
+        return self._output(out, p), LayerCache(S, p_state, tuple(s[1] for s in stepped),
+                                                 cache.position + 1)
 
     def _fused_decode(self) -> bool:
         """Whether ``step`` runs the fused kernel: ``config.fused_decode``, or when None whether the
@@ -301,12 +329,27 @@ class PrecondDeltaAttention(nnx.Module):
             return c.fused_decode
         return choose_impl("decode_step", c.impl, K=c.head_k_dim) == "pallas"
 
+    def _core_step(self, q, k, v, beta, g, pre, cache):
+        """(o, S, preconditioner state) of one token by the ops: the preconditioner's step
+        (OSGM's d read from slot position mod 2, d_new written into the other), then
+        ``delta_rule_step``."""
+        state, slot = cache.precond, cache.position % 2
+        if not self.config.preconditioner.startswith("osgm"):
+            k_write, new = self._write_key(k, beta, pre, state)
+        else:
+            current = (jnp.arange(2) == slot[:, None])[:, None, :, None]  # [N, 1, 2, 1]
+            k_write, d_new = self._write_key(k, beta, pre, jnp.sum(jnp.where(current, state, 0), 2))
+            new = jnp.where(current, state, d_new[:, :, None])
+        out, S = delta_rule_step(q, k, v, beta, cache.memory, write_key=k_write, log_decay=g)
+        return out, S, new
+
     def _fused_core_step(self, q, k, v, beta, g, pre, cache):
         """(o, S, preconditioner state) of one token by ``decode_step``, one kernel: k̃ = k, or
-        OSGM's d ⊙ k and d's update inside it; ATK's k̃ and A from ``atk_step`` before it."""
+        OSGM's d ⊙ k and d's update inside it (two slots, in place); ATK's k̃ and A from
+        ``atk_step`` before it."""
         osgm, k_write, p_state = None, None, cache.precond
         if self.config.preconditioner.startswith("osgm"):
-            osgm = decode_step.OSGMStep(cache.precond, **self._osgm_options(pre))
+            osgm = decode_step.OSGMStep(cache.precond, **self._osgm_options(pre), slot=cache.position % 2)
         elif self.config.preconditioner == "atk":
             k_write, p_state = self._write_key(k, beta, pre, cache.precond)
         out, S, d = decode_step.decode_step(q, k, v, beta, cache.memory, log_decay=g, write_key=k_write,

@@ -5,16 +5,22 @@ Per channel, with kernel w [W, D] (w_{W−1} multiplies the current token) and d
     y_t = SiLU(b + Σ_{j=0}^{W−1} w_{W−1−j} ⊙ x_{t−j})      x_s = 0 for s before t's document
 
 so nothing leaks across the documents packed with ``cu_seqlens``. For decoding, the cache of a
-row is its last W − 1 inputs (the "tail", zeros before the document start):
+row is its last W − 1 inputs (the "tail", zeros before the document start), kept in a ring of
+W slots so that a step writes one slot in place instead of shifting the tail (a shifted copy
+is a fresh buffer, which a decoding loop copies back into its carry every step), and reads the
+window after that write (a read of the old contents before an in-place write would make XLA
+copy the buffer): with ``position`` the tokens stepped since the ring was laid out (``tail``
+lays it out for position 0: slot 0 free, slots 1 .. W − 1 the tail oldest first),
 
-    y_t = SiLU(b + Σ_i w_i ⊙ [tail, x_t]_i)        tail ← [tail, x_t][1:]
+    ring[position mod W] ← x_t       window_i = ring[(position + 1 + i) mod W]   i = 0 .. W − 1
+    y_t = SiLU(b + Σ_i w_i ⊙ window_i)                          (window_{W−1} = x_t, the newest)
 """
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from precond_linattn._typing import Array, Float
+from precond_linattn._typing import Array, Float, Int
 from precond_linattn.layers.init import normal
 from precond_linattn.varlen import segments
 
@@ -61,17 +67,22 @@ class ShortConvolution(nnx.Module):
         return conv(x, self.kernel[...], None if self.bias is None else self.bias[...])
 
     def tail(self, x: Float[Array, "b t d"], *, cu_seqlens=None) -> Float[Array, "n w d"]:
-        """The decode cache after ``x``: the last W − 1 inputs of every document [N, W − 1, D]."""
+        """The decode cache after ``x``: every document's ring [N, W, D] at position 0, the last
+        W − 1 inputs in slots 1 .. W − 1 (oldest first), zeros in slot 0 and before the start."""
         B, T, _ = x.shape
         start, end = _bounds(B, T, cu_seqlens)
-        idx = end[:, None] - (self.kernel_size - 1) + jnp.arange(self.kernel_size - 1)
+        idx = end[:, None] - self.kernel_size + jnp.arange(self.kernel_size)
         rows = jnp.zeros_like(start) if cu_seqlens is not None else jnp.arange(B)
         vals = x[rows[:, None], jnp.clip(idx, 0, T - 1)]
-        return jnp.where((idx >= start[:, None])[..., None], vals, 0).astype(self.dtype)
+        keep = (idx >= start[:, None]) & (jnp.arange(self.kernel_size) > 0)
+        return jnp.where(keep[..., None], vals, 0).astype(self.dtype)
 
-    def step(self, x: Float[Array, "b d"], tail: Float[Array, "b w d"]):
-        """One token: returns (y [B, D], the new tail)."""
-        window = jnp.concatenate([tail, x[:, None].astype(self.dtype)], axis=1)
+    def step(self, x: Float[Array, "b d"], ring: Float[Array, "b w d"], position: Int[Array, " b"]):
+        """One token: returns (y [B, D], the ring with x written at each row's ``position``, the
+        module docstring's step)."""
+        W = self.kernel_size
+        ring = ring.at[jnp.arange(ring.shape[0]), position % W].set(x.astype(self.dtype))
+        window = jnp.take_along_axis(ring, ((position[:, None] + 1 + jnp.arange(W)) % W)[..., None], axis=1)
         acc = jnp.einsum("bwd,wd->bd", window.astype(jnp.float32),
                          self.kernel[...].astype(jnp.float32))
-        return self._out(acc, None if self.bias is None else self.bias[...]), window[:, 1:]
+        return self._out(acc, None if self.bias is None else self.bias[...]), ring

@@ -1,8 +1,10 @@
 """Sizes without allocation (``jax.eval_shape``): parameter counts and resident decode state.
 
-Decode state per layer and sequence (SPEC 1): the memory S [H, K, V] and the preconditioner state
-[H, K] (d for OSGM, A for ATK; absent for the plain backbones, so OS-* / P-* add 1/V of S), both
-float32, plus the convolution tails [W − 1, 2·H·K + H·V] in the compute dtype.
+Decode state per layer and sequence (SPEC 1): the memory S [H, K, V] and the preconditioner state,
+both float32: ATK's A [H, K] (1/V of S), OSGM's d in two slots [H, 2, K] (2/V of S: the decode
+step writes the next d into the spare slot in place, ``LayerCache``; the algorithm's d is K
+floats a head); none for the plain backbones. Plus the convolution tails, rings of W slots
+[W, 2·H·K + H·V] in the compute dtype; and once a model, the cache's int32 position a sequence.
 """
 
 import dataclasses
@@ -27,12 +29,14 @@ def count_params(config: ModelConfig) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class StateBytes:
-    """Resident decode-state bytes: per layer (memory, preconditioner, conv tails) and model."""
+    """Resident decode-state bytes: per layer (memory, preconditioner, conv tails) and model (the
+    layers and the shared position)."""
 
     memory: int
     preconditioner: int
     conv: int
     num_layers: int
+    position: int
 
     @property
     def per_layer(self) -> int:
@@ -40,7 +44,7 @@ class StateBytes:
 
     @property
     def total(self) -> int:
-        return self.per_layer * self.num_layers
+        return self.per_layer * self.num_layers + self.position
 
 
 def _nbytes(tree) -> int:
@@ -49,6 +53,7 @@ def _nbytes(tree) -> int:
 
 def decode_state_bytes(config: ModelConfig, batch: int = 1) -> StateBytes:
     """Bytes of the decode cache for ``batch`` sequences (every layer has the same cache)."""
-    cache = jax.eval_shape(lambda: LanguageModel(config, rngs=nnx.Rngs(0)).init_cache(batch))[0]
-    return StateBytes(_nbytes(cache.memory), _nbytes(cache.precond), _nbytes(cache.conv),
-                      config.num_layers)
+    cache = jax.eval_shape(lambda: LanguageModel(config, rngs=nnx.Rngs(0)).init_cache(batch))
+    layer = cache.layers[0]
+    return StateBytes(_nbytes(layer.memory), _nbytes(layer.precond), _nbytes(layer.conv),
+                      config.num_layers, _nbytes(cache.position))

@@ -13,15 +13,35 @@ Three ways to run it, all through the same ops: ``__call__`` (full sequence, tra
 cache) and ``step`` (one token per row, O(1) in the length).
 """
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from precond_linattn._typing import Array, Float, Int
-from precond_linattn.layers.attention import PrecondDeltaAttention
+from precond_linattn.layers.attention import LayerCache, PrecondDeltaAttention
 from precond_linattn.layers.init import normal
 from precond_linattn.layers.norm import RMSNorm
 from precond_linattn.models.config import ModelConfig
+
+
+class ModelCache(NamedTuple):
+    """The decode cache of a model: one ``LayerCache`` a layer, without its position, and the one
+    position all layers share (a position a layer would be one more carried counter and one more
+    small kernel a layer a step in a decoding loop)."""
+
+    layers: tuple[LayerCache, ...]  # position None
+    position: Int[Array, " n"]
+
+    def ordered(self):
+        """Every layer's ``LayerCache.ordered`` contents (independent of the position)."""
+        return tuple(c._replace(position=self.position).ordered() for c in self.layers)
+
+
+def _model_cache(caches) -> ModelCache:
+    """The layers' caches (all at one position) as a ``ModelCache``."""
+    return ModelCache(tuple(c._replace(position=None) for c in caches), caches[0].position)
 
 
 @jax.custom_vjp
@@ -140,25 +160,28 @@ class LanguageModel(nnx.Module):
     def prefill(self, tokens: Int[Array, "b t"], *, cu_seqlens=None):
         """(logits [N, vocab] after the last token of every row / document, cache).
 
-        The cache is a tuple of ``LayerCache`` with N rows, ready for ``step``; with
-        ``cu_seqlens`` the packed prompts become N independent rows."""
+        The cache is a ``ModelCache`` with N rows, ready for ``step``; with ``cu_seqlens`` the
+        packed prompts become N independent rows."""
         h = self.embeddings(tokens)
         caches = []
         for block in self.layers:
             h, cache = block.prefill(h, cu_seqlens=cu_seqlens)
             caches.append(cache)
         last = h[:, -1] if cu_seqlens is None else h[0, jnp.asarray(cu_seqlens)[1:] - 1]
-        return self.logits(last), tuple(caches)
+        return self.logits(last), _model_cache(caches)
 
-    def step(self, token: Int[Array, " b"], cache: tuple):
+    def step(self, token: Int[Array, " b"], cache: ModelCache):
         """One token per row: (logits [B, vocab] float32, the updated cache)."""
+        if not isinstance(cache, ModelCache):
+            raise ValueError(f"cache must be the ModelCache of prefill / init_cache, got "
+                             f"{type(cache).__name__}")
         h = self.embeddings(token)
         caches = []
-        for block, layer_cache in zip(self.layers, cache):
-            h, layer_cache = block.step(h, layer_cache)
+        for block, layer_cache in zip(self.layers, cache.layers, strict=True):
+            h, layer_cache = block.step(h, layer_cache._replace(position=cache.position))
             caches.append(layer_cache)
-        return self.logits(h), tuple(caches)
+        return self.logits(h), _model_cache(caches)
 
-    def init_cache(self, batch: int) -> tuple:
-        """The decode cache before any token (one ``LayerCache`` per layer)."""
-        return tuple(block.attn.init_cache(batch) for block in self.layers)
+    def init_cache(self, batch: int) -> ModelCache:
+        """The decode cache before any token (a ``ModelCache``)."""
+        return _model_cache([block.attn.init_cache(batch) for block in self.layers])
