@@ -147,6 +147,9 @@ def test_generate_argument_errors():
             generate(model, prompt, **kwargs)
     with pytest.raises(ValueError, match="prompt"):
         generate(model, prompt[0], 2)
+    # the cache of step is the ModelCache of prefill / init_cache, not its layers' tuple
+    with pytest.raises(ValueError, match="cache must be the ModelCache of prefill / init_cache, got tuple"):
+        model.step(prompt[:, 0], model.init_cache(1).layers)
 
 
 @pytest.mark.parametrize("name", [n for n in PRESETS if "340m" in n])
