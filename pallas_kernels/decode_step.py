@@ -1,8 +1,11 @@
 """One layer's recurrent decode step (one token) as a single Pallas Triton-lowered kernel.
 
 It fuses ``osgm_step`` (or a given write key) and ``delta_rule_step``, which XLA runs as ~6-7
-small kernels a layer at batch 1 (launch-bound decoding), into one launch. Per (row, head), with
-the float32 state S [K, V]:
+small kernels a layer at batch 1 (launch-bound decoding), into one launch, and optionally the
+L2 norms of q and k before them (four more small kernels a layer otherwise). Per (row, head),
+with the float32 state S [K, V]:
+
+    q, k ← x / sqrt(Σ x² + ε_n), rounded to their dtype      (optional: ``normalize_eps`` = ε_n)
 
     OSGM (optional, SPEC 3.1; ``osgm_step_fn``'s order of operations):
         s = k ⊙ k    n̄ = max(Σ s, ε)    g = β (beta-aware) or 1    w = η g / n̄
@@ -121,13 +124,20 @@ def _delta_update(S, q, k, kw, v, beta, alpha, scale):
     return S, jnp.sum(S * (scale * q)[:, None], axis=0)
 
 
-def _kernel(*refs, names, decay, hyper, scale):
+def _unit(x, eps, dtype):
+    """x / sqrt(Σ x² + eps) in float32, rounded to ``dtype`` (the layers' L2 norm), as float32."""
+    return (x * jax.lax.rsqrt(jnp.sum(x * x) + eps)).astype(dtype).astype(jnp.float32)
+
+
+def _kernel(*refs, names, decay, hyper, scale, normalize_eps):
     """One (row, head, V tile) program: the module docstring's step on its S tile; stores S_new,
     o and (V tile 0 only) d_new. ``names``: the input refs in order (outputs follow)."""
     inputs = dict(zip(names, refs))
     S_out, o_out, *d_out = refs[len(names):]
     f32 = lambda name: inputs[name][...].astype(jnp.float32)  # noqa: E731
     q, k, v, beta = f32("q"), f32("k"), f32("v"), f32("beta")
+    if normalize_eps is not None:
+        q, k = (_unit(x, normalize_eps, inputs["k"].dtype) for x in (q, k))
     if hyper is not None:
         r = f32("retention") if "retention" in inputs else None
         slot = inputs["slot"][0] if "slot" in inputs else None
@@ -209,7 +219,7 @@ def _spec(kind, K, BV):
 
 
 def decode_step(q, k, v, beta, state, *, log_decay=None, write_key=None, osgm=None, scale=None,
-                launch: Launch | None = None, interpret=None):
+                normalize_eps=None, launch: Launch | None = None, interpret=None):
     """One decoding token of a layer's delta rule, with its preconditioner, in one kernel:
     ``osgm_step`` then ``delta_rule_step`` (the module docstring's equations).
 
@@ -221,6 +231,8 @@ def decode_step(q, k, v, beta, state, *, log_decay=None, write_key=None, osgm=No
       osgm: ``OSGMStep`` (d, retention, hyper-parameters, slot): k̃ = d ⊙ k and d's update; None:
         none.
       scale: query scale (a Python number), default K ** -0.5.
+      normalize_eps: a Python number: q and k are L2-normalised in the kernel first (x / sqrt(Σ x²
+        + normalize_eps), rounded to their dtype); None: they come normalised.
       launch: the kernel's ``Launch`` (V tile, warps); None: ``default_launch``'s.
       interpret: run in interpret mode; None: unless the default backend is a GPU.
 
@@ -238,14 +250,18 @@ def decode_step(q, k, v, beta, state, *, log_decay=None, write_key=None, osgm=No
     if not isinstance(launch, Launch):
         raise ValueError(f"launch must be a decode_step.Launch or None, got {launch!r}")
     d, retention, slot = (None, None, None) if osgm is None else (osgm.d, osgm.retention, osgm.slot)
+    if normalize_eps is not None:
+        normalize_eps = _static("normalize_eps", normalize_eps)
+        check_scale("normalize_eps", normalize_eps, minimum=0.0)
     return _step(q, k, v, beta, state, log_decay, write_key, d, retention, slot, decay=decay,
-                 hyper=hyper, scale=_static("scale", scale), launch=launch,
+                 hyper=hyper, scale=_static("scale", scale), normalize_eps=normalize_eps, launch=launch,
                  interpret=interpret_default() if interpret is None else interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("decay", "hyper", "scale", "launch", "interpret"))
+@functools.partial(jax.jit, static_argnames=("decay", "hyper", "scale", "normalize_eps", "launch",
+                                             "interpret"))
 def _step(q, k, v, beta, state, log_decay, write_key, d, retention, slot, *, decay, hyper, scale,
-          launch, interpret):
+          normalize_eps, launch, interpret):
     """``decode_step`` on checked arguments (``d``, ``retention``, ``slot``: ``OSGMStep``'s arrays,
     None without OSGM; ``hyper``: its numbers). A ``jit``, so that a decoding loop over many layers
     lowers the kernel once for all of them (as ``partition.lowered_once`` does for the ops)."""
@@ -266,7 +282,8 @@ def _step(q, k, v, beta, state, log_decay, write_key, d, retention, slot, *, dec
             inputs["retention"] = (retention, "scalar")
         if slot is not None:
             inputs["slot"] = (slot.astype(jnp.int32), "row")
-    kernel = functools.partial(_kernel, names=tuple(inputs), decay=decay, hyper=hyper, scale=scale)
+    kernel = functools.partial(_kernel, names=tuple(inputs), decay=decay, hyper=hyper, scale=scale,
+                               normalize_eps=normalize_eps)
     o, S, d = _call(kernel, inputs, min(launch.block_v, Vp), launch.num_warps, interpret)
     if padded:
         o, S, d = o[..., :V], S[:, :, :K, :V], None if d is None else d[..., :K]

@@ -100,6 +100,25 @@ def test_bf16_inputs(precond, rand):
     assert_matches_unfused(x, BF16_ULP, launch=Launch(16))
 
 
+@pytest.mark.parametrize("decay, precond", [(None, "osgm"), ("scalar", "osgm_apf"), ("vector", "none"),
+                                            (None, "write_key")])
+def test_l2_norms_in_the_kernel(decay, precond, rand):
+    """With ``normalize_eps`` the kernel L2-normalises q and k itself: unnormalised inputs (norms
+    0.2 to 5 a head, never 1) give the unfused ops' results on the normalised ones (float32, K =
+    24 padded to 32: the padding adds nothing to the norms)."""
+    x = make_inputs(rand, 24, 40, decay, precond)
+    size = lambda: jnp.asarray(rand.rng.uniform(0.2, 5.0, (B, H, 1)), jnp.float32)  # noqa: E731
+    raw = dict(x, q=x["q"] * size(), k=x["k"] * size())
+    o, S, d = decode_step(**raw, normalize_eps=1e-6, launch=Launch(16), interpret=True)
+    o_ref, S_ref, d_ref = unfused(**x)  # x's q and k are unit vectors: what the norm gives
+    assert_close(o, o_ref, 1e-5, "o")
+    assert_close(S, S_ref, 1e-5, "S")
+    if d_ref is not None:
+        assert_close(d, d_ref, 1e-5, "d")
+    o_raw, _, _ = decode_step(**raw, launch=Launch(16), interpret=True)
+    assert float(jnp.max(jnp.abs(o_raw - o_ref))) > 1e-2  # without the norm: other results
+
+
 def test_scale(rand):
     """An explicit query scale reaches o exactly as in ``delta_rule_step``."""
     x = make_inputs(rand, 16, 16, "scalar", "none")
@@ -214,6 +233,7 @@ def test_default_launch_reaches_calls_that_name_none(rand, monkeypatch):
     (dict(osgm=OSGMStep(jnp.ones((B, H, 2, 16)), 0.1, 0.5, 2.0, slot=jnp.zeros((B,)))),
      "osgm.slot must be an integer array"),
     (dict(scale=float("nan")), "scale must be a finite scalar"),
+    (dict(normalize_eps=-1.0), "normalize_eps must be >= 0"),
     (dict(launch=(32, 4)), "launch must be a decode_step.Launch"),
 ])
 def test_errors(change, match):
@@ -238,7 +258,7 @@ def test_traced_hyper_parameter_is_an_error():
     (None, "osgm", True)])
 def test_lowers_for_cuda(decay, precond, slots):
     """The step lowers for CUDA as one Triton kernel (K = V = 128, bf16, 2 V tiles of 64); with
-    OSGM's two slots of d too."""
+    OSGM's two slots of d and the L2 norms of q and k too (as the layers' step runs it)."""
     K, V = 128, 128
     osgm, write_key = PRECONDS[precond]
     shapes = dict(q=(B, H, K), k=(B, H, K), v=(B, H, V), beta=(B, H), state=(B, H, K, V))
@@ -257,7 +277,8 @@ def test_lowers_for_cuda(decay, precond, slots):
         if osgm is not None:
             x["osgm"] = OSGMStep(x.pop("d"), 0.003, 0.5, 2.0, retention=x.pop("retention"),
                                  slot=x.pop("slot", None))
-        return decode_step(**x, launch=Launch(64), interpret=False)
+        return decode_step(**x, launch=Launch(64), normalize_eps=1e-6 if slots else None,
+                           interpret=False)
 
     dtypes = dict(q=jnp.bfloat16, k=jnp.bfloat16, v=jnp.bfloat16, write_key=jnp.bfloat16, slot=jnp.int32)
     args = [jax.ShapeDtypeStruct(s, dtypes.get(n, jnp.float32)) for n, s in shapes.items()]
@@ -326,3 +347,19 @@ def test_layer_step_fused_matches_unfused(backbone, pre, rand):
         for a, b in zip(jax.tree.leaves(cache_fused), jax.tree.leaves(cache)):
             assert_close(a, b, 1e-5, f"cache at token {t}")
         caches = [cache, cache_fused]
+    # the kernel took over q's and k's L2 norms (ATK's step needs k normalised before it)
+    rsqrts = [_outside_kernels(lambda: nnx.merge(*nnx.split(m)).step(x[:, 5], cache), "rsqrt")
+              for m in layers]
+    assert rsqrts[0] - rsqrts[1] == (0 if pre == "atk" else 2)
+
+
+def _outside_kernels(fn, primitive):
+    """How many ``primitive`` equations the jaxpr of ``fn()`` has outside its pallas_calls."""
+    def count(jaxpr):
+        n = 0
+        for e in jaxpr.eqns:
+            n += e.primitive.name == primitive
+            if e.primitive.name != "pallas_call":
+                n += sum(count(v.jaxpr) for v in e.params.values() if hasattr(v, "jaxpr"))
+        return n
+    return count(jax.make_jaxpr(fn)().jaxpr)

@@ -89,7 +89,10 @@ def _slots(d):
     return jnp.stack([d, d], axis=2)
 
 
-def _l2norm(x, eps=1e-6):
+L2_EPS = 1e-6  # q, k ← x / sqrt(Σ x² + L2_EPS)
+
+
+def _l2norm(x, eps=L2_EPS):
     x32 = x.astype(jnp.float32)
     return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
@@ -205,12 +208,12 @@ class PrecondDeltaAttention(nnx.Module):
         ys = tuple(row_major(m(row_major(x), cu_seqlens=cu_seqlens)) for m, x in zip(convs, xs))
         return jax.lax.optimization_barrier(ys)
 
-    def _heads(self, q, k, v):
-        """q, k L2-normalised per head and v, as [..., H, d]."""
+    def _heads(self, q, k, v, normalize=True):
+        """q, k L2-normalised per head (``normalize``; else as they are) and v, as [..., H, d]."""
         c = self.config
         split = lambda a, d: a.reshape(*a.shape[:-1], c.num_heads, d)
-        return (_l2norm(split(q, c.head_k_dim)), _l2norm(split(k, c.head_k_dim)),
-                split(v, c.head_v_dim))
+        norm = _l2norm if normalize else (lambda x: x)
+        return norm(split(q, c.head_k_dim)), norm(split(k, c.head_k_dim)), split(v, c.head_v_dim)
 
     def _output(self, o, p):
         c = self.config
@@ -312,10 +315,12 @@ class PrecondDeltaAttention(nnx.Module):
         p = self._project(x)
         pre_conv = (p["q_proj"], p["k_proj"], p["v_proj"])
         stepped = [m.step(a, tail, cache.position) for m, a, tail in zip(convs, pre_conv, cache.conv)]
-        q, k, v = self._heads(*(s[0] for s in stepped))
+        # the fused kernel normalises q and k itself, but ATK's step needs k normalised before it
+        in_kernel = self._fused_decode() and c.preconditioner != "atk"
+        q, k, v = self._heads(*(s[0] for s in stepped), normalize=not in_kernel)
         beta, g, pre = self._gates(p)
         if self._fused_decode():
-            out, S, p_state = self._fused_core_step(q, k, v, beta, g, pre, cache)
+            out, S, p_state = self._fused_core_step(q, k, v, beta, g, pre, cache, in_kernel)
         else:
             out, S, p_state = self._core_step(q, k, v, beta, g, pre, cache)
         return self._output(out, p), LayerCache(S, p_state, tuple(s[1] for s in stepped),
@@ -343,15 +348,16 @@ class PrecondDeltaAttention(nnx.Module):
         out, S = delta_rule_step(q, k, v, beta, cache.memory, write_key=k_write, log_decay=g)
         return out, S, new
 
-    def _fused_core_step(self, q, k, v, beta, g, pre, cache):
+    def _fused_core_step(self, q, k, v, beta, g, pre, cache, normalize):
         """(o, S, preconditioner state) of one token by ``decode_step``, one kernel: k̃ = k, or
         OSGM's d ⊙ k and d's update inside it (two slots, in place); ATK's k̃ and A from
-        ``atk_step`` before it."""
+        ``atk_step`` before it. ``normalize``: q and k come unnormalised, the kernel's L2 norm
+        (``normalize_eps``) first."""
         osgm, k_write, p_state = None, None, cache.precond
         if self.config.preconditioner.startswith("osgm"):
             osgm = decode_step.OSGMStep(cache.precond, **self._osgm_options(pre), slot=cache.position % 2)
         elif self.config.preconditioner == "atk":
             k_write, p_state = self._write_key(k, beta, pre, cache.precond)
         out, S, d = decode_step.decode_step(q, k, v, beta, cache.memory, log_decay=g, write_key=k_write,
-                                            osgm=osgm)
+                                            osgm=osgm, normalize_eps=L2_EPS if normalize else None)
         return out, S, p_state if osgm is None else d
