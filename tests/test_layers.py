@@ -167,8 +167,9 @@ def test_fla_style_init():
     np.testing.assert_allclose(jax.nn.sigmoid(layer.retention_proj.bias[...]), 0.99, rtol=1e-6)
 
 
-def test_short_convolution_documents_and_steps(rand):
-    W, F, lengths = 4, 6, [5, 2, 9]
+@pytest.mark.parametrize("W", [4, 2, 1])
+def test_short_convolution_documents_and_steps(rand, W):
+    F, lengths = 6, [5, 2, 9]
     conv = ShortConvolution(F, W, use_bias=True, dtype=jnp.float32, param_dtype=jnp.float32,
                             rngs=nnx.Rngs(1))
     conv.bias[...] = rand.normal(F)
