@@ -141,7 +141,7 @@ def _kernel(*refs, names, decay, hyper, scale, normalize_eps):
     if hyper is not None:
         r = f32("retention") if "retention" in inputs else None
         slot = inputs["slot"][0] if "slot" in inputs else None
-        d = f32("d") if slot is None else inputs["d"][slot, :]
+        d = f32("d") if slot is None else inputs["d"][slot, :].astype(jnp.float32)
         kw, d_new = _osgm_update(k, d, beta, r, hyper, inputs["k"].dtype)
 
         @pl.when(pl.program_id(2) == 0)
@@ -185,6 +185,8 @@ def _check(q, k, v, beta, state, log_decay, write_key, osgm):
             check_tensor("osgm.d", osgm.d, (B, H, K), "[B, H, K]")
         else:
             check_tensor("osgm.d", osgm.d, (B, H, 2, K), "[B, H, 2, K] (two slots, with osgm.slot)")
+            if osgm.d.dtype != jnp.float32:  # updated in place by the float32 d_new
+                raise ValueError(f"osgm.d must be float32 with osgm.slot, got {osgm.d.dtype}")
             if not hasattr(osgm.slot, "dtype") or not jnp.issubdtype(osgm.slot.dtype, jnp.integer):
                 raise ValueError("osgm.slot must be an integer array (0 or 1 a row), got "
                                  f"{getattr(osgm.slot, 'dtype', type(osgm.slot).__name__)}")

@@ -49,7 +49,7 @@ from flax import nnx
 from pallas_kernels import decode_step
 from precond_linattn._typing import Array, Float, Int
 from precond_linattn.layers.config import LayerConfig
-from precond_linattn.layers.conv import ShortConvolution
+from precond_linattn.layers.conv import ShortConvolution, ring_order
 from precond_linattn.layers.init import a_log_init, dt_bias_init, normal
 from precond_linattn.layers.norm import RMSNorm
 from precond_linattn.layout import row_major
@@ -74,13 +74,19 @@ class LayerCache(NamedTuple):
     def ordered(self):
         """(S, the preconditioner state [N, H, K] (OSGM's current d) or None, the (q, k, v)
         tails [N, W − 1, dim], oldest first): the cache's contents whatever its position."""
-        rows, p = jnp.arange(self.position.shape[0]), self.position
         precond = self.precond
         if precond is not None and precond.ndim == 4:
-            precond = precond[rows, :, p % 2]
-        tails = tuple(jnp.take_along_axis(t, ((p[:, None] + 1 + jnp.arange(t.shape[1] - 1))
-                                              % t.shape[1])[..., None], axis=1) for t in self.conv)
+            precond = _current_slot(precond, self.position)[1]
+        tails = tuple(ring_order(t, self.position, t.shape[1] - 1) for t in self.conv)
         return self.memory, precond, tails
+
+
+def _current_slot(slots, position):
+    """(the mask [N, 1, 2, 1] of each row's current slot, position mod 2, and OSGM's d [N, H, K]
+    read from it). An elementwise select, not a gather: a decoding loop then writes the next d
+    into the other slot in place (a gather before a scatter of the same buffer copies it)."""
+    mask = (jnp.arange(2) == (position % 2)[:, None])[:, None, :, None]
+    return mask, jnp.sum(jnp.where(mask, slots, 0), 2)
 
 
 def _slots(d):
@@ -315,11 +321,12 @@ class PrecondDeltaAttention(nnx.Module):
         p = self._project(x)
         pre_conv = (p["q_proj"], p["k_proj"], p["v_proj"])
         stepped = [m.step(a, tail, cache.position) for m, a, tail in zip(convs, pre_conv, cache.conv)]
+        fused = self._fused_decode()
         # the fused kernel normalises q and k itself, but ATK's step needs k normalised before it
-        in_kernel = self._fused_decode() and c.preconditioner != "atk"
+        in_kernel = fused and c.preconditioner != "atk"
         q, k, v = self._heads(*(s[0] for s in stepped), normalize=not in_kernel)
         beta, g, pre = self._gates(p)
-        if self._fused_decode():
+        if fused:
             out, S, p_state = self._fused_core_step(q, k, v, beta, g, pre, cache, in_kernel)
         else:
             out, S, p_state = self._core_step(q, k, v, beta, g, pre, cache)
@@ -338,12 +345,12 @@ class PrecondDeltaAttention(nnx.Module):
         """(o, S, preconditioner state) of one token by the ops: the preconditioner's step
         (OSGM's d read from slot position mod 2, d_new written into the other), then
         ``delta_rule_step``."""
-        state, slot = cache.precond, cache.position % 2
+        state = cache.precond
         if not self.config.preconditioner.startswith("osgm"):
             k_write, new = self._write_key(k, beta, pre, state)
         else:
-            current = (jnp.arange(2) == slot[:, None])[:, None, :, None]  # [N, 1, 2, 1]
-            k_write, d_new = self._write_key(k, beta, pre, jnp.sum(jnp.where(current, state, 0), 2))
+            current, d = _current_slot(state, cache.position)
+            k_write, d_new = self._write_key(k, beta, pre, d)
             new = jnp.where(current, state, d_new[:, :, None])
         out, S = delta_rule_step(q, k, v, beta, cache.memory, write_key=k_write, log_decay=g)
         return out, S, new

@@ -33,6 +33,13 @@ def _bounds(batch: int, length: int, cu_seqlens):
     return cu[:-1], cu[1:]
 
 
+def ring_order(ring: Float[Array, "n w d"], position: Int[Array, " n"], count: int) -> Float[Array, "n c d"]:
+    """The ``count`` slots of each row's ring from the oldest, ring[(position + 1 + i) mod W] for
+    i = 0 .. count − 1 (the module docstring's window; ``count`` = W − 1: the tail alone)."""
+    W = ring.shape[1]
+    return jnp.take_along_axis(ring, ((position[:, None] + 1 + jnp.arange(count)) % W)[..., None], axis=1)
+
+
 class ShortConvolution(nnx.Module):
     def __init__(self, features: int, kernel_size: int, *, use_bias: bool, dtype, param_dtype,
                  rngs: nnx.Rngs):
@@ -82,7 +89,7 @@ class ShortConvolution(nnx.Module):
         module docstring's step)."""
         W = self.kernel_size
         ring = ring.at[jnp.arange(ring.shape[0]), position % W].set(x.astype(self.dtype))
-        window = jnp.take_along_axis(ring, ((position[:, None] + 1 + jnp.arange(W)) % W)[..., None], axis=1)
+        window = ring_order(ring, position, W)
         acc = jnp.einsum("bwd,wd->bd", window.astype(jnp.float32),
                          self.kernel[...].astype(jnp.float32))
         return self._out(acc, None if self.bias is None else self.bias[...]), ring
