@@ -1,0 +1,130 @@
+"""A float32 NumPy model of OSDN's phase 1 (the d scan, SPEC 3.1) cut into P pieces of the
+sequence that run in parallel: how many passes over the pieces each way of guessing the
+states entering them needs before every piece starts from the sequential scan's state (to
+float32 level, and bit for bit). It sizes NOTES' lever "more CTAs a head" (session 45, item 1)
+before any kernel: P pieces at n passes shorten the chain ~P / n times.
+
+    PYTHONPATH=. python benchmarks/pieces_model.py [--T 2048] [--heads 4] [--vanilla]
+        [--pieces 2 4 8 16]
+
+The token step (the kernels' fixed point, ``reference.osgm``'s order of operations), every
+head of row 0 at once, d [H, K]:
+
+    a_t = ⟨d_t, s_t⟩    d_{t+1} = clip(r_t d_t + w_t (1 − g_t a_t) s_t, d_min, d_max)
+
+A pass runs every piece from its entering guess E_p and sets E_{p+1} to the state leaving
+piece p (E_0 = d_1, exact): a Picard iteration over pieces, exact after P − 1 passes by
+causality. The first guesses:
+
+    start:   E_p = d_1 for every piece
+    floor:   E_p = d_min (APF's retention pins most coordinates there)
+    affine:  the unclipped maps composed, E_{p+1} = M_p E_p + c_p with
+             M_p = Π_t (r_t I − w_t g_t s_t s_tᵀ), c_p their offsets (float64; a K x K pass
+             a piece, i.e. a delta rule with keys s_t and one value column)
+
+It prints, per guess and P, the largest relative error of the E_p against the sequential
+float32 scan's states after 0-3 passes, the pass that makes them equal bit for bit (if any),
+the share of token steps whose clip acted, and the float32 scan's own distance from a float64
+one (the level below which the pieces' error is rounding).
+"""
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.bench_osgm import make_inputs
+from precond_linattn.chunked.osgm_picard import coefficients
+
+F32 = np.float32
+BOUNDS = (0.5, 2.0)
+
+
+def scan(d, s, w, g, r, dtype=F32):
+    """d after the tokens of s, w, g, r ([T, H, K] / [T, H]) from d [H, K], rounded to
+    ``dtype`` each step, and how many (token, head, coordinate) steps the clip changed."""
+    clipped = 0
+    d = d.astype(dtype)
+    for t in range(s.shape[0]):
+        a = (d * s[t]).sum(-1, dtype=dtype)
+        p = (r[t][:, None] * d + (w[t] * (1 - g[t] * a))[:, None] * s[t]).astype(dtype)
+        d = np.clip(p, *BOUNDS).astype(dtype)
+        clipped += int(np.sum(d != p))
+    return d, clipped
+
+
+def affine_map(s, w, g, r):
+    """(M [H, K, K], c [H, K]) float64 with d_out = M d_in + c for the tokens' unclipped steps."""
+    H, K = s.shape[1:]
+    M = np.broadcast_to(np.eye(K), (H, K, K)).copy()
+    c = np.zeros((H, K))
+    for t in range(s.shape[0]):
+        st, wg = s[t].astype(np.float64), (w[t] * g[t]).astype(np.float64)
+        M = r[t][:, None, None] * M - wg[:, None, None] * st[:, :, None] * np.einsum(
+            "hk,hkj->hj", st, M)[:, None, :]
+        c = r[t][:, None] * c - (wg * np.einsum("hk,hk->h", st, c))[:, None] * st + w[t][:, None] * st
+    return M, c
+
+
+def passes(guess, truth, pieces, d1, most=3):
+    """The largest relative error of the entering states against ``truth`` after 0 .. ``most``
+    passes of the Picard iteration over pieces from ``guess`` [P, H, K] (``pieces``: each
+    piece's (s, w, g, r)), and the passes until bit for bit (None: not within ``most``)."""
+    E, errors, exact = guess.copy(), [], None
+    E[0] = d1
+    for n in range(most + 1):
+        errors.append(float(np.max(np.abs(E - truth) / np.abs(truth))))
+        if exact is None and np.array_equal(E, truth):
+            exact = n
+        E = np.concatenate([d1[None], [scan(E[p], *pieces[p])[0] for p in range(len(pieces) - 1)]])
+    return errors, exact
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--T", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--vanilla", action="store_true", help="OSDN without APF retention")
+    ap.add_argument("--pieces", type=int, nargs="+", default=[2, 4, 8, 16])
+    ap.add_argument("--eta", type=float, default=0.003)
+    a = ap.parse_args()
+    x, _ = make_inputs(jax.random.PRNGKey(0), 1, a.T, a.heads, 128, jnp.bfloat16)
+    f = lambda v: jnp.asarray(v, jnp.float32)  # noqa: E731
+    s, _, g, w, r = (np.asarray(c, F32)[0] for c in coefficients(
+        f(x["k"]), f(x["beta"]), None if a.vanilla else f(x["r"]), a.eta, True, 1e-6))
+    d1 = np.asarray(x["d0"][0], F32)
+    print(f"{'OSDN' if a.vanilla else 'OSDN-APF'}, 1x{a.T}x{a.heads}x128 bf16 inputs, eta "
+          f"{a.eta}: the pieces' entering states against the sequential scan's")
+    for P in a.pieces:
+        if a.T % P:
+            ap.error(f"--pieces must divide --T, got {P}")
+        n = a.T // P
+        pieces = [(s[i:i + n], w[i:i + n], g[i:i + n], r[i:i + n]) for i in range(0, a.T, n)]
+        truth, exact, d, d64, clipped = [d1], [d1], d1, d1, 0
+        for piece in pieces[:-1]:
+            d, c = scan(d, *piece)
+            d64 = scan(d64, *piece, dtype=np.float64)[0]
+            truth.append(d)
+            exact.append(d64)
+            clipped += c
+        truth = np.stack(truth)
+        floor = np.max(np.abs(np.stack(exact) - truth) / np.abs(truth))
+        maps = [affine_map(*piece) for piece in pieces[:-1]]
+        composed = [d1.astype(np.float64)]
+        for M, c in maps:
+            composed.append(np.einsum("hkj,hj->hk", M, composed[-1]) + c)
+        guesses = dict(start=np.broadcast_to(d1, truth.shape),
+                       floor=np.full(truth.shape, BOUNDS[0], F32),
+                       affine=np.stack(composed).astype(F32))
+        print(f"P = {P} ({n} tokens a piece; the clip changed {clipped / truth[1:].size / n:.1%}"
+              f" of the steps; float32 against float64 scan {floor:.1e}):")
+        for name, guess in guesses.items():
+            errors, bitwise = passes(guess, truth, pieces, d1)
+            print(f"    {name:7s} after 0, 1, 2, 3 passes: "
+                  + " ".join(f"{e:8.1e}" for e in errors) + f"   bit for bit after {bitwise}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
