@@ -60,7 +60,7 @@ def affine_map(s, w, g, r):
     M = np.broadcast_to(np.eye(K), (H, K, K)).copy()
     c = np.zeros((H, K))
     for t in range(s.shape[0]):
-        st, wg = s[t].astype(np.float64), (w[t] * g[t]).astype(np.float64)
+        st, wg = s[t].astype(np.float64), w[t].astype(np.float64) * g[t]
         M = r[t][:, None, None] * M - wg[:, None, None] * st[:, :, None] * np.einsum(
             "hk,hkj->hj", st, M)[:, None, :]
         c = r[t][:, None] * c - (wg * np.einsum("hk,hk->h", st, c))[:, None] * st + w[t][:, None] * st
@@ -81,6 +81,42 @@ def passes(guess, truth, pieces, d1, most=3):
     return errors, exact
 
 
+def coefficients_of(x, vanilla, eta):
+    """(s [T, H, K], w, g, r [T, H], d_1 [H, K]) float32 of row 0 of ``bench_osgm``'s inputs."""
+    f = lambda v: jnp.asarray(v, jnp.float32)  # noqa: E731
+    s, _, g, w, r = (np.asarray(c, F32)[0] for c in coefficients(
+        f(x["k"]), f(x["beta"]), None if vanilla else f(x["r"]), eta, True, 1e-6))
+    return s, w, g, r, np.asarray(x["d0"][0], F32)
+
+
+def entering_states(d1, pieces):
+    """The states entering each piece by the sequential scan [P, H, K]: float32, float64, and
+    how many steps the clip changed before the last piece."""
+    truth, exact, d, d64, clipped = [d1], [d1], d1, d1, 0
+    for piece in pieces[:-1]:
+        d, c = scan(d, *piece)
+        d64 = scan(d64, *piece, dtype=np.float64)[0]
+        truth.append(d)
+        exact.append(d64)
+        clipped += c
+    return np.stack(truth), np.stack(exact), clipped
+
+
+def composed_states(d1, pieces):
+    """The entering states [P, H, K] (float32) by the pieces' unclipped maps composed."""
+    states = [d1.astype(np.float64)]
+    for piece in pieces[:-1]:
+        M, c = affine_map(*piece)
+        states.append(np.einsum("hkj,hj->hk", M, states[-1]) + c)
+    return np.stack(states).astype(F32)
+
+
+def cut(coefs, P):
+    """``coefs`` (s, w, g, r) as P pieces of the sequence."""
+    n = coefs[0].shape[0] // P
+    return [tuple(c[i:i + n] for c in coefs) for i in range(0, coefs[0].shape[0], n)]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--T", type=int, default=2048)
@@ -90,33 +126,18 @@ def main():
     ap.add_argument("--eta", type=float, default=0.003)
     a = ap.parse_args()
     x, _ = make_inputs(jax.random.PRNGKey(0), 1, a.T, a.heads, 128, jnp.bfloat16)
-    f = lambda v: jnp.asarray(v, jnp.float32)  # noqa: E731
-    s, _, g, w, r = (np.asarray(c, F32)[0] for c in coefficients(
-        f(x["k"]), f(x["beta"]), None if a.vanilla else f(x["r"]), a.eta, True, 1e-6))
-    d1 = np.asarray(x["d0"][0], F32)
+    *coefs, d1 = coefficients_of(x, a.vanilla, a.eta)
     print(f"{'OSDN' if a.vanilla else 'OSDN-APF'}, 1x{a.T}x{a.heads}x128 bf16 inputs, eta "
           f"{a.eta}: the pieces' entering states against the sequential scan's")
     for P in a.pieces:
         if a.T % P:
             ap.error(f"--pieces must divide --T, got {P}")
-        n = a.T // P
-        pieces = [(s[i:i + n], w[i:i + n], g[i:i + n], r[i:i + n]) for i in range(0, a.T, n)]
-        truth, exact, d, d64, clipped = [d1], [d1], d1, d1, 0
-        for piece in pieces[:-1]:
-            d, c = scan(d, *piece)
-            d64 = scan(d64, *piece, dtype=np.float64)[0]
-            truth.append(d)
-            exact.append(d64)
-            clipped += c
-        truth = np.stack(truth)
-        floor = np.max(np.abs(np.stack(exact) - truth) / np.abs(truth))
-        maps = [affine_map(*piece) for piece in pieces[:-1]]
-        composed = [d1.astype(np.float64)]
-        for M, c in maps:
-            composed.append(np.einsum("hkj,hj->hk", M, composed[-1]) + c)
+        pieces, n = cut(coefs, P), a.T // P
+        truth, exact, clipped = entering_states(d1, pieces)
+        floor = np.max(np.abs(exact - truth) / np.abs(truth))
         guesses = dict(start=np.broadcast_to(d1, truth.shape),
                        floor=np.full(truth.shape, BOUNDS[0], F32),
-                       affine=np.stack(composed).astype(F32))
+                       affine=composed_states(d1, pieces))
         print(f"P = {P} ({n} tokens a piece; the clip changed {clipped / truth[1:].size / n:.1%}"
               f" of the steps; float32 against float64 scan {floor:.1e}):")
         for name, guess in guesses.items():
