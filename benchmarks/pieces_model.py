@@ -5,7 +5,7 @@ float32 level, and bit for bit). It sizes NOTES' lever "more CTAs a head" (sessi
 before any kernel: P pieces at n passes shorten the chain ~P / n times.
 
     PYTHONPATH=. python benchmarks/pieces_model.py [--T 2048] [--heads 4] [--vanilla]
-        [--pieces 2 4 8 16]
+        [--pieces 2 4 8 16] [--preset deltanet-340m [--preconditioner osgm]]
 
 The token step (the kernels' fixed point, ``reference.osgm``'s order of operations), every
 head of row 0 at once, d [H, K]:
@@ -23,9 +23,11 @@ causality. The first guesses:
              a piece, i.e. a delta rule with keys s_t and one value column)
 
 It prints, per guess and P, the largest relative error of the E_p against the sequential
-float32 scan's states after 0-3 passes, the pass that makes them equal bit for bit (if any),
-the share of token steps whose clip acted, and the float32 scan's own distance from a float64
-one (the level below which the pieces' error is rounding).
+float32 scan's states after 0 and 1 passes, the pass that makes them equal bit for bit (within
+3), the share of token steps whose clip acted, and the float32 scan's own distance from a
+float64 one (the level below which the pieces' error is rounding). ``--preset``: the same for
+each layer's inputs in a prefill of a random prompt through that model at random init
+(``layer_inputs``).
 """
 
 import argparse
@@ -117,6 +119,57 @@ def cut(coefs, P):
     return [tuple(c[i:i + n] for c in coefs) for i in range(0, coefs[0].shape[0], n)]
 
 
+def preset_model(name, preconditioner, seed=0):
+    """Preset ``name`` with ``preconditioner`` at random init (as ``bench_generate`` builds it)."""
+    from flax import nnx
+
+    from precond_linattn.models import LanguageModel, preset
+    return LanguageModel(preset(name, preconditioner), rngs=nnx.Rngs(seed))
+
+
+def layer_inputs(model, prompt):
+    """Each OSGM layer's (s, w, g, r, d_1) for row 0 in ``model.prefill(prompt)``: the inputs
+    phase 1 meets in a model, caught at the layers' ``osgm_precondition`` call; and the
+    prefill's cache."""
+    from precond_linattn.layers import attention
+
+    real, seen = attention.osgm_precondition, []
+
+    def record(k, beta, *, initial_state=None, retention=None, **options):
+        f = lambda v: None if v is None else jnp.asarray(v, jnp.float32)  # noqa: E731
+        s, _, g, w, r = (np.asarray(c, F32)[0] for c in coefficients(
+            f(k), f(beta), f(retention), options["eta"], options["beta_aware"], options["eps"]))
+        d1 = np.ones(s.shape[1:], F32) if initial_state is None else np.asarray(
+            initial_state[0], F32)
+        seen.append((s, w, g, r, d1))
+        return real(k, beta, initial_state=initial_state, retention=retention, **options)
+
+    attention.osgm_precondition = record
+    try:
+        _, cache = model.prefill(prompt)
+    finally:
+        attention.osgm_precondition = real
+    return seen, cache
+
+
+def report(label, coefs, d1, P):
+    """One line: the clip's share of the steps, the float32 scan's distance from float64, the
+    largest relative error of the entering states by each guess after 0 and 1 passes, and the
+    passes each needs for the bits (None: more than 3)."""
+    pieces = cut(coefs, P)
+    truth, exact, clipped = entering_states(d1, pieces)
+    steps = truth[1:].size * coefs[0].shape[0] // P
+    line = (f"{label} P={P}: clip {clipped / steps:6.1%}, f32 vs f64 "
+            f"{np.max(np.abs(exact - truth) / np.abs(truth)):.1e}")
+    guesses = dict(start=np.broadcast_to(d1, truth.shape),
+                   floor=np.full(truth.shape, BOUNDS[0], F32),
+                   affine=composed_states(d1, pieces))
+    for name, guess in guesses.items():
+        errors, bitwise = passes(guess, truth, pieces, d1)
+        line += f" | {name} {errors[0]:.1e} {errors[1]:.1e} bits@{bitwise}"
+    print(line, flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--T", type=int, default=2048)
@@ -124,27 +177,30 @@ def main():
     ap.add_argument("--vanilla", action="store_true", help="OSDN without APF retention")
     ap.add_argument("--pieces", type=int, nargs="+", default=[2, 4, 8, 16])
     ap.add_argument("--eta", type=float, default=0.003)
+    ap.add_argument("--preset", help="each layer's inputs in a prefill of this preset instead "
+                    "(random init; --heads, --eta and --vanilla do not apply)")
+    ap.add_argument("--preconditioner", default="osgm", choices=("osgm", "osgm_apf"))
     a = ap.parse_args()
-    x, _ = make_inputs(jax.random.PRNGKey(0), 1, a.T, a.heads, 128, jnp.bfloat16)
-    *coefs, d1 = coefficients_of(x, a.vanilla, a.eta)
-    print(f"{'OSDN' if a.vanilla else 'OSDN-APF'}, 1x{a.T}x{a.heads}x128 bf16 inputs, eta "
-          f"{a.eta}: the pieces' entering states against the sequential scan's")
     for P in a.pieces:
         if a.T % P:
             ap.error(f"--pieces must divide --T, got {P}")
-        pieces, n = cut(coefs, P), a.T // P
-        truth, exact, clipped = entering_states(d1, pieces)
-        floor = np.max(np.abs(exact - truth) / np.abs(truth))
-        guesses = dict(start=np.broadcast_to(d1, truth.shape),
-                       floor=np.full(truth.shape, BOUNDS[0], F32),
-                       affine=composed_states(d1, pieces))
-        print(f"P = {P} ({n} tokens a piece; the clip changed {clipped / truth[1:].size / n:.1%}"
-              f" of the steps; float32 against float64 scan {floor:.1e}):")
-        for name, guess in guesses.items():
-            errors, bitwise = passes(guess, truth, pieces, d1)
-            print(f"    {name:7s} after 0, 1, 2, 3 passes: "
-                  + " ".join(f"{e:8.1e}" for e in errors) + f"   bit for bit after {bitwise}",
-                  flush=True)
+    if a.preset:
+        model = preset_model(a.preset, a.preconditioner)
+        prompt = jax.random.randint(jax.random.PRNGKey(0), (1, a.T), 0, model.config.vocab_size)
+        cases = [(f"layer {i:2d}", coefs, d1) for i, (*coefs, d1) in
+                 enumerate(layer_inputs(model, prompt)[0])]
+        print(f"{a.preset}/{a.preconditioner}, a {a.T}-token prefill, random init:")
+    else:
+        x, _ = make_inputs(jax.random.PRNGKey(0), 1, a.T, a.heads, 128, jnp.bfloat16)
+        *coefs, d1 = coefficients_of(x, a.vanilla, a.eta)
+        cases = [("bench", coefs, d1)]
+        print(f"{'OSDN' if a.vanilla else 'OSDN-APF'}, 1x{a.T}x{a.heads}x128 bf16 inputs, eta "
+              f"{a.eta}:")
+    print("the pieces' entering states against the sequential scan's: largest relative error "
+          "of each guess after 0 and 1 passes, and the passes to the bits")
+    for label, coefs, d1 in cases:
+        for P in a.pieces:
+            report(label, coefs, d1, P)
 
 
 if __name__ == "__main__":

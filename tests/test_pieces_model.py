@@ -8,6 +8,7 @@ import numpy as np
 
 import precond_linattn as pla
 from benchmarks import pieces_model as pm
+from benchmarks.bench_generate import model_for
 from benchmarks.bench_osgm import make_inputs
 
 
@@ -71,3 +72,14 @@ def test_vanilla_pieces_need_the_composed_maps():
     start, _ = pm.passes(np.broadcast_to(d1, truth.shape), truth, pieces, d1)
     assert 0 < affine[0] <= 10 * rounding and start[0] > 1e-3
     assert affine[3] == start[3] == 0.0 and min(affine[2], start[2]) > 0
+
+
+def test_layer_inputs_are_what_each_layer_scans():
+    """A two-layer OSDN-APF model's prefill: one set of inputs a layer, and the model's scan of
+    each ends on the d the prefill's cache holds (float32, to 1e-6)."""
+    model = model_for("deltanet-340m", "osgm_apf", tiny=True)
+    prompt = jax.random.randint(jax.random.PRNGKey(0), (1, 40), 0, model.config.vocab_size)
+    seen, cache = pm.layer_inputs(model, prompt)
+    assert len(seen) == model.config.num_layers == 2
+    for (*coefs, d1), layer in zip(seen, cache.ordered()):
+        np.testing.assert_allclose(pm.scan(d1, *coefs)[0], np.asarray(layer[1][0]), rtol=1e-6)
