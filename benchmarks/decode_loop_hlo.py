@@ -11,38 +11,30 @@ slots; run 200: one, the position).
 import argparse
 import re
 
+from benchmarks import hlo_fusion
 from benchmarks.bench_decode_step import decode_loop
 from benchmarks.bench_generate import model_for
 
 
-def computations(text):
-    """{name: its text} of an HLO module's text."""
-    found = {}
-    for block in re.split(r"\n(?=\S)", text):
-        m = re.match(r"(?:ENTRY )?%?([\w.\-]+) ", block)
-        if m:
-            found[m.group(1)] = block
-    return found
-
-
 def loop_body(text):
-    """The text of the body of the entry computation's while loop (exactly one expected)."""
-    comps = computations(text)
-    entry = next(block for block in comps.values() if block.startswith("ENTRY"))
-    bodies = re.findall(r"\swhile\(.*?body=%?([\w.\-]+)", entry)
+    """The instructions (``hlo_fusion.parse``'s tuples) of the body of the entry computation's
+    while loop (exactly one expected)."""
+    comps, _ = hlo_fusion.parse(text)
+    entry = re.search(r"^ENTRY %(\S+) ", text, re.M).group(1)
+    bodies = [re.search(r"body=%([\w.\-]+)", inst[4]).group(1)
+              for inst in comps[entry] if inst[2] == "while"]
     if len(bodies) != 1:
         raise ValueError(f"expected one while loop in the entry computation, found {bodies}")
     return comps[bodies[0]]
 
 
 def counts(body):
-    """(fusions, custom calls, copy instructions of arrays) of a computation's text (copies of
-    scalars, the loop's counters, left out)."""
-    lines = body.splitlines()
-    copies = [line.strip() for line in lines
-              if re.search(r"=.*\scopy(-start)?\(", line) and not re.search(r"= \w+\[\] ", line)]
-    fusions = sum(bool(re.search(r"=.*\sfusion\(", line)) for line in lines)
-    customs = sum("custom-call(" in line for line in lines)
+    """(fusions, custom calls, copy instructions of arrays) of a computation's instructions
+    (copies of scalars, the loop's counters, left out), the copies as (name, type)."""
+    copies = [inst[:2] for inst in body
+              if inst[2] in ("copy", "copy-start") and not inst[1].endswith("[]")]
+    fusions = sum(inst[2] == "fusion" for inst in body)
+    customs = sum(inst[2] == "custom-call" for inst in body)
     return fusions, customs, copies
 
 
@@ -60,8 +52,8 @@ def main():
         decode, args = decode_loop(model_for(a.preset, pre, a.fused, a.tiny), a.steps)
         fusions, customs, copies = counts(loop_body(decode.lower(*args).compile().as_text()))
         print(f"{a.preset}/{pre}: {fusions} fusions, {customs} custom calls, {len(copies)} copies")
-        for line in copies[:a.show]:
-            print("   ", line[:160])
+        for name, type_ in copies[:a.show]:
+            print(f"    {name} {type_}")
 
 
 if __name__ == "__main__":
