@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.bench_generate import model_for
 from benchmarks.bench_osgm import make_inputs
 from precond_linattn.chunked.osgm_picard import coefficients
 
@@ -76,19 +77,27 @@ def passes(guess, truth, pieces, d1, most=3):
     E, errors, exact = guess.copy(), [], None
     E[0] = d1
     for n in range(most + 1):
+        if n:
+            E = np.concatenate([d1[None], [scan(E[p], *pieces[p])[0]
+                                           for p in range(len(pieces) - 1)]])
         errors.append(float(np.max(np.abs(E - truth) / np.abs(truth))))
         if exact is None and np.array_equal(E, truth):
             exact = n
-        E = np.concatenate([d1[None], [scan(E[p], *pieces[p])[0] for p in range(len(pieces) - 1)]])
     return errors, exact
 
 
-def coefficients_of(x, vanilla, eta):
-    """(s [T, H, K], w, g, r [T, H], d_1 [H, K]) float32 of row 0 of ``bench_osgm``'s inputs."""
-    f = lambda v: jnp.asarray(v, jnp.float32)  # noqa: E731
+def row_coefficients(k, beta, retention, eta, beta_aware=True, eps=1e-6):
+    """(s [T, H, K], w, g, r [T, H]) float32 NumPy of row 0 (``osgm_picard.coefficients``)."""
+    f = lambda v: None if v is None else jnp.asarray(v, jnp.float32)  # noqa: E731
     s, _, g, w, r = (np.asarray(c, F32)[0] for c in coefficients(
-        f(x["k"]), f(x["beta"]), None if vanilla else f(x["r"]), eta, True, 1e-6))
-    return s, w, g, r, np.asarray(x["d0"][0], F32)
+        f(k), f(beta), f(retention), eta, beta_aware, eps))
+    return s, w, g, r
+
+
+def coefficients_of(x, vanilla, eta):
+    """(s, w, g, r, d_1 [H, K]) of row 0 of ``bench_osgm``'s inputs (``row_coefficients``)."""
+    return (*row_coefficients(x["k"], x["beta"], None if vanilla else x["r"], eta),
+            np.asarray(x["d0"][0], F32))
 
 
 def entering_states(d1, pieces):
@@ -119,14 +128,6 @@ def cut(coefs, P):
     return [tuple(c[i:i + n] for c in coefs) for i in range(0, coefs[0].shape[0], n)]
 
 
-def preset_model(name, preconditioner, seed=0):
-    """Preset ``name`` with ``preconditioner`` at random init (as ``bench_generate`` builds it)."""
-    from flax import nnx
-
-    from precond_linattn.models import LanguageModel, preset
-    return LanguageModel(preset(name, preconditioner), rngs=nnx.Rngs(seed))
-
-
 def layer_inputs(model, prompt):
     """Each OSGM layer's (s, w, g, r, d_1) for row 0 in ``model.prefill(prompt)``: the inputs
     phase 1 meets in a model, caught at the layers' ``osgm_precondition`` call; and the
@@ -136,12 +137,14 @@ def layer_inputs(model, prompt):
     real, seen = attention.osgm_precondition, []
 
     def record(k, beta, *, initial_state=None, retention=None, **options):
-        f = lambda v: None if v is None else jnp.asarray(v, jnp.float32)  # noqa: E731
-        s, _, g, w, r = (np.asarray(c, F32)[0] for c in coefficients(
-            f(k), f(beta), f(retention), options["eta"], options["beta_aware"], options["eps"]))
-        d1 = np.ones(s.shape[1:], F32) if initial_state is None else np.asarray(
+        if (options["d_min"], options["d_max"]) != BOUNDS:
+            raise ValueError(f"the model's box is {BOUNDS}, the layer's ({options['d_min']}, "
+                             f"{options['d_max']})")
+        coefs = row_coefficients(k, beta, retention, options["eta"], options["beta_aware"],
+                                 options["eps"])
+        d1 = np.ones(coefs[0].shape[1:], F32) if initial_state is None else np.asarray(
             initial_state[0], F32)
-        seen.append((s, w, g, r, d1))
+        seen.append((*coefs, d1))
         return real(k, beta, initial_state=initial_state, retention=retention, **options)
 
     attention.osgm_precondition = record
@@ -185,7 +188,7 @@ def main():
         if a.T % P:
             ap.error(f"--pieces must divide --T, got {P}")
     if a.preset:
-        model = preset_model(a.preset, a.preconditioner)
+        model = model_for(a.preset, a.preconditioner)
         prompt = jax.random.randint(jax.random.PRNGKey(0), (1, a.T), 0, model.config.vocab_size)
         cases = [(f"layer {i:2d}", coefs, d1) for i, (*coefs, d1) in
                  enumerate(layer_inputs(model, prompt)[0])]
