@@ -101,3 +101,40 @@ def test_similar_keys():
 
     assert abs(mean_cosine(0.0)) < 0.02
     assert abs(mean_cosine(1.5) - 1.5 ** 2 / (1 + 1.5 ** 2)) < 0.1
+
+
+def test_values_and_grads_takes_the_rounded_cotangents():
+    """The cotangents reach the pullback as drawn (the output's rounded to bf16) and are the
+    same for every function of the same shapes: drawn outside the compiled program, so that no
+    compiler can drop their rounding in one program and keep it in another (RESULTS run 208)."""
+    x = {"a": jax.random.normal(jax.random.key(1), (3, 40), jnp.float32)}
+    key = jax.random.key(2)
+
+    def f(x):
+        return 2.0 * x["a"], jnp.sum(x["a"], axis=1)
+
+    def g(x):
+        return x["a"] * 1.0, x["a"][:, 0] * 0.0
+
+    out, final, grads = bench_delta.values_and_grads(f, x, key)
+    ct_out, ct_final = bench_delta.cotangents(key, out, final)
+    assert bool(jnp.all(ct_out.astype(jnp.bfloat16).astype(jnp.float32) == ct_out))
+    assert bool(jnp.any(ct_out != jax.random.normal(jax.random.split(key)[0], out.shape)))
+    assert bool(jnp.all(grads["a"] == 2.0 * ct_out + ct_final[:, None]))
+    _, _, grads_g = bench_delta.values_and_grads(g, x, key)
+    assert bool(jnp.all(grads_g["a"] == ct_out))
+
+
+def test_values_and_grads_draws_the_cotangents_outside_the_program(monkeypatch):
+    """``cotangents`` runs outside any trace (on shapes), not inside the compiled program."""
+    drawn = []
+
+    def spy(key, o, final):
+        drawn.append(isinstance(o, jax.core.Tracer) or isinstance(final, jax.core.Tracer))
+        return cotangents(key, o, final)
+
+    cotangents = bench_delta.cotangents
+    monkeypatch.setattr(bench_delta, "cotangents", spy)
+    x = {"a": jnp.arange(6.0).reshape(2, 3)}
+    bench_delta.values_and_grads(lambda x: (x["a"], x["a"].sum(1)), x, jax.random.key(0))
+    assert drawn == [False]
