@@ -2,6 +2,7 @@
 convolution, the gated RMSNorm, packed prefill caches and mixed precision (CPU, chunked ops)."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +53,8 @@ def prefill(layer, x, cu_seqlens=None):
     (dict(num_heads=0), "num_heads"),
     (dict(impl="triton"), "impl"),
     (dict(chunk_size=0), "chunk_size"),
+    (dict(phase1_apart=True), "phase1_apart applies only with a preconditioner"),
+    (dict(preconditioner="osgm", phase1_apart=1), "phase1_apart must be a bool"),
 ])
 def test_config_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -283,3 +286,48 @@ def test_convolutions_pinned_and_fenced(pre, rand):
     got = layer._convolve(convs, [pre_conv[n] for n in names], None)
     for m, n, y in zip(convs, names, got):
         assert bool(jnp.all(y == m(pre_conv[n])))
+
+
+def projections(text, x_shape):
+    """The matmuls of the program's input x [x_shape] (float32, cast to bf16 first) in the main
+    function of a lowered program (the input projections, not o_proj's)."""
+    main = text.split("func.func public @main")[1].split("func.func")[0]
+    cast = re.findall(rf"(%\w+) = stablehlo.convert %arg0 : \(tensor<{x_shape}xf32>\)", main)
+    assert len(cast) == 1
+    return sum(f"dot_general {cast[0]}," in line for line in main.splitlines())
+
+
+@pytest.mark.parametrize("pre", [p for p in PRECONDITIONERS if p != "none"])
+def test_phase1_apart(pre, rand):
+    """``phase1_apart``: the phase's inputs (k, and β / the retention / ATK's gates) by their own
+    matmul and k behind its own barrier, the others by one matmul and q, v behind one barrier
+    (two dots and two barriers in the full-sequence program, one of each without it; a decode
+    step still one dot), the layer's output and gradients the same as without it."""
+    x = rand.normal(2, 9, D)
+    layers, texts = [], []
+    for apart in (False, True):
+        layer = PrecondDeltaAttention(LayerConfig(D, H, backbone="gdn", preconditioner=pre,
+                                                  impl="chunked", phase1_apart=apart),
+                                      rngs=nnx.Rngs(0))
+        graph, state = nnx.split(layer)
+        texts.append(jax.jit(lambda x: nnx.merge(graph, state)(x)).lower(x).as_text())
+        step = jax.jit(lambda x, cache: nnx.merge(graph, state).step(x, cache))
+        step_text = step.lower(x[:, 0], layer.init_cache(2)).as_text()
+        assert projections(step_text, "2x32") == 1
+        layers.append(layer)
+    assert [projections(t, "2x9x32") for t in texts] == [1, 2]
+    assert [t.count("optimization_barrier") for t in texts] == [1, 2]
+    fused, apart = (layer._project(x, apart=a) for layer, a in zip(layers, (False, True)))
+    assert set(fused) == set(apart)
+    for name in fused:
+        assert rel_err(apart[name], fused[name]) <= 1e-6, name
+
+    def loss(layer, x):
+        return jnp.sum(layer(x).astype(jnp.float32) ** 2)
+
+    (l0, g0), (l1, g1) = (nnx.value_and_grad(loss)(layer, x) for layer in layers)
+    assert rel_err(l1, l0) <= 1e-5
+    flat0, flat1 = (dict(nnx.to_flat_state(nnx.state(g, nnx.Param))) for g in (g0, g1))
+    assert set(flat0) == set(flat1)
+    for path in flat0:
+        assert rel_err(flat1[path][...], flat0[path][...]) <= 1e-4, path
