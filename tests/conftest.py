@@ -102,6 +102,14 @@ def rand(request):
     return Rand(zlib.crc32(request.node.nodeid.encode()))
 
 
+@pytest.fixture
+def little_poison(monkeypatch):
+    """``bench_delta.values_and_grads`` fills 0.01 GiB with NaN before a run, not the device's
+    4 GiB (seconds of a CPU test)."""
+    from benchmarks import bench_delta
+    monkeypatch.setattr(bench_delta, "POISON_GIB", [0.01])
+
+
 @pytest.fixture(autouse=True)
 def _traces_see_patches(request):
     """A test that monkeypatches starts and ends with ``jax.clear_caches()``: ``jit`` caches

@@ -103,7 +103,7 @@ def test_similar_keys():
     assert abs(mean_cosine(1.5) - 1.5 ** 2 / (1 + 1.5 ** 2)) < 0.1
 
 
-def test_values_and_grads_takes_the_rounded_cotangents():
+def test_values_and_grads_takes_the_rounded_cotangents(little_poison):
     """The cotangents reach the pullback as drawn (the output's rounded to bf16) and are the
     same for every function of the same shapes: drawn outside the compiled program, so that no
     compiler can drop their rounding in one program and keep it in another (RESULTS run 208)."""
@@ -125,7 +125,7 @@ def test_values_and_grads_takes_the_rounded_cotangents():
     assert bool(jnp.all(grads_g["a"] == ct_out))
 
 
-def test_values_and_grads_draws_the_cotangents_outside_the_program(monkeypatch):
+def test_values_and_grads_draws_the_cotangents_outside_the_program(monkeypatch, little_poison):
     """``cotangents`` runs outside any trace (on shapes), not inside the compiled program."""
     drawn = []
 

@@ -16,13 +16,11 @@ def test_atk_phase_entries_choose_the_kernels(monkeypatch):
         (False, 4, 1), (False, None, 1), (True, None, 1), (True, None, 2)]
 
 
-def test_against_fp32_matches_cotangents_and_names_the_used_inputs(monkeypatch):
+def test_against_fp32_matches_cotangents_and_names_the_used_inputs(little_poison):
     """The fp32 section's bf16 errors are bf16-sized (one set of cotangents for all three runs:
     unmatched ones give errors of order one) and name exactly the model's inputs."""
     import jax
     import jax.numpy as jnp
-    from benchmarks import bench_delta
-    monkeypatch.setattr(bench_delta, "POISON_GIB", [0.01])  # not the device's 4 GiB of NaN
     x = bench_ops.inputs(jax.random.key(3), 1, 40, 2, 32, "deltanet", jnp.bfloat16)
     r = bench_ops.against_fp32("osdn-apf", "osgm_apf", "chunked", x, jax.random.key(4))
     errs = r["chunked bf16"]
@@ -30,15 +28,14 @@ def test_against_fp32_matches_cotangents_and_names_the_used_inputs(monkeypatch):
     assert all(1e-4 < e < 2e-2 for e in errs.values()), errs
 
 
-def test_saved_fp32_record_replays_the_chunked_errors(monkeypatch, tmp_path):
+def test_saved_fp32_record_replays_the_chunked_errors(little_poison, tmp_path):
     """``--save-fp32``'s record holds the whole problem: its inputs and cotangents through the
     chunked bf16 form (as FLA's process runs them, ``bench_fla.against``) give back the errors
     the section measured, and through the chunked fp32 form the record's fp32 answer."""
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from benchmarks import bench_delta, fp32_record
-    monkeypatch.setattr(bench_delta, "POISON_GIB", [0.01])
+    from benchmarks import fp32_record
     x = bench_ops.inputs(jax.random.key(5), 1, 40, 2, 32, "gdn", jnp.bfloat16)
     r = bench_ops.against_fp32("gdn", "none", "chunked", x, jax.random.key(6), tmp_path)
     rec = fp32_record.load(tmp_path / "gdn.npz")
