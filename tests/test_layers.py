@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.extend import core as jcore
 
 from conftest import packed_cu_seqlens, rel_err
 from precond_linattn.layers import (
@@ -331,3 +332,59 @@ def test_phase1_apart(pre, rand):
     assert set(flat0) == set(flat1)
     for path in flat0:
         assert rel_err(flat1[path][...], flat0[path][...]) <= 1e-4, path
+
+
+def _sub_jaxprs(eqn):
+    """The jaxprs an equation's parameters hold (jit bodies, custom rules, kernels' bodies)."""
+    subs = [v.jaxpr if hasattr(v, "consts") else v for v in eqn.params.values()
+            if hasattr(v, "eqns") or (hasattr(v, "consts") and hasattr(v, "jaxpr"))]
+    return [j for j in subs if hasattr(j, "eqns")]
+
+
+def _calls_kernel(jaxpr, name):
+    return any((e.primitive.name == "pallas_call" and e.params.get("name") == name)
+               or any(_calls_kernel(j, name) for j in _sub_jaxprs(e)) for e in jaxpr.eqns)
+
+
+def _weight_gradients(jaxpr, kernel, tainted_in, found):
+    """Which values of ``jaxpr`` depend on the outputs of the Pallas kernel named ``kernel``
+    (through jit bodies exactly, through any other nested call as a whole); every dot_general
+    met is put in ``found`` as (output shape, depends on the kernel)."""
+    tainted = dict(zip(jaxpr.invars, tainted_in))
+    get = lambda v: not isinstance(v, jcore.Literal) and tainted.get(v, False)  # noqa: E731
+    for e in jaxpr.eqns:
+        ins = [get(v) for v in e.invars]
+        if e.primitive.name == "pallas_call" and e.params.get("name") == kernel:
+            outs = [True] * len(e.outvars)
+        elif e.primitive.name in ("jit", "pjit"):
+            outs = _weight_gradients(e.params["jaxpr"].jaxpr, kernel, ins, found)
+        else:
+            hit = any(ins) or any(_calls_kernel(j, kernel) for j in _sub_jaxprs(e))
+            outs = [hit] * len(e.outvars)
+            if e.primitive.name == "dot_general":
+                found.append((tuple(e.outvars[0].aval.shape), hit))
+        tainted.update(zip(e.outvars, outs))
+    return [get(v) for v in jaxpr.outvars]
+
+
+@pytest.mark.parametrize("apart", [False, True])
+def test_phase1_apart_frees_the_other_projections_from_the_phase_backward(apart):
+    """In the gradient program (Pallas kernels, traced only), the input projections' weight
+    gradient depends on phase 1's backward kernel (``osgm_bwd``): the one fused matmul's
+    without ``phase1_apart``; with it only the phase's inputs' (k, β), while the other
+    projections' (q, v) does not, so XLA may run it beside the kernel."""
+    layer = PrecondDeltaAttention(LayerConfig(D, H, preconditioner="osgm", impl="pallas",
+                                              phase1_apart=apart), rngs=nnx.Rngs(0))
+    widths = {n: m.kernel.shape[1] for n, m in layer._input_linears().items()}
+    phase = sum(widths[n] for n in layer._phase1_inputs())
+    graph, state = nnx.split(layer)
+
+    def loss(state, x):
+        return jnp.sum(nnx.merge(graph, state)(x).astype(jnp.float32) ** 2)
+
+    program = jax.make_jaxpr(jax.grad(loss))(state, jnp.ones((1, 70, D))).jaxpr
+    found = []
+    _weight_gradients(program, "osgm_bwd", [False] * len(program.invars), found)
+    grads = {shape[0]: hit for shape, hit in found if shape[1:] == (D,) and shape[0] != D}
+    total = sum(widths.values())
+    assert grads == ({phase: True, total - phase: False} if apart else {total: True})
