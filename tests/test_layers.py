@@ -367,13 +367,16 @@ def _weight_gradients(jaxpr, kernel, tainted_in, found):
     return [get(v) for v in jaxpr.outvars]
 
 
+@pytest.mark.parametrize("pre, kernel", [("osgm", "osgm_bwd"), ("osgm_apf", "osgm_bwd"),
+                                         ("atk", "atk_bwd")])
 @pytest.mark.parametrize("apart", [False, True])
-def test_phase1_apart_frees_the_other_projections_from_the_phase_backward(apart):
+def test_phase1_apart_frees_the_other_projections_from_the_phase_backward(apart, pre, kernel):
     """In the gradient program (Pallas kernels, traced only), the input projections' weight
-    gradient depends on phase 1's backward kernel (``osgm_bwd``): the one fused matmul's
-    without ``phase1_apart``; with it only the phase's inputs' (k, β), while the other
-    projections' (q, v) does not, so XLA may run it beside the kernel."""
-    layer = PrecondDeltaAttention(LayerConfig(D, H, preconditioner="osgm", impl="pallas",
+    gradient depends on the phase's backward kernel: the one fused matmul's without
+    ``phase1_apart``; with it only the phase's inputs' (k with β / the retention / ATK's
+    gates), while the other projections' (q, v, ...) does not, so XLA may run it beside the
+    kernel."""
+    layer = PrecondDeltaAttention(LayerConfig(D, H, preconditioner=pre, impl="pallas",
                                               phase1_apart=apart), rngs=nnx.Rngs(0))
     widths = {n: m.kernel.shape[1] for n, m in layer._input_linears().items()}
     phase = sum(widths[n] for n in layer._phase1_inputs())
@@ -384,7 +387,7 @@ def test_phase1_apart_frees_the_other_projections_from_the_phase_backward(apart)
 
     program = jax.make_jaxpr(jax.grad(loss))(state, jnp.ones((1, 70, D))).jaxpr
     found = []
-    _weight_gradients(program, "osgm_bwd", [False] * len(program.invars), found)
+    _weight_gradients(program, kernel, [False] * len(program.invars), found)
     grads = {shape[0]: hit for shape, hit in found if shape[1:] == (D,) and shape[0] != D}
     total = sum(widths.values())
     assert grads == ({phase: True, total - phase: False} if apart else {total: True})
