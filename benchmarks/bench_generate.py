@@ -11,9 +11,9 @@ to its host's row, with the rounds' range.
     python benchmarks/bench_generate.py --preconditioners osgm --osgm-variant 2/1/16/8/scalar/p4/cpauto
     (the OSGM kernels' options as bench_osgm's variant strings, e.g. the Picard sweeps)
     python benchmarks/bench_generate.py --fused-decode on off   # decode step: one kernel vs the ops
+    (a row per setting; "auto": the layer's default, the fused kernel on a GPU)
     python benchmarks/bench_generate.py --phase1-apart --osgm-variant 2/1/16/scalar/mosaic/st1
     (LayerConfig.phase1_apart: the prefill's phase 1 on another stream beside the other projections)
-    (a row per setting; "auto": the layer's default, the fused kernel on a GPU)
 """
 
 import argparse

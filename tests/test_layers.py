@@ -336,8 +336,7 @@ def test_phase1_apart(pre, rand):
 
 def _sub_jaxprs(eqn):
     """The jaxprs an equation's parameters hold (jit bodies, custom rules, kernels' bodies)."""
-    subs = [v.jaxpr if hasattr(v, "consts") else v for v in eqn.params.values()
-            if hasattr(v, "eqns") or (hasattr(v, "consts") and hasattr(v, "jaxpr"))]
+    subs = [getattr(v, "jaxpr", v) for v in eqn.params.values()]  # a ClosedJaxpr's jaxpr
     return [j for j in subs if hasattr(j, "eqns")]
 
 
@@ -346,7 +345,7 @@ def _calls_kernel(jaxpr, name):
                or any(_calls_kernel(j, name) for j in _sub_jaxprs(e)) for e in jaxpr.eqns)
 
 
-def _weight_gradients(jaxpr, kernel, tainted_in, found):
+def _kernel_dependence(jaxpr, kernel, tainted_in, found):
     """Which values of ``jaxpr`` depend on the outputs of the Pallas kernel named ``kernel``
     (through jit bodies exactly, through any other nested call as a whole); every dot_general
     met is put in ``found`` as (output shape, depends on the kernel)."""
@@ -357,7 +356,7 @@ def _weight_gradients(jaxpr, kernel, tainted_in, found):
         if e.primitive.name == "pallas_call" and e.params.get("name") == kernel:
             outs = [True] * len(e.outvars)
         elif e.primitive.name in ("jit", "pjit"):
-            outs = _weight_gradients(e.params["jaxpr"].jaxpr, kernel, ins, found)
+            outs = _kernel_dependence(e.params["jaxpr"].jaxpr, kernel, ins, found)
         else:
             hit = any(ins) or any(_calls_kernel(j, kernel) for j in _sub_jaxprs(e))
             outs = [hit] * len(e.outvars)
@@ -387,7 +386,7 @@ def test_phase1_apart_frees_the_other_projections_from_the_phase_backward(apart,
 
     program = jax.make_jaxpr(jax.grad(loss))(state, jnp.ones((1, 70, D))).jaxpr
     found = []
-    _weight_gradients(program, kernel, [False] * len(program.invars), found)
+    _kernel_dependence(program, kernel, [False] * len(program.invars), found)
     grads = {shape[0]: hit for shape, hit in found if shape[1:] == (D,) and shape[0] != D}
     total = sum(widths.values())
     assert grads == ({phase: True, total - phase: False} if apart else {total: True})
