@@ -141,11 +141,7 @@ def _kernel(*refs, names, decay, hyper, scale, normalize_eps):
     if hyper is not None:
         r = f32("retention") if "retention" in inputs else None
         slot = inputs["slot"][0] if "slot" in inputs else None
-        if slot is None:
-            d = f32("d")
-        else:  # both slots read, then one chosen: a read at an address computed from the slot
-            # would wait for the slot's own read (two global-memory latencies in a row)
-            d = jnp.where(slot == 0, inputs["d"][0, :], inputs["d"][1, :]).astype(jnp.float32)
+        d = f32("d") if slot is None else inputs["d"][slot, :].astype(jnp.float32)
         kw, d_new = _osgm_update(k, d, beta, r, hyper, inputs["k"].dtype)
 
         @pl.when(pl.program_id(2) == 0)
