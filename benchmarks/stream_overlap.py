@@ -1,0 +1,198 @@
+"""Does XLA run OSDN's phase-1 kernels beside independent work when they are on another stream?
+
+    PYTHONPATH=. python benchmarks/stream_overlap.py [--shape B T H K] [--width 1024]
+        [--matmuls 4] [--reps 20] [--hlo DIR]
+
+One program: phase 1 forward and backward (``osgm_precondition(impl="pallas")``, its gradient
+of k and β for a fixed cotangent) and, independent of it, a chain of ``--matmuls`` matmuls
+[B T, width] x [width, width] before and a second chain after the backward starts, the work a
+training step could run while phase 1's 64 CTAs leave half of the GPU idle. Three ways:
+
+- ``serial``: everything on the main stream;
+- ``stream``: phase 1's kernels on XLA GPU stream 1 (``Options.stream``, ``compute_on``);
+- ``grouped``: the same, with phase 1 and both chains under one ``_scheduling_group_id``
+  (``set_xla_metadata``; a custom_vjp's backward is traced with its forward, so both of the
+  phase's calls join the group; ``--forward-only``: the forward alone, one call a group). XLA's
+  latency-hiding scheduler schedules an annotated group's ops between the asynchronous call's
+  start and done. RESULTS run 210: without a group the training step's stream-1 calls had
+  nothing between their start and done.
+
+jax 0.11.2 cannot put a group on the stream call itself: ``compute_on``'s lowering sets the
+call's frontend attributes and wraps its results in ``annotate_device_placement`` custom calls,
+which are what the ambient metadata lands on; and the kernels' partitioner
+(``custom_partitioning``) traces ``rows_mosaic.on_stream``'s function again at compile time,
+outside any metadata context. So ``grouped`` patches both, for this process only
+(``group_stream_calls``): ``on_stream`` re-enters the group it was traced in, and
+``compute_on``'s lowering copies the group onto the call. Nothing in the library changes
+unless the experiment shows the overlap.
+
+Prints each way's time (median of ``--reps`` calls), phase 1 alone and the chains alone, and
+per way the asynchronous pairs of the compiled program with what runs while they are in flight
+(``hlo_async``). Overlap shows as ``grouped`` (or ``stream``) below ``serial``; the bound is
+the phase's time x the share of SMs it leaves free. On a CPU the stream annotation is ignored
+and the kernels run in interpret mode: a smoke test of the script only (``--shape 1 128 2 128``).
+"""
+
+import argparse
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.xla_metadata import set_xla_metadata
+
+from jax._src import compute_on as compute_on_lib
+from jax._src.interpreters import mlir
+from jax._src.xla_metadata_lib import current_xla_metadata
+
+import precond_linattn as pla
+from benchmarks import hlo_async
+from benchmarks.bench_delta import timeit
+from pallas_kernels import rows_mosaic
+from pallas_kernels.osgm_precond import Options, default_options
+
+WAYS = ("serial", "stream", "grouped")
+GROUP = "_scheduling_group_id"
+
+
+def group_stream_calls():
+    """Patches this process so that a stream call joins the scheduling group it was traced in
+    (see the module docstring): ``rows_mosaic.on_stream`` captures the ambient group and
+    re-enters it whenever its function is traced, and ``compute_on``'s lowering copies the
+    group from the equation's metadata onto the call op (behind its results'
+    ``annotate_device_placement`` wrappers)."""
+    plain_on_stream, entry = rows_mosaic.on_stream, mlir._lowerings[compute_on_lib.compute_on_p]
+    if getattr(plain_on_stream, "grouped", False):
+        return
+
+    def on_stream(fn, stream):
+        call = plain_on_stream(fn, stream)
+        group = (current_xla_metadata() or {}).get(GROUP)
+        if stream is None or group is None:
+            return call
+
+        def grouped(*xs):
+            with set_xla_metadata(**{GROUP: group}):
+                return call(*xs)
+        return grouped
+
+    def lowering(ctx, *args, **params):
+        outs = entry.rule(ctx, *args, **params)
+        group = (ctx.jaxpr_eqn_ctx.xla_metadata or {}).get(GROUP) if ctx.jaxpr_eqn_ctx else None
+        for out in outs if group is not None else ():
+            op = out.owner
+            if op.name == "stablehlo.custom_call" and "annotate_device_placement" in str(
+                    op.attributes["call_target_name"]):
+                op = op.operands[0].owner
+            if op.name == "func.call":
+                mlir._update_frontend_attributes(op, {GROUP: mlir.ir.StringAttr.get(group)})
+        return outs
+
+    on_stream.grouped = True
+    rows_mosaic.on_stream = on_stream
+    mlir.register_lowering(compute_on_lib.compute_on_p, lowering, inline=entry.inline)
+
+
+def make_inputs(key, B, T, H, K, width):
+    """Unit bf16 keys, β = σ(x), the phase's output cotangent, the chains' input and weight."""
+    ks = jax.random.split(key, 5)
+    k = jax.random.normal(ks[0], (B, T, H, K))
+    k = (k / jnp.linalg.norm(k, axis=-1, keepdims=True)).astype(jnp.bfloat16)
+    beta = jax.nn.sigmoid(jax.random.normal(ks[1], (B, T, H))).astype(jnp.bfloat16)
+    ct = jax.random.normal(ks[2], (B, T, H, K)).astype(jnp.bfloat16)
+    x = jax.random.normal(ks[3], (B * T, width)).astype(jnp.bfloat16)
+    w = (jax.random.normal(ks[4], (width, width)) / width ** 0.5).astype(jnp.bfloat16)
+    return dict(k=k, beta=beta, ct=ct, x=x, w=w)
+
+
+def chain(x, w, n):
+    """n dependent matmuls x <- x w (bf16, float32 accumulation)."""
+    for _ in range(n):
+        x = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    return x
+
+
+def group(name, grouped):
+    """A ``_scheduling_group_id`` context for ``grouped``, else none."""
+    return set_xla_metadata(_scheduling_group_id=name) if grouped else set_xla_metadata()
+
+
+def public_phase(k, beta):
+    """OSDN's phase 1 as the layers call it: k̃ of ``osgm_precondition(impl="pallas")``."""
+    return pla.osgm_precondition(k, beta, impl="pallas")[0]
+
+
+def program(way, matmuls, parts=("phase", "chains"), backward=True, phase=public_phase):
+    """(inputs) -> outputs: ``phase``'s k̃ (``backward``: its gradients of k and β) and / or the
+    two chains. ``grouped``: all of it in one scheduling group (a custom_vjp's backward is
+    traced with its forward, so it takes the forward's group)."""
+    grouped = way == "grouped"
+
+    def f(a):
+        chains = [chain(a["x"], a["w"], matmuls), chain(a["x"] + 1, a["w"], matmuls)]
+        if "phase" not in parts:
+            return chains
+        with group("1", grouped):
+            kw, pullback = jax.vjp(phase, a["k"], a["beta"])
+            out = list(pullback(a["ct"] * kw)) if backward else [kw]
+            return out + (chains if "chains" in parts else [])
+
+    return f
+
+
+def compiled(way, matmuls, inputs, parts=("phase", "chains"), backward=True):
+    """The jitted program of ``way`` compiled, phase 1 on stream 1 unless ``serial``; None (the
+    error printed) where it does not compile."""
+    options = Options(stream=None if way == "serial" else 1)
+    try:
+        with default_options(options):
+            return jax.jit(program(way, matmuls, parts, backward)).lower(inputs).compile()
+    except Exception as e:  # noqa: BLE001 (an XLA refusal of the groups is a result)
+        print(json.dumps(dict(way=way, error=f"{type(e).__name__}: {str(e)[:400]}")), flush=True)
+        return None
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", type=int, nargs=4, default=[8, 2048, 8, 128], metavar=("B", "T", "H", "K"))
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--matmuls", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--forward-only", action="store_true",
+                    help="phase 1's forward alone (one asynchronous call a program)")
+    ap.add_argument("--hlo", metavar="DIR", help="write each way's optimised HLO to DIR/<way>.hlo.txt")
+    a = ap.parse_args(argv)
+    inputs = make_inputs(jax.random.key(0), *a.shape, a.width)
+    group_stream_calls()  # no effect without a scheduling group around the call (serial, stream)
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, shape {a.shape}, "
+          f"{a.matmuls} matmuls a chain of [{a.shape[0] * a.shape[1]}, {a.width}]^2, "
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
+    backward = not a.forward_only
+    rows = {"phase 1 alone": compiled("serial", a.matmuls, inputs, ("phase",), backward),
+            "chains alone": compiled("serial", a.matmuls, inputs, ("chains",))}
+    rows |= {way: compiled(way, a.matmuls, inputs, backward=backward) for way in WAYS}
+    reference = None
+    for name, fn in rows.items():
+        if fn is None:
+            continue
+        ms = timeit(fn, inputs, reps=a.reps)
+        outputs = fn(inputs)
+        if name in WAYS:  # the same values every way (the stream changes no arithmetic)
+            reference = reference or outputs
+            same = all(bool(jnp.array_equal(x, y)) for x, y in zip(outputs, reference))
+        text = fn.as_text()
+        pairs = hlo_async.in_flight(text)
+        beside = [hlo_async.summary(b) for *_, b in pairs]
+        print(json.dumps(dict(way=name, ms=ms, **({"same_values": same} if name in WAYS else {}),
+                              async_pairs=len(pairs),
+                              pairs_with_work_beside=sum(bool(b) for b in beside))), flush=True)
+        for (comp, start, runs, _), b in list(zip(pairs, beside))[:4]:
+            print(f"  {comp}: {start} ({runs}): beside {b}")
+        if a.hlo:
+            os.makedirs(a.hlo, exist_ok=True)
+            with open(os.path.join(a.hlo, f"{name.replace(' ', '_')}.hlo.txt"), "w") as f:
+                f.write(text)
+
+
+if __name__ == "__main__":
+    main()
