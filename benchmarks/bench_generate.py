@@ -12,8 +12,6 @@ to its host's row, with the rounds' range.
     (the OSGM kernels' options as bench_osgm's variant strings, e.g. the Picard sweeps)
     python benchmarks/bench_generate.py --fused-decode on off   # decode step: one kernel vs the ops
     (a row per setting; "auto": the layer's default, the fused kernel on a GPU)
-    python benchmarks/bench_generate.py --phase1-apart --osgm-variant 2/1/16/scalar/mosaic/st1
-    (LayerConfig.phase1_apart: the prefill's phase 1 on another stream beside the other projections)
 """
 
 import argparse
@@ -49,24 +47,21 @@ def median_seconds(fn, warmups=2, runs=5):
 FUSED_DECODE = {"auto": None, "on": True, "off": False}  # LayerConfig.fused_decode
 
 
-def model_for(name, preconditioner, fused_decode="auto", tiny=False, phase1_apart=False):
+def model_for(name, preconditioner, fused_decode="auto", tiny=False):
     """The preset's ``LanguageModel`` with ``LayerConfig.fused_decode`` =
-    ``FUSED_DECODE[fused_decode]`` (``tiny``: 2 layers, 128 wide, for a check on a CPU) and,
-    where the layers have a preconditioner, ``phase1_apart``."""
+    ``FUSED_DECODE[fused_decode]`` (``tiny``: 2 layers, 128 wide, for a check on a CPU)."""
     config = preset(name, preconditioner)
-    layer = dataclasses.replace(config.layer, fused_decode=FUSED_DECODE[fused_decode],
-                                phase1_apart=phase1_apart and preconditioner != "none")
+    layer = dataclasses.replace(config.layer, fused_decode=FUSED_DECODE[fused_decode])
     if tiny:
         layer = dataclasses.replace(layer, hidden_size=128, num_heads=2, head_dim=64)
         config = dataclasses.replace(config, num_layers=2, intermediate_size=256, vocab_size=512)
     return LanguageModel(dataclasses.replace(config, layer=layer), rngs=nnx.Rngs(0))
 
 
-def timed(name, preconditioner, prompt_len, new_tokens, tiny, fused_decode="auto",
-          phase1_apart=False):
+def timed(name, preconditioner, prompt_len, new_tokens, tiny, fused_decode="auto"):
     """(the row's fixed facts, a function that times it once: (prefill s, whole loop s)); both
     programs compiled here."""
-    model = model_for(name, preconditioner, fused_decode, tiny, phase1_apart)
+    model = model_for(name, preconditioner, fused_decode, tiny)
     config = model.config
     prompt = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (1, prompt_len)),
                          jnp.int32)
@@ -100,9 +95,6 @@ def main():
     ap.add_argument("--fused-decode", nargs="+", choices=FUSED_DECODE, default=["auto"],
                     help="LayerConfig.fused_decode of each row: the layer's default (auto), one "
                          "Pallas kernel a decode step (on) or the two ops (off)")
-    ap.add_argument("--phase1-apart", action="store_true",
-                    help="LayerConfig.phase1_apart in the preconditioned rows (the prefill's phase "
-                         "1 beside the other projections, with --osgm-variant .../st1)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="times each row is timed, the rows in turn (>= 1)")
     a = ap.parse_args()
@@ -112,7 +104,7 @@ def main():
           f"{a.osgm_variant or 'default'}")
     tokens = a.prompt + a.new_tokens
     with default_options(a.osgm_variant):
-        rows = [timed(n, p, a.prompt, a.new_tokens, a.tiny, f, a.phase1_apart) for n in a.presets
+        rows = [timed(n, p, a.prompt, a.new_tokens, a.tiny, f) for n in a.presets
                 for p, f in itertools.product(a.preconditioners, a.fused_decode)]
         times = [[] for _ in rows]
         for k in range(a.rounds):

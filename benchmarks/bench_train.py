@@ -10,7 +10,6 @@ of the first's (one process, one device). Progress goes to stderr every ~10 % of
         [--losses N] [--compare-mesh DATA FSDP TENSOR [--no-parity]]
         [--osgm-variant 2/1/16/8/scalar/p4/cpauto]  # OSGM kernel options (bench_osgm's strings)
         [--atk-stream N]  # the ATK phase's Mosaic kernels on XLA GPU stream N (PDN's phase 1)
-        [--phase1-apart]  # LayerConfig.phase1_apart: the phase's inputs apart (with a stream)
         [--layers N] [--impl pallas|chunked]  # a memory probe: the peak of an N-block step
         [--profile DIR]  # 3 more steps traced: device time by kernel, the device's idle gaps,
                          # each model's difference by kind of kernel from the first model's
@@ -75,13 +74,10 @@ PROFILE_STEPS = 3  # the steps --profile traces after a run's timed ones
 SCHEDULE_STEPS = 20480  # the recipe's run length: the learning-rate schedule is the real run's
 
 
-def model_config(name, preconditioner, dtype, tied, tiny, layers=None, impl=None,
-                 phase1_apart=False):
+def model_config(name, preconditioner, dtype, tied, tiny, layers=None, impl=None):
     """The preset's config computing in ``dtype`` (``--tiny``: 2 layers of width 128, 2 heads,
     vocabulary 512), with ``layers`` blocks and the ops' ``impl`` if given (``--layers``,
-    ``--impl``: a memory probe compares the compiled peaks of few-layer steps);
-    ``phase1_apart`` (``--phase1-apart``): the layers' ``phase1_apart``, where they have a
-    preconditioner."""
+    ``--impl``: a memory probe compares the compiled peaks of few-layer steps)."""
     config = dataclasses.replace(preset(name, preconditioner, dtype=jnp.dtype(dtype)), tie_embeddings=tied)
     if tiny:
         layer = dataclasses.replace(config.layer, hidden_size=128, num_heads=2, head_dim=64)
@@ -91,9 +87,6 @@ def model_config(name, preconditioner, dtype, tied, tiny, layers=None, impl=None
         config = dataclasses.replace(config, num_layers=layers)
     if impl is not None:
         config = dataclasses.replace(config, layer=dataclasses.replace(config.layer, impl=impl))
-    if phase1_apart and preconditioner != "none":
-        config = dataclasses.replace(config, layer=dataclasses.replace(config.layer,
-                                                                       phase1_apart=True))
     return config
 
 
@@ -289,9 +282,6 @@ def parse_args(argv=None):
                     help="the ops' impl (default: the preset's)")
     ap.add_argument("--osgm-variant", type=osgm_variant,
                     help="the OSGM kernels' options, as bench_osgm's variant strings")
-    ap.add_argument("--phase1-apart", action="store_true",
-                    help="the preconditioned layers' phase-1 inputs by their own matmul and "
-                         "fence (LayerConfig.phase1_apart), e.g. with --osgm-variant .../st1")
     ap.add_argument("--atk-stream", type=int, metavar="N",
                     help="the ATK kernels' calls on XLA GPU stream N (atk_precond.Options.stream)")
     ap.add_argument("--hlo", metavar="DIR", help="write each run's compiled step (optimised HLO "
@@ -335,8 +325,7 @@ def parse_args(argv=None):
 
 def main():
     a = parse_args()
-    configs = {p: model_config(a.preset, p, a.compute_dtype, a.tied, a.tiny, a.layers, a.impl,
-                               a.phase1_apart)
+    configs = {p: model_config(a.preset, p, a.compute_dtype, a.tied, a.tiny, a.layers, a.impl)
                for p in a.preconditioners}
     runs = plan(a)
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {a.compute_dtype} compute, "

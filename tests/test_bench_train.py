@@ -31,18 +31,13 @@ def test_random_rows_depend_on_seed_step_and_row_only():
 
 
 def test_layers_and_impl_override_the_preset():
-    """``--layers`` / ``--impl`` (the memory probe's few-block steps) after ``--tiny``'s shape;
-    ``--phase1-apart`` only where a layer has a preconditioner."""
+    """``--layers`` / ``--impl`` (the memory probe's few-block steps) after ``--tiny``'s shape."""
     model_config = load_bench().model_config
     config = model_config("deltanet-340m", "osgm", "bfloat16", False, True, layers=1, impl="chunked")
     assert config.num_layers == 1 and config.layer.impl == "chunked"
     assert config.layer.hidden_size == 128
     default = model_config("deltanet-340m", "none", "bfloat16", False, False)
     assert default.num_layers == 24 and default.layer.impl == "auto"
-    assert not default.layer.phase1_apart and not config.layer.phase1_apart
-    apart = [model_config("deltanet-340m", p, "bfloat16", False, True, phase1_apart=True)
-             for p in ("none", "osgm")]  # (a layer without a preconditioner has no phase)
-    assert [c.layer.phase1_apart for c in apart] == [False, True]
 
 
 @pytest.mark.parametrize("argv, message", [

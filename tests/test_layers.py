@@ -2,14 +2,12 @@
 convolution, the gated RMSNorm, packed prefill caches and mixed precision (CPU, chunked ops)."""
 
 import dataclasses
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.extend import core as jcore
 
 from conftest import packed_cu_seqlens, rel_err
 from precond_linattn.layers import (
@@ -54,8 +52,6 @@ def prefill(layer, x, cu_seqlens=None):
     (dict(num_heads=0), "num_heads"),
     (dict(impl="triton"), "impl"),
     (dict(chunk_size=0), "chunk_size"),
-    (dict(phase1_apart=True), "phase1_apart applies only with a preconditioner"),
-    (dict(preconditioner="osgm", phase1_apart=1), "phase1_apart must be a bool"),
 ])
 def test_config_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -287,106 +283,3 @@ def test_convolutions_pinned_and_fenced(pre, rand):
     got = layer._convolve(convs, [pre_conv[n] for n in names], None)
     for m, n, y in zip(convs, names, got):
         assert bool(jnp.all(y == m(pre_conv[n])))
-
-
-def projections(text, x_shape):
-    """The matmuls of the program's input x [x_shape] (float32, cast to bf16 first) in the main
-    function of a lowered program (the input projections, not o_proj's)."""
-    main = text.split("func.func public @main")[1].split("func.func")[0]
-    cast = re.findall(rf"(%\w+) = stablehlo.convert %arg0 : \(tensor<{x_shape}xf32>\)", main)
-    assert len(cast) == 1
-    return sum(f"dot_general {cast[0]}," in line for line in main.splitlines())
-
-
-@pytest.mark.parametrize("pre", [p for p in PRECONDITIONERS if p != "none"])
-def test_phase1_apart(pre, rand):
-    """``phase1_apart``: the phase's inputs (k, and β / the retention / ATK's gates) by their own
-    matmul and k behind its own barrier, the others by one matmul and q, v behind one barrier
-    (two dots and two barriers in the full-sequence program, one of each without it; a decode
-    step still one dot), the layer's output and gradients the same as without it."""
-    x = rand.normal(2, 9, D)
-    layers, texts = [], []
-    for apart in (False, True):
-        layer = PrecondDeltaAttention(LayerConfig(D, H, backbone="gdn", preconditioner=pre,
-                                                  impl="chunked", phase1_apart=apart),
-                                      rngs=nnx.Rngs(0))
-        graph, state = nnx.split(layer)
-        texts.append(jax.jit(lambda x: nnx.merge(graph, state)(x)).lower(x).as_text())
-        step = jax.jit(lambda x, cache: nnx.merge(graph, state).step(x, cache))
-        step_text = step.lower(x[:, 0], layer.init_cache(2)).as_text()
-        assert projections(step_text, "2x32") == 1
-        layers.append(layer)
-    assert [projections(t, "2x9x32") for t in texts] == [1, 2]
-    assert [t.count("optimization_barrier") for t in texts] == [1, 2]
-    fused, apart = (layer._project(x, apart=a) for layer, a in zip(layers, (False, True)))
-    assert set(fused) == set(apart)
-    for name in fused:
-        assert rel_err(apart[name], fused[name]) <= 1e-6, name
-
-    def loss(layer, x):
-        return jnp.sum(layer(x).astype(jnp.float32) ** 2)
-
-    (l0, g0), (l1, g1) = (nnx.value_and_grad(loss)(layer, x) for layer in layers)
-    assert rel_err(l1, l0) <= 1e-5
-    flat0, flat1 = (dict(nnx.to_flat_state(nnx.state(g, nnx.Param))) for g in (g0, g1))
-    assert set(flat0) == set(flat1)
-    for path in flat0:
-        assert rel_err(flat1[path][...], flat0[path][...]) <= 1e-4, path
-
-
-def _sub_jaxprs(eqn):
-    """The jaxprs an equation's parameters hold (jit bodies, custom rules, kernels' bodies)."""
-    subs = [getattr(v, "jaxpr", v) for v in eqn.params.values()]  # a ClosedJaxpr's jaxpr
-    return [j for j in subs if hasattr(j, "eqns")]
-
-
-def _calls_kernel(jaxpr, name):
-    return any((e.primitive.name == "pallas_call" and e.params.get("name") == name)
-               or any(_calls_kernel(j, name) for j in _sub_jaxprs(e)) for e in jaxpr.eqns)
-
-
-def _kernel_dependence(jaxpr, kernel, tainted_in, found):
-    """Which values of ``jaxpr`` depend on the outputs of the Pallas kernel named ``kernel``
-    (through jit bodies exactly, through any other nested call as a whole); every dot_general
-    met is put in ``found`` as (output shape, depends on the kernel)."""
-    tainted = dict(zip(jaxpr.invars, tainted_in))
-    get = lambda v: not isinstance(v, jcore.Literal) and tainted.get(v, False)  # noqa: E731
-    for e in jaxpr.eqns:
-        ins = [get(v) for v in e.invars]
-        if e.primitive.name == "pallas_call" and e.params.get("name") == kernel:
-            outs = [True] * len(e.outvars)
-        elif e.primitive.name in ("jit", "pjit"):
-            outs = _kernel_dependence(e.params["jaxpr"].jaxpr, kernel, ins, found)
-        else:
-            hit = any(ins) or any(_calls_kernel(j, kernel) for j in _sub_jaxprs(e))
-            outs = [hit] * len(e.outvars)
-            if e.primitive.name == "dot_general":
-                found.append((tuple(e.outvars[0].aval.shape), hit))
-        tainted.update(zip(e.outvars, outs))
-    return [get(v) for v in jaxpr.outvars]
-
-
-@pytest.mark.parametrize("pre, kernel", [("osgm", "osgm_bwd"), ("osgm_apf", "osgm_bwd"),
-                                         ("atk", "atk_bwd")])
-@pytest.mark.parametrize("apart", [False, True])
-def test_phase1_apart_frees_the_other_projections_from_the_phase_backward(apart, pre, kernel):
-    """In the gradient program (Pallas kernels, traced only), the input projections' weight
-    gradient depends on the phase's backward kernel: the one fused matmul's without
-    ``phase1_apart``; with it only the phase's inputs' (k with β / the retention / ATK's
-    gates), while the other projections' (q, v, ...) does not, so XLA may run it beside the
-    kernel."""
-    layer = PrecondDeltaAttention(LayerConfig(D, H, preconditioner=pre, impl="pallas",
-                                              phase1_apart=apart), rngs=nnx.Rngs(0))
-    widths = {n: m.kernel.shape[1] for n, m in layer._input_linears().items()}
-    phase = sum(widths[n] for n in layer._phase1_inputs())
-    graph, state = nnx.split(layer)
-
-    def loss(state, x):
-        return jnp.sum(nnx.merge(graph, state)(x).astype(jnp.float32) ** 2)
-
-    program = jax.make_jaxpr(jax.grad(loss))(state, jnp.ones((1, 70, D))).jaxpr
-    found = []
-    _kernel_dependence(program, kernel, [False] * len(program.invars), found)
-    grads = {shape[0]: hit for shape, hit in found if shape[1:] == (D,) and shape[0] != D}
-    total = sum(widths.values())
-    assert grads == ({phase: True, total - phase: False} if apart else {total: True})

@@ -164,27 +164,12 @@ class PrecondDeltaAttention(nnx.Module):
         first = lambda m: m.layers[0] if isinstance(m, nnx.Sequential) else m  # noqa: E731
         return {n: first(getattr(self, n)) for n in names}
 
-    def _phase1_inputs(self):
-        """The names of the input linears the preconditioner's phase reads (``phase1_apart``)."""
-        pre = {"osgm": ["b_proj"], "osgm_apf": ["b_proj", "retention_proj"],
-               "atk": ["a_atk_proj", "b_atk_proj"]}
-        return ["k_proj"] + pre.get(self.config.preconditioner, [])
-
-    def _project(self, x, apart=False):
-        """All input projections, y_n = x W_n + b_n for every map n of ``_input_linears``, in one
-        matmul: x [..., D] @ [W_q | W_k | …] then split (one kernel instead of up to nine, which
-        matters for one-token decode steps); ``apart``: in two, the phase's inputs
-        (``_phase1_inputs``) and the others. Same dtypes as ``nnx.Linear``."""
-        mods = self._input_linears()
-        if not apart:
-            return self._matmul(x, mods)
-        phase = self._phase1_inputs()
-        return (self._matmul(x, {n: m for n, m in mods.items() if n in phase})
-                | self._matmul(x, {n: m for n, m in mods.items() if n not in phase}))
-
-    def _matmul(self, x, mods):
-        """{name: x W_n + b_n} for the linears ``mods`` by one matmul against [W_1 | W_2 | …]."""
+    def _project(self, x):
+        """All input projections in one matmul, y_n = x W_n + b_n for every map n of
+        ``_input_linears``: x [..., D] @ [W_q | W_k | …] then split (one kernel instead of up to
+        nine, which matters for one-token decode steps). Same dtypes as ``nnx.Linear``."""
         c = self.config
+        mods = self._input_linears()
         W = jnp.concatenate([m.kernel[...] for m in mods.values()], axis=1).astype(c.dtype)
         y = jnp.dot(x.astype(c.dtype), W)
         if any(m.bias is not None for m in mods.values()):
@@ -225,15 +210,9 @@ class PrecondDeltaAttention(nnx.Module):
         (RESULTS runs 190-191); PDN 124.1 -> 116.7 (122.5 with the pins alone, 125.1 with the
         barrier alone, runs 184-188); OSDN 134.8 -> 125.8 with the barrier (H100, runs 181 /
         183). The barrier costs memory: +2.2 GiB a DeltaNet / GDN step (the outputs are kept).
-        Not in ``step``: one token has nothing to lay out. ``phase1_apart``: k fenced on its
-        own, q and v together (one barrier over all three would hold q and v, and their
-        cotangents, until k's are ready)."""
+        Not in ``step``: one token has nothing to lay out."""
         ys = tuple(row_major(m(row_major(x), cu_seqlens=cu_seqlens)) for m, x in zip(convs, xs))
-        if not self.config.phase1_apart:
-            return jax.lax.optimization_barrier(ys)
-        (k,) = jax.lax.optimization_barrier((ys[1],))
-        q, v = jax.lax.optimization_barrier((ys[0], ys[2]))
-        return q, k, v
+        return jax.lax.optimization_barrier(ys)
 
     def _heads(self, q, k, v, normalize=True):
         """q, k L2-normalised per head (``normalize``; else as they are) and v, as [..., H, d]."""
@@ -292,7 +271,7 @@ class PrecondDeltaAttention(nnx.Module):
         c = self.config
         x = x.astype(c.dtype)
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-        p = self._project(x, apart=c.phase1_apart)
+        p = self._project(x)
         pre_conv = (p["q_proj"], p["k_proj"], p["v_proj"])
         q, k, v = self._heads(*self._convolve(convs, pre_conv, cu_seqlens))
         beta, g, pre = self._gates(p)

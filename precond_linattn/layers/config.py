@@ -108,12 +108,6 @@ class LayerConfig:
       None means where the ops run on the Pallas path (impl "pallas", or "auto" on a GPU when the
       kernel takes the head dims), else the two ops ``osgm_step`` / ``delta_rule_step``. True /
       False force it on / off (True on a CPU runs the kernel in interpret mode).
-    phase1_apart: over full sequences, the projections the preconditioner's phase reads (k and
-      β for OSGM, with APF's retention; k and ATK's two gates) get their own matmul and their own
-      convolution fence, apart from q, v and the other gates, so that nothing else waits for the
-      phase in either pass: with its kernels on another stream (``osgm_precond.Options.stream``,
-      ``atk_precond.Options.stream``) XLA may run the rest beside it. Values are unchanged;
-      decode steps keep one matmul. Needs a preconditioner.
     """
 
     hidden_size: int
@@ -134,7 +128,6 @@ class LayerConfig:
     impl: str = "auto"
     chunk_size: int = 64
     fused_decode: bool | None = None
-    phase1_apart: bool = False
 
     def __post_init__(self):
         _require(self.backbone in BACKBONES,
@@ -161,11 +154,6 @@ class LayerConfig:
         check_impl(self.impl)
         _require(self.fused_decode is None or isinstance(self.fused_decode, bool),
                  f"fused_decode must be None or a bool, got {self.fused_decode!r}")
-        _require(isinstance(self.phase1_apart, bool),
-                 f"phase1_apart must be a bool, got {self.phase1_apart!r}")
-        _require(not self.phase1_apart or self.preconditioner != "none",
-                 "phase1_apart applies only with a preconditioner (it sets the phase's inputs "
-                 "apart), got preconditioner='none'")
         check_chunk_size(self.chunk_size)
         for name in ("dtype", "param_dtype"):
             object.__setattr__(self, name, _as_dtype(name, getattr(self, name)))
