@@ -95,7 +95,9 @@ def on_stream(fn, stream):
     ``compute_on("gpu_stream:N")`` makes XLA run the call asynchronously beside the main
     stream, so that work not waiting on its results can fill the SMs its CTAs leave idle (the
     per-coordinate kernels run one latency-bound CTA a (row, head): 64 of the H200's 132 SMs
-    at 8 x 8 heads). Values are the same either way; on a CPU the annotation is ignored."""
+    at 8 x 8 heads). Values are the same either way; on a CPU the annotation is ignored.
+    XLA has so far scheduled nothing between such a call's start and done (RESULTS run 210:
+    it wants the call and the work beside it in one scheduling group, NOTES session 47)."""
     if stream is None:
         return fn
     check_stream(stream, "stream")
