@@ -129,13 +129,14 @@ def program(way, matmuls, parts=("phase", "chains"), backward=True, phase=public
     grouped = way == "grouped"
 
     def f(a):
-        chains = [chain(a["x"], a["w"], matmuls), chain(a["x"] + 1, a["w"], matmuls)]
-        if "phase" not in parts:
-            return chains
         with group("1", grouped):
-            kw, pullback = jax.vjp(phase, a["k"], a["beta"])
-            out = list(pullback(a["ct"] * kw)) if backward else [kw]
-            return out + (chains if "chains" in parts else [])
+            out = []
+            if "phase" in parts:
+                kw, pullback = jax.vjp(phase, a["k"], a["beta"])
+                out += list(pullback(a["ct"] * kw)) if backward else [kw]
+            if "chains" in parts:
+                out += [chain(a["x"], a["w"], matmuls), chain(a["x"] + 1, a["w"], matmuls)]
+            return out
 
     return f
 

@@ -21,8 +21,10 @@ ENTRY %main (x: f32[4], y: f32[4]) -> (f32[4], f32[4], f32[4]) {
   %fusion = f32[4]{0} fusion(%y), kind=kLoop, calls=%fused_add
   %gte = f32[4]{0} get-tuple-element(%fusion), index=0
   %call-done = f32[4]{0} call-done(%call-start), frontend_attributes={_xla_stream_annotation="1"}
+  %call-start.2 = ((f32[4]{0}), f32[4]{0}) call-start(%y), to_apply=%outer
   %call-start.1 = ((f32[4]{0}), f32[4]{0}) call-start(%y), to_apply=%phase
   %call-done.1 = f32[4]{0} call-done(%call-start.1)
+  %call-done.2 = f32[4]{0} call-done(%call-start.2)
   ROOT %t = (f32[4]{0}, f32[4]{0}, f32[4]{0}) tuple(%call-done, %call-done.1, %fusion)
 }
 """
@@ -30,15 +32,17 @@ ENTRY %main (x: f32[4], y: f32[4]) -> (f32[4], f32[4], f32[4]) {
 
 def test_pairs_and_what_runs_beside_them(tmp_path, capsys):
     """The first pair has a fusion launched inside it (the get-tuple-element launches
-    nothing), the second nothing; the report counts the second as alone."""
+    nothing), the second nothing, the third only the second (a nested pair is no work beside
+    it); the report counts the last two as alone."""
     pairs = hlo_async.in_flight(MODULE)
     assert [(c, s, r, len(b)) for c, s, r, b in pairs] == [
-        ("main", "call-start", "phase", 2), ("main", "call-start.1", "phase", 0)]
+        ("main", "call-start", "phase", 2), ("main", "call-start.1", "phase", 0),
+        ("main", "call-start.2", "outer", 2)]
     assert hlo_async.summary(pairs[0][3]) == {"fusion:fused_add": 1}
-    assert hlo_async.summary(pairs[1][3]) == {}
+    assert hlo_async.summary(pairs[1][3]) == {} == hlo_async.summary(pairs[2][3])
     path = tmp_path / "m.hlo.txt"
     path.write_text(MODULE)
     hlo_async.main([str(path)])
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == "2 asynchronous pairs, 1 with nothing launched while in flight"
+    assert out[0] == "3 asynchronous pairs, 2 with nothing launched while in flight"
     assert out[1] == "main: call-start (phase): 2 between {'fusion:fused_add': 1}"
