@@ -25,7 +25,8 @@ QUIET = ("get-tuple-element", "bitcast", "tuple", "parameter", "constant")
 
 def in_flight(text):
     """[(computation, start name, the computation it runs, [the instructions between the start
-    and its done, as ``hlo_fusion.parse``'s tuples])] for every asynchronous pair."""
+    and its done, as ``hlo_fusion.parse``'s tuples], the start's frontend attributes as
+    written)] for every asynchronous pair."""
     comps, _ = hlo_fusion.parse(text)
     pairs = []
     for comp, insts in comps.items():
@@ -38,7 +39,9 @@ def in_flight(text):
                 if start in opened:
                     s = opened.pop(start)
                     runs = re.search(r"(?:to_apply|calls)=%([\w.\-]+)", insts[s][4])
-                    pairs.append((comp, start, runs.group(1) if runs else None, insts[s + 1:i]))
+                    attrs = re.search(r"frontend_attributes=\{([^}]*)\}", insts[s][4])
+                    pairs.append((comp, start, runs.group(1) if runs else None, insts[s + 1:i],
+                                  attrs.group(1) if attrs else ""))
     return pairs
 
 
@@ -59,10 +62,10 @@ def main(argv=None):
     a = ap.parse_args(argv)
     with open(a.hlo) as f:
         pairs = in_flight(f.read())
-    alone = sum(not summary(b) for *_, b in pairs)
+    alone = sum(not summary(p[3]) for p in pairs)
     print(f"{len(pairs)} asynchronous pairs, {alone} with nothing launched while in flight")
-    for comp, start, runs, between in pairs[:a.show]:
-        print(f"{comp}: {start} ({runs}): {len(between)} between {summary(between)}")
+    for comp, start, runs, between, attrs in pairs[:a.show]:
+        print(f"{comp}: {start} ({runs}) [{attrs}]: {len(between)} between {summary(between)}")
 
 
 if __name__ == "__main__":

@@ -1,21 +1,22 @@
 """Does XLA run OSDN's phase-1 kernels beside independent work when they are on another stream?
 
-    PYTHONPATH=. python benchmarks/stream_overlap.py [--shape B T H K] [--width 1024]
-        [--matmuls 4] [--reps 20] [--hlo DIR]
+    PYTHONPATH=. python benchmarks/stream_overlap.py [--part backward|forward] [--direct]
+        [--shape B T H K] [--width 1024] [--matmuls 4] [--reps 20] [--hlo DIR]
 
-One program: phase 1 forward and backward (``osgm_precondition(impl="pallas")``, its gradient
-of k and β for a fixed cotangent) and, independent of it, a chain of ``--matmuls`` matmuls
-[B T, width] x [width, width] before and a second chain after the backward starts, the work a
-training step could run while phase 1's 64 CTAs leave half of the GPU idle. Three ways:
+One program: phase 1 (``osgm_precondition(impl="pallas")``; ``--part backward``, the default:
+its forward and its gradients of k and β for a fixed cotangent; ``forward``: k̃ alone) and,
+independent of it, two chains of ``--matmuls`` bf16 matmuls [B T, width] x [width, width], the
+work a training step could run while phase 1's 64 CTAs leave half of the GPU idle. Three ways:
 
 - ``serial``: everything on the main stream;
 - ``stream``: phase 1's kernels on XLA GPU stream 1 (``Options.stream``, ``compute_on``);
-- ``grouped``: the same, with phase 1 and both chains under one ``_scheduling_group_id``
-  (``set_xla_metadata``; a custom_vjp's backward is traced with its forward, so both of the
-  phase's calls join the group; ``--forward-only``: the forward alone, one call a group). XLA's
-  latency-hiding scheduler schedules an annotated group's ops between the asynchronous call's
-  start and done. RESULTS run 210: without a group the training step's stream-1 calls had
-  nothing between their start and done.
+- ``grouped``: the same, with the part's stream call and the chains under one
+  ``_scheduling_group_id`` (``set_xla_metadata``). XLA's latency-hiding scheduler schedules a
+  group's members between its asynchronous call's start and done. RESULTS run 210: without a
+  group the training step's stream-1 calls had nothing between their start and done. XLA's
+  GPU legalizer keeps the group only on async ops and gemms, and refuses a group whose members
+  are joined through ops outside it: so one async pair a group (a custom_vjp's backward
+  inherits its forward's metadata: ``program``) and chains of bare gemms.
 
 jax 0.11.2 cannot put a group on the stream call itself: ``compute_on``'s lowering sets the
 call's frontend attributes and wraps its results in ``annotate_device_placement`` custom calls,
@@ -93,6 +94,18 @@ def group_stream_calls():
     mlir.register_lowering(compute_on_lib.compute_on_p, lowering, inline=entry.inline)
 
 
+def unpartitioned_calls():
+    """Patches this process so that the rows kernels' calls skip ``custom_partitioning`` (as in
+    interpret mode; one device only). Run 210's HLO had each stream call nested in an outer
+    asynchronous ``called_computation`` (the partitioned call), a computation of its own, and
+    a scheduling group is per computation: inside it there would be nothing to overlap."""
+    plain = rows_mosaic.sharded_call
+
+    def direct(*args, direct=False, **kw):
+        return plain(*args, direct=True, **kw)
+    rows_mosaic.sharded_call = direct
+
+
 def make_inputs(key, B, T, H, K, width):
     """Unit bf16 keys, β = σ(x), the phase's output cotangent, the chains' input and weight."""
     ks = jax.random.split(key, 5)
@@ -106,9 +119,11 @@ def make_inputs(key, B, T, H, K, width):
 
 
 def chain(x, w, n):
-    """n dependent matmuls x <- x w (bf16, float32 accumulation)."""
+    """n dependent bf16 matmuls x <- x w (one gemm each, no convert between them: XLA's GPU
+    legalizer keeps a group only on gemms and async ops, and refuses a group whose members are
+    joined through ops outside it)."""
     for _ in range(n):
-        x = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+        x = jnp.dot(x, w)
     return x
 
 
@@ -122,32 +137,36 @@ def public_phase(k, beta):
     return pla.osgm_precondition(k, beta, impl="pallas")[0]
 
 
-def program(way, matmuls, parts=("phase", "chains"), backward=True, phase=public_phase):
-    """(inputs) -> outputs: ``phase``'s k̃ (``backward``: its gradients of k and β) and / or the
-    two chains. ``grouped``: all of it in one scheduling group (a custom_vjp's backward is
-    traced with its forward, so it takes the forward's group)."""
+def program(way, matmuls, part="backward", parts=("phase", "chains"), phase=public_phase):
+    """(inputs) -> outputs: phase 1 (``part`` "forward": its k̃; "backward": also its gradients
+    of k and β) and / or the two chains. ``grouped``: one scheduling group holds the chains and
+    the ``part``'s stream call, so one async pair a group: for "forward" the group is around the
+    forward's trace (a custom_vjp's backward inherits its forward's metadata, hence no backward
+    then); for "backward" around the pullback alone, the forward outside any group."""
     grouped = way == "grouped"
 
     def f(a):
+        out = []
+        if "phase" in parts and part == "backward":
+            kw, pullback = jax.vjp(phase, a["k"], a["beta"])
         with group("1", grouped):
-            out = []
             if "phase" in parts:
-                kw, pullback = jax.vjp(phase, a["k"], a["beta"])
-                out += list(pullback(a["ct"] * kw)) if backward else [kw]
+                out += [phase(a["k"], a["beta"])] if part == "forward" else list(
+                    pullback(a["ct"] * kw))
             if "chains" in parts:
                 out += [chain(a["x"], a["w"], matmuls), chain(a["x"] + 1, a["w"], matmuls)]
-            return out
+        return out
 
     return f
 
 
-def compiled(way, matmuls, inputs, parts=("phase", "chains"), backward=True):
+def compiled(way, matmuls, inputs, part="backward", parts=("phase", "chains")):
     """The jitted program of ``way`` compiled, phase 1 on stream 1 unless ``serial``; None (the
     error printed) where it does not compile."""
     options = Options(stream=None if way == "serial" else 1)
     try:
         with default_options(options):
-            return jax.jit(program(way, matmuls, parts, backward)).lower(inputs).compile()
+            return jax.jit(program(way, matmuls, part, parts)).lower(inputs).compile()
     except Exception as e:  # noqa: BLE001 (an XLA refusal of the groups is a result)
         print(json.dumps(dict(way=way, error=f"{type(e).__name__}: {str(e)[:400]}")), flush=True)
         return None
@@ -159,19 +178,24 @@ def main(argv=None):
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--matmuls", type=int, default=4)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--forward-only", action="store_true",
-                    help="phase 1's forward alone (one asynchronous call a program)")
+    ap.add_argument("--part", choices=("backward", "forward"), default="backward",
+                    help="the stream call in the group: the backward's (the forward beside "
+                         "it, ungrouped) or the forward's (no backward)")
+    ap.add_argument("--direct", action="store_true",
+                    help="the kernels' calls without custom_partitioning (unpartitioned_calls)")
     ap.add_argument("--hlo", metavar="DIR", help="write each way's optimised HLO to DIR/<way>.hlo.txt")
     a = ap.parse_args(argv)
     inputs = make_inputs(jax.random.key(0), *a.shape, a.width)
     group_stream_calls()  # no effect without a scheduling group around the call (serial, stream)
-    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, shape {a.shape}, "
+    if a.direct:
+        unpartitioned_calls()
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, shape {a.shape}, {a.part}, "
+          f"{'unpartitioned' if a.direct else 'partitioned'} calls, "
           f"{a.matmuls} matmuls a chain of [{a.shape[0] * a.shape[1]}, {a.width}]^2, "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
-    backward = not a.forward_only
-    rows = {"phase 1 alone": compiled("serial", a.matmuls, inputs, ("phase",), backward),
-            "chains alone": compiled("serial", a.matmuls, inputs, ("chains",))}
-    rows |= {way: compiled(way, a.matmuls, inputs, backward=backward) for way in WAYS}
+    rows = {"phase 1 alone": compiled("serial", a.matmuls, inputs, a.part, ("phase",)),
+            "chains alone": compiled("serial", a.matmuls, inputs, a.part, ("chains",))}
+    rows |= {way: compiled(way, a.matmuls, inputs, a.part) for way in WAYS}
     reference = None
     for name, fn in rows.items():
         if fn is None:
@@ -183,12 +207,12 @@ def main(argv=None):
             same = all(bool(jnp.array_equal(x, y)) for x, y in zip(outputs, reference))
         text = fn.as_text()
         pairs = hlo_async.in_flight(text)
-        beside = [hlo_async.summary(b) for *_, b in pairs]
+        beside = [hlo_async.summary(p[3]) for p in pairs]
         print(json.dumps(dict(way=name, ms=ms, **({"same_values": same} if name in WAYS else {}),
                               async_pairs=len(pairs),
                               pairs_with_work_beside=sum(bool(b) for b in beside))), flush=True)
-        for (comp, start, runs, _), b in list(zip(pairs, beside))[:4]:
-            print(f"  {comp}: {start} ({runs}): beside {b}")
+        for (comp, start, runs, _, attrs), b in list(zip(pairs, beside))[:4]:
+            print(f"  {comp}: {start} ({runs}) [{attrs}]: beside {b}")
         if a.hlo:
             os.makedirs(a.hlo, exist_ok=True)
             with open(os.path.join(a.hlo, f"{name.replace(' ', '_')}.hlo.txt"), "w") as f:

@@ -1,16 +1,33 @@
 """benchmarks/stream_overlap.py's ``grouped`` way: its patches put the scheduling group on the
 stream calls themselves (``compute_on``'s call ops), lowered for CUDA through the kernels'
-partitioned path; the ``stream`` way's calls stay without one."""
+partitioned path (and unpartitioned with ``--direct``); the ``stream`` way's calls stay without
+one. The patches are undone after each test."""
 
 import re
 
 import jax
+import pytest
+from jax._src import compute_on as compute_on_lib
+from jax._src.interpreters import mlir
 
 from benchmarks import stream_overlap
 from conftest import _lowered_for_cuda
+from pallas_kernels import rows_mosaic
 from pallas_kernels.osgm_precond import Options, default_options, osgm_pallas
 
 CALL = re.compile(r"call @compute_on\w*\(.*?\{mhlo\.frontend_attributes = \{([^}]*)\}")
+GROUP = '_scheduling_group_id = "1"'
+STREAM = '_xla_stream_annotation = "1"'
+
+
+@pytest.fixture(autouse=True)
+def restored(monkeypatch):
+    """The process-wide patches of the script, restored at the test's end."""
+    for name in ("on_stream", "sharded_call"):
+        monkeypatch.setattr(rows_mosaic, name, getattr(rows_mosaic, name))
+    prim = compute_on_lib.compute_on_p
+    monkeypatch.setitem(mlir._lowerings, prim, mlir._lowerings[prim])
+    stream_overlap.group_stream_calls()
 
 
 def kernels(k, beta):
@@ -18,21 +35,29 @@ def kernels(k, beta):
     return osgm_pallas(k, beta, None, 0.003, 0.5, 2.0, True, 1e-6, None, None, 64, None, False)[0]
 
 
-def stream_calls(way, backward):
+def stream_calls(way, part):
     """The frontend attributes of each stream call of ``way``'s program lowered for CUDA."""
-    stream_overlap.group_stream_calls()
     x = stream_overlap.make_inputs(jax.random.key(0), 1, 128, 2, 128, 64)
     args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), x)
     with default_options(Options(stream=1)):
-        text = _lowered_for_cuda(stream_overlap.program(way, 1, backward=backward, phase=kernels),
-                                 (args,))
+        text = _lowered_for_cuda(stream_overlap.program(way, 1, part, phase=kernels), (args,))
     return CALL.findall(text)
 
 
 def test_grouped_calls_carry_the_group_and_plain_stream_calls_do_not():
-    grouped = stream_calls("grouped", backward=True)
-    assert len(grouped) == 2, grouped  # the forward's and the backward's kernel calls
-    assert all('_scheduling_group_id = "1"' in c and '_xla_stream_annotation = "1"' in c
-               for c in grouped), grouped
-    plain = stream_calls("stream", backward=False)
-    assert len(plain) == 1 and "_scheduling_group_id" not in plain[0], plain
+    """``backward``: the backward's call in the group, the forward's outside it; ``forward``:
+    the forward's call in it; ``stream``: no group anywhere."""
+    forward, backward = stream_calls("grouped", "backward")
+    assert GROUP in backward and STREAM in backward
+    assert "_scheduling_group_id" not in forward and STREAM in forward
+    assert [GROUP in c for c in stream_calls("grouped", "forward")] == [True]
+    plain = stream_calls("stream", "backward")
+    assert len(plain) == 2 and not any("_scheduling_group_id" in c for c in plain), plain
+
+
+def test_unpartitioned_calls_keep_the_group():
+    """``--direct``: the calls without ``custom_partitioning`` (no custom call for the
+    partitioner in the program), the backward's still in the group."""
+    stream_overlap.unpartitioned_calls()
+    forward, backward = stream_calls("grouped", "backward")
+    assert GROUP in backward and "_scheduling_group_id" not in forward
