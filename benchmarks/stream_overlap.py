@@ -1,6 +1,6 @@
 """Does XLA run OSDN's phase-1 kernels beside independent work when they are on another stream?
 
-    PYTHONPATH=. python benchmarks/stream_overlap.py [--part backward|forward] [--direct]
+    PYTHONPATH=. python benchmarks/stream_overlap.py [--part backward|forward]
         [--shape B T H K] [--width 1024] [--matmuls 4] [--reps 20] [--hlo DIR]
 
 One program: phase 1 (``osgm_precondition(impl="pallas")``; ``--part backward``, the default:
@@ -20,12 +20,10 @@ work a training step could run while phase 1's 64 CTAs leave half of the GPU idl
 
 jax 0.11.2 cannot put a group on the stream call itself: ``compute_on``'s lowering sets the
 call's frontend attributes and wraps its results in ``annotate_device_placement`` custom calls,
-which are what the ambient metadata lands on; and the kernels' partitioner
-(``custom_partitioning``) traces ``rows_mosaic.on_stream``'s function again at compile time,
-outside any metadata context. So ``grouped`` patches both, for this process only
-(``group_stream_calls``): ``on_stream`` re-enters the group it was traced in, and
-``compute_on``'s lowering copies the group onto the call. Nothing in the library changes
-unless the experiment shows the overlap.
+which are what the ambient metadata lands on. So ``grouped`` patches that lowering, for this
+process only (``group_stream_calls``), to copy the equation's group onto the call. One device:
+on a mesh the kernels' ``custom_partitioning`` would trace the call again at compile time,
+outside the group. Nothing in the library changes unless the experiment shows the overlap.
 
 Prints each way's time (median of ``--reps`` calls), phase 1 alone and the chains alone, and
 per way the asynchronous pairs of the compiled program with what runs while they are in flight
@@ -44,12 +42,10 @@ from jax.experimental.xla_metadata import set_xla_metadata
 
 from jax._src import compute_on as compute_on_lib
 from jax._src.interpreters import mlir
-from jax._src.xla_metadata_lib import current_xla_metadata
 
 import precond_linattn as pla
 from benchmarks import hlo_async
 from benchmarks.bench_delta import timeit
-from pallas_kernels import rows_mosaic
 from pallas_kernels.osgm_precond import Options, default_options
 
 WAYS = ("serial", "stream", "grouped")
@@ -57,30 +53,17 @@ GROUP = "_scheduling_group_id"
 
 
 def group_stream_calls():
-    """Patches this process so that a stream call joins the scheduling group it was traced in
-    (see the module docstring): ``rows_mosaic.on_stream`` captures the ambient group and
-    re-enters it whenever its function is traced, and ``compute_on``'s lowering copies the
-    group from the equation's metadata onto the call op (behind its results'
-    ``annotate_device_placement`` wrappers)."""
-    plain_on_stream, entry = rows_mosaic.on_stream, mlir._lowerings[compute_on_lib.compute_on_p]
-    if getattr(plain_on_stream, "grouped", False):
-        return
-
-    def on_stream(fn, stream):
-        call = plain_on_stream(fn, stream)
-        group = (current_xla_metadata() or {}).get(GROUP)
-        if stream is None or group is None:
-            return call
-
-        def grouped(*xs):
-            with set_xla_metadata(**{GROUP: group}):
-                return call(*xs)
-        return grouped
+    """Patches ``compute_on``'s lowering in this process: where the equation carries a
+    scheduling group, the call op (behind its results' ``annotate_device_placement`` wrappers)
+    gets it too (see the module docstring). Without a group the lowering is unchanged."""
+    entry = mlir._lowerings[compute_on_lib.compute_on_p]
 
     def lowering(ctx, *args, **params):
         outs = entry.rule(ctx, *args, **params)
         group = (ctx.jaxpr_eqn_ctx.xla_metadata or {}).get(GROUP) if ctx.jaxpr_eqn_ctx else None
-        for out in outs if group is not None else ():
+        if group is None:
+            return outs
+        for out in outs:
             op = out.owner
             if op.name == "stablehlo.custom_call" and "annotate_device_placement" in str(
                     op.attributes["call_target_name"]):
@@ -89,21 +72,7 @@ def group_stream_calls():
                 mlir._update_frontend_attributes(op, {GROUP: mlir.ir.StringAttr.get(group)})
         return outs
 
-    on_stream.grouped = True
-    rows_mosaic.on_stream = on_stream
     mlir.register_lowering(compute_on_lib.compute_on_p, lowering, inline=entry.inline)
-
-
-def unpartitioned_calls():
-    """Patches this process so that the rows kernels' calls skip ``custom_partitioning`` (as in
-    interpret mode; one device only). Run 210's HLO had each stream call nested in an outer
-    asynchronous ``called_computation`` (the partitioned call), a computation of its own, and
-    a scheduling group is per computation: inside it there would be nothing to overlap."""
-    plain = rows_mosaic.sharded_call
-
-    def direct(*args, direct=False, **kw):
-        return plain(*args, direct=True, **kw)
-    rows_mosaic.sharded_call = direct
 
 
 def make_inputs(key, B, T, H, K, width):
@@ -128,8 +97,8 @@ def chain(x, w, n):
 
 
 def group(name, grouped):
-    """A ``_scheduling_group_id`` context for ``grouped``, else none."""
-    return set_xla_metadata(_scheduling_group_id=name) if grouped else set_xla_metadata()
+    """A scheduling-group context for ``grouped``, else none."""
+    return set_xla_metadata(**{GROUP: name}) if grouped else set_xla_metadata()
 
 
 def public_phase(k, beta):
@@ -181,16 +150,11 @@ def main(argv=None):
     ap.add_argument("--part", choices=("backward", "forward"), default="backward",
                     help="the stream call in the group: the backward's (the forward beside "
                          "it, ungrouped) or the forward's (no backward)")
-    ap.add_argument("--direct", action="store_true",
-                    help="the kernels' calls without custom_partitioning (unpartitioned_calls)")
     ap.add_argument("--hlo", metavar="DIR", help="write each way's optimised HLO to DIR/<way>.hlo.txt")
     a = ap.parse_args(argv)
     inputs = make_inputs(jax.random.key(0), *a.shape, a.width)
     group_stream_calls()  # no effect without a scheduling group around the call (serial, stream)
-    if a.direct:
-        unpartitioned_calls()
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, shape {a.shape}, {a.part}, "
-          f"{'unpartitioned' if a.direct else 'partitioned'} calls, "
           f"{a.matmuls} matmuls a chain of [{a.shape[0] * a.shape[1]}, {a.width}]^2, "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
     rows = {"phase 1 alone": compiled("serial", a.matmuls, inputs, a.part, ("phase",)),

@@ -1,7 +1,6 @@
-"""benchmarks/stream_overlap.py's ``grouped`` way: its patches put the scheduling group on the
-stream calls themselves (``compute_on``'s call ops), lowered for CUDA through the kernels'
-partitioned path (and unpartitioned with ``--direct``); the ``stream`` way's calls stay without
-one. The patches are undone after each test."""
+"""benchmarks/stream_overlap.py's ``grouped`` way: its patched lowering puts the scheduling group
+on the stream calls themselves (``compute_on``'s call ops), lowered for CUDA; the ``stream``
+way's calls stay without one. The patch is undone after each test."""
 
 import re
 
@@ -12,7 +11,6 @@ from jax._src.interpreters import mlir
 
 from benchmarks import stream_overlap
 from conftest import _lowered_for_cuda
-from pallas_kernels import rows_mosaic
 from pallas_kernels.osgm_precond import Options, default_options, osgm_pallas
 
 CALL = re.compile(r"call @compute_on\w*\(.*?\{mhlo\.frontend_attributes = \{([^}]*)\}")
@@ -22,9 +20,7 @@ STREAM = '_xla_stream_annotation = "1"'
 
 @pytest.fixture(autouse=True)
 def restored(monkeypatch):
-    """The process-wide patches of the script, restored at the test's end."""
-    for name in ("on_stream", "sharded_call"):
-        monkeypatch.setattr(rows_mosaic, name, getattr(rows_mosaic, name))
+    """The script's process-wide patch, restored at the test's end."""
     prim = compute_on_lib.compute_on_p
     monkeypatch.setitem(mlir._lowerings, prim, mlir._lowerings[prim])
     stream_overlap.group_stream_calls()
@@ -54,10 +50,3 @@ def test_grouped_calls_carry_the_group_and_plain_stream_calls_do_not():
     plain = stream_calls("stream", "backward")
     assert len(plain) == 2 and not any("_scheduling_group_id" in c for c in plain), plain
 
-
-def test_unpartitioned_calls_keep_the_group():
-    """``--direct``: the calls without ``custom_partitioning`` (no custom call for the
-    partitioner in the program), the backward's still in the group."""
-    stream_overlap.unpartitioned_calls()
-    forward, backward = stream_calls("grouped", "backward")
-    assert GROUP in backward and "_scheduling_group_id" not in forward
