@@ -48,7 +48,7 @@ def in_flight(text):
 def summary(between):
     """The instructions between a pair as {"opcode[:called computation]": count}, leaving out
     those that launch nothing (tuples, bitcasts, ...) and the starts and dones of pairs nested
-    inside it (a partitioned call's pair holds the stream call's own)."""
+    inside it (run 210: an outer ``called_computation`` pair holds the stream call's own)."""
     kinds = collections.Counter(
         inst[2] + (f":{hlo_fusion.called(inst)}" if hlo_fusion.called(inst) else "")
         for inst in between if inst[2] not in QUIET + STARTS + DONES)

@@ -9,6 +9,11 @@ MODULE = """HloModule m, is_scheduled=true
   ROOT %n = f32[4]{0} negate(%p)
 }
 
+%outer (o: f32[4]) -> f32[4] {
+  %o = f32[4]{0} parameter(0)
+  ROOT %c = f32[4]{0} call(%o), to_apply=%phase
+}
+
 %fused_add (a: f32[4]) -> f32[4] {
   %a = f32[4]{0} parameter(0)
   ROOT %s = f32[4]{0} add(%a, %a)
