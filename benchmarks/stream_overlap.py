@@ -41,38 +41,78 @@ import jax.numpy as jnp
 from jax.experimental.xla_metadata import set_xla_metadata
 
 from jax._src import compute_on as compute_on_lib
+from jax._src import core
 from jax._src.interpreters import mlir
+from jax._src.lib.mlir.dialects import func as func_dialect
 
 import precond_linattn as pla
 from benchmarks import hlo_async
 from benchmarks.bench_delta import timeit
 from pallas_kernels.osgm_precond import Options, default_options
 
-WAYS = ("serial", "stream", "grouped")
+WAYS = ("serial", "stream", "grouped", "tupled")
 GROUP = "_scheduling_group_id"
+TUPLE = "_stream_tuple"  # read by the lowering patch only
 
 
 def group_stream_calls():
     """Patches ``compute_on``'s lowering in this process: where the equation carries a
     scheduling group, the call op (behind its results' ``annotate_device_placement`` wrappers)
-    gets it too (see the module docstring). Without a group the lowering is unchanged."""
+    gets it too (see the module docstring); where it also carries ``TUPLE``, the call is
+    lowered by ``tupled`` instead. Without a group the lowering is unchanged."""
     entry = mlir._lowerings[compute_on_lib.compute_on_p]
 
     def lowering(ctx, *args, **params):
+        metadata = (ctx.jaxpr_eqn_ctx.xla_metadata or {}) if ctx.jaxpr_eqn_ctx else {}
+        if metadata.get(GROUP) is None:
+            return entry.rule(ctx, *args, **params)
+        if metadata.get(TUPLE):
+            return tupled(ctx, args, metadata[GROUP], **params)
         outs = entry.rule(ctx, *args, **params)
-        group = (ctx.jaxpr_eqn_ctx.xla_metadata or {}).get(GROUP) if ctx.jaxpr_eqn_ctx else None
-        if group is None:
-            return outs
         for out in outs:
             op = out.owner
             if op.name == "stablehlo.custom_call" and "annotate_device_placement" in str(
                     op.attributes["call_target_name"]):
                 op = op.operands[0].owner
             if op.name == "func.call":
-                mlir._update_frontend_attributes(op, {GROUP: mlir.ir.StringAttr.get(group)})
+                mlir._update_frontend_attributes(op, {GROUP: mlir.ir.StringAttr.get(metadata[GROUP])})
         return outs
 
     mlir.register_lowering(compute_on_lib.compute_on_p, lowering, inline=entry.inline)
+
+
+def tupled(ctx, args, group, *, jaxpr, compute_type, out_memory_spaces, compiler_options_json):
+    """``compute_on``'s stream call in ``group`` as a call of a wrapper function returning its
+    results as one tuple, taken apart by ``get_tuple_element``s outside the call (results in
+    device memory, no constants: as the phase's kernels have). Run 216: XLA gives each result of a stream call returning several
+    its own asynchronous call (a get-tuple-element on the stream, after the kernel's call-done),
+    and a group's members landed beside one of those, not beside the kernel."""
+    ir, hlo = mlir.ir, mlir.hlo
+    assert compute_type.startswith("gpu_stream:") and compiler_options_json is None, compute_type
+    assert not core.jaxpr_const_args(jaxpr), "constants"
+    func_op, types, effects = mlir.lower_called_computation(
+        "compute_on", jaxpr, ctx.module_context, 0, ctx.avals_in, ctx.avals_out, ctx.tokens_in)
+    types = mlir.ir_tree_registry.flatten(types)[0]
+    args = mlir.ir_tree_registry.flatten(
+        (*ctx.dim_var_values, *[ctx.tokens_in.get(e) for e in effects], *args))[0]
+    tuple_type = ir.TupleType.get_tuple(types)
+    with ir.InsertionPoint.at_block_begin(ctx.module_context.module.body):
+        wrapper = func_dialect.FuncOp(
+            "stream_tuple", ir.FunctionType.get([a.type for a in args], [tuple_type]))
+    wrapper.attributes["sym_visibility"] = ir.StringAttr.get("private")
+    name = ctx.module_context.symbol_table.insert(wrapper).value
+    with ir.InsertionPoint(wrapper.add_entry_block()):
+        inner = func_dialect.CallOp(types, ir.FlatSymbolRefAttr.get(func_op.name.value),
+                                    list(wrapper.arguments))
+        func_dialect.ReturnOp([hlo.TupleOp(list(inner.results)).result])
+    call = func_dialect.CallOp([tuple_type], ir.FlatSymbolRefAttr.get(name), args)
+    call.attributes["mhlo.frontend_attributes"] = ir.DictAttr.get({
+        "_xla_stream_annotation": ir.StringAttr.get(compute_type.split(":")[1]),
+        "inlineable": ir.StringAttr.get("false"), GROUP: ir.StringAttr.get(group)})
+    outs = [hlo.GetTupleElementOp(call.result, i).result for i in range(len(types))]
+    tokens, outs = outs[:len(effects)], outs[len(effects):]  # interpret mode's io callbacks
+    ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet(dict(zip(effects, tokens)))))
+    return outs
 
 
 def make_inputs(key, B, T, H, K, width):
@@ -96,9 +136,11 @@ def chain(x, w, n):
     return x
 
 
-def group(name, grouped):
-    """A scheduling-group context for ``grouped``, else none."""
-    return set_xla_metadata(**{GROUP: name}) if grouped else set_xla_metadata()
+def group(name, way):
+    """A scheduling-group context for ``grouped`` (and ``tupled``: the group, its stream call
+    returning one tuple), else none."""
+    metadata = {"grouped": {GROUP: name}, "tupled": {GROUP: name, TUPLE: "1"}}.get(way, {})
+    return set_xla_metadata(**metadata)
 
 
 def public_phase(k, beta):
@@ -112,13 +154,12 @@ def program(way, matmuls, part="backward", parts=("phase", "chains"), phase=publ
     the ``part``'s stream call, so one async pair a group: for "forward" the group is around the
     forward's trace (a custom_vjp's backward inherits its forward's metadata, hence no backward
     then); for "backward" around the pullback alone, the forward outside any group."""
-    grouped = way == "grouped"
 
     def f(a):
         out = []
         if "phase" in parts and part == "backward":
             kw, pullback = jax.vjp(phase, a["k"], a["beta"])
-        with group("1", grouped):
+        with group("1", way):
             if "phase" in parts:
                 out += [phase(a["k"], a["beta"])] if part == "forward" else list(
                     pullback(a["ct"] * kw))

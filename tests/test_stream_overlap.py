@@ -50,3 +50,20 @@ def test_grouped_calls_carry_the_group_and_plain_stream_calls_do_not():
     plain = stream_calls("stream", "backward")
     assert len(plain) == 2 and not any("_scheduling_group_id" in c for c in plain), plain
 
+
+
+def test_tupled_calls_return_one_tuple_and_keep_their_attributes():
+    """``tupled``: the grouped stream call is a call of a wrapper returning one tuple (its
+    results taken apart outside the call, without stream attributes); the forward's call,
+    outside the group, keeps its several results."""
+    x = stream_overlap.make_inputs(jax.random.key(0), 1, 128, 2, 128, 64)
+    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), x)
+    with default_options(Options(stream=1)):
+        text = _lowered_for_cuda(stream_overlap.program("tupled", 1, "backward", phase=kernels),
+                                 (args,))
+    wrapped = re.findall(r"= call @(stream_tuple\w*)\(.*?\) \{mhlo\.frontend_attributes = "
+                         r"\{([^}]*)\}\} : \(.*?\) -> tuple<", text)
+    assert len(wrapped) == 1 and GROUP in wrapped[0][1] and STREAM in wrapped[0][1], wrapped
+    body = re.search(rf"func\.func private @{wrapped[0][0]}\(.*?\n  \}}", text, re.S).group(0)
+    assert re.search(r"call @compute_on\w*\(", body) and "stablehlo.tuple" in body
+    assert "get_tuple_element" in text and len(stream_calls("tupled", "backward")) == 1
