@@ -1,9 +1,10 @@
 """delta_rule(impl="pallas") inside a jit over 8 fake CPU devices, run by tests/test_pallas_sharding.py.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/pallas_sharding_subprocess.py CASE
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/pallas_sharding_subprocess.py CASE...
 
-CASE: dense_scalar, dense_vector, packed, osdn_dense, vmap_packed, atk_head, atk_channel,
-osgm_pieces, smap_delta, smap_osgm, smap_atk, explicit_delta, explicit_osgm, explicit_atk.
+Runs each CASE in turn, printing "ok" after each that passes. CASE: dense_scalar, dense_vector,
+packed, osdn_dense, vmap_packed, atk_head, atk_channel, osgm_pieces, smap_delta, smap_osgm,
+smap_atk, explicit_delta, explicit_osgm, explicit_atk.
 
 Mesh (data=4, tensor=2); batch over data, heads over tensor (packed documents: one batch row,
 heads over tensor; osdn_dense: OSDN-APF, the Pallas OSGM phase 1 then the Pallas core;
@@ -11,9 +12,12 @@ vmap_packed: OSDN-APF on rows of packed documents vmapped over the batch, as tra
 them, rows over data). Checks
 that outputs, final states and all gradients equal the one-device run
 and that the compiled program has no all-gather (the kernels run on each device's shard).
-The smap_* cases call the operations inside ``jax.shard_map`` (check_vma=True) instead.
+The smap_* cases call the operations inside ``jax.shard_map`` (check_vma=True) instead, the
+explicit_* ones under ``jit`` on a mesh with Explicit axes; an op's smap_* and explicit_* cases
+in one process share its one-device run.
 """
 
+import functools
 import sys
 
 import jax
@@ -237,6 +241,13 @@ def smap_case(op, atk_decay="head", t=21):
     return fn, x, spec, bthk, ("center",)  # dcenter: a sum over batch rows, across devices
 
 
+@functools.cache
+def one_device(op):
+    """``smap_case(op)``'s one-device run (``fixed_loss_step``) on the host."""
+    fn, x, *_ = smap_case(op)
+    return jax.device_get(fixed_loss_step(fn)(x))
+
+
 def smap_main(op):
     """``op`` inside ``jax.shard_map`` (check_vma=True) over the (data=4, tensor=2) mesh, batch
     over data and heads over tensor: outputs, final states and the gradients of every input equal
@@ -246,8 +257,7 @@ def smap_main(op):
     fn, x, spec, out_spec, summed = smap_case(op)
     final_spec = P("data", "tensor")
     sharded_fn = jax.shard_map(fn, mesh=mesh, in_specs=(spec,), out_specs=(out_spec, final_spec))
-    assert_matches(jax.device_get(fixed_loss_step(sharded_fn)(x)),
-                   jax.device_get(fixed_loss_step(fn)(x)), summed)
+    assert_matches(jax.device_get(fixed_loss_step(sharded_fn)(x)), one_device(op), summed)
     print("ok")
 
 
@@ -256,7 +266,7 @@ def explicit_main(op):
     the types), batch over data and heads over tensor: equal to one device as in ``smap_main``,
     the gradients keep their inputs' shardings, no all-gather in the compiled program."""
     fn, x, spec, _, summed = smap_case(op)
-    want = jax.device_get(fixed_loss_step(fn)(x))
+    want = one_device(op)
     mesh = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(AxisType.Explicit,) * 2)
     with jax.set_mesh(mesh):
         sharded = {n: jax.device_put(a, NamedSharding(mesh, spec[n])) for n, a in x.items()}
@@ -270,16 +280,21 @@ def explicit_main(op):
     print("ok")
 
 
-if __name__ == "__main__":
-    if sys.argv[1].startswith("smap_"):
-        smap_main(sys.argv[1][5:])
-    elif sys.argv[1].startswith("explicit_"):
-        explicit_main(sys.argv[1][9:])
-    elif sys.argv[1] == "vmap_packed":
+def run_case(case):
+    if case.startswith("smap_"):
+        smap_main(case[5:])
+    elif case.startswith("explicit_"):
+        explicit_main(case[9:])
+    elif case == "vmap_packed":
         vmap_main()
-    elif sys.argv[1] == "osgm_pieces":
+    elif case == "osgm_pieces":
         osgm_pieces_main()
-    elif sys.argv[1].startswith("atk_"):
-        atk_main(sys.argv[1][4:])
+    elif case.startswith("atk_"):
+        atk_main(case[4:])
     else:
-        main(sys.argv[1])
+        main(case)
+
+
+if __name__ == "__main__":
+    for case in sys.argv[1:]:
+        run_case(case)
