@@ -202,15 +202,27 @@ def vector_case(rand, c, k_dim, dtype, block_k, decays, bound=None):
     lo, hi = (jnp.repeat(jnp.asarray(r, jnp.float32), k_dim // len(decays)) for r in zip(*decays))
     g = -(lo + (hi - lo) * jnp.asarray(rand.rng.uniform(size=(B, NC, c, H, k_dim)), jnp.float32))
     ins = (x["q"], x["k"], x["write_key"], x["v"], x["beta"], *gamma_sigma(g))
-    cfg = dr._Config(c, "vector", 1.0, None, dr.Options(), DOTS, DOTS)
-    want_wy, pullback = jitted_vjp(functools.partial(dr.prepare_sums, cfg),
-                                   *(a.astype(jnp.float32) for a in ins))
+    prepare, pullback, fwd, bwd = vector_programs(c, block_k, bound)
+    want_wy = prepare(*(a.astype(jnp.float32) for a in ins))
     cts = tuple(rand.normal(*w.shape) for w in want_wy)
+    *got_wy, T = fwd(*ins[:6])
+    got_grads = bwd(*ins[:6], T, *cts)
+    return (got_wy, got_grads), (want_wy, pullback(tuple(a.astype(jnp.float32) for a in ins), cts))
+
+
+@functools.cache
+def vector_programs(c, block_k, bound):
+    """Jitted ``prepare_sums``, its pullback (args, cts), ``wy_vector_fwd`` and ``wy_vector_bwd``
+    for ``vector_case``: one object each a configuration, so that the cases sharing one compile
+    it once a process (the suite's time; a test that monkeypatches clears JAX's caches, so that
+    its patches are traced)."""
+    cfg = dr._Config(c, "vector", 1.0, None, dr.Options(), DOTS, DOTS)
+    prepare = functools.partial(dr.prepare_sums, cfg)
     opts = dict(chunk=c, block_v=16, block_k=block_k, dots=DOTS, num_warps=4, num_stages=1)
     opts |= {} if bound is None else dict(bound=bound)
-    *got_wy, T = jax.jit(functools.partial(wy_vector_fwd, **opts))(*ins[:6])
-    got_grads = jax.jit(functools.partial(wy_vector_bwd, **opts))(*ins[:6], T, *cts)
-    return (got_wy, got_grads), (want_wy, pullback(cts))
+    return (jax.jit(prepare), jax.jit(lambda args, cts: jax.vjp(prepare, *args)[1](cts)),
+            jax.jit(functools.partial(wy_vector_fwd, **opts)),
+            jax.jit(functools.partial(wy_vector_bwd, **opts)))
 
 
 @pytest.mark.parametrize("c, k_dim, dtype, block_k", [
@@ -228,16 +240,27 @@ def test_vector_decay_matches_prepare(rand, c, k_dim, dtype, block_k):
 
 
 MILD = [(0.01, 0.5)] * 3  # the first 24 of 32 key columns
+PATHS = [((0.01, 0.5), 64, 16, True),
+         ((3.0, 4.5), 64, 16, False), ((3.0, 4.5), 64, 8, True),
+         ((11.0, 19.0), 64, 4, False), ((11.0, 19.0), 64, 2, True),
+         ((45.0, 60.0), 64, 1, False),
+         ((11.0, 19.0), 16, 4, False), ((11.0, 19.0), 16, 2, True)]
+PATH_IDS = ["s32_whole", "s16_runs_16", "s16_skips_8", "s4_runs_4", "s4_skips_2", "s1_runs_1",
+            "tiles_s32_s4_run_4", "tiles_s32_s4_skip_2"]
 
 
-@pytest.mark.parametrize("strong, block_k, poisoned, exact", [
-    ((0.01, 0.5), 64, 16, True),
-    ((3.0, 4.5), 64, 16, False), ((3.0, 4.5), 64, 8, True),
-    ((11.0, 19.0), 64, 4, False), ((11.0, 19.0), 64, 2, True),
-    ((45.0, 60.0), 64, 1, False),
-    ((11.0, 19.0), 16, 4, False), ((11.0, 19.0), 16, 2, True)],
-    ids=["s32_whole", "s16_runs_16", "s16_skips_8", "s4_runs_4", "s4_skips_2", "s1_runs_1",
-         "tiles_s32_s4_run_4", "tiles_s32_s4_skip_2"])
+@pytest.mark.parametrize("strong, block_k", [p[:2] for p in PATHS], ids=PATH_IDS)
+def test_vector_decay_paths_exact_unpoisoned(rand, strong, block_k):
+    """The cases of ``test_vector_decay_paths`` unpoisoned, at the kernels' own bounds (the
+    forward's 72 factors 3-4.5 whole, its entries above the diagonal overflowing to inf, 45-60
+    in 2-row blocks): every one exact against ``prepare_sums``."""
+    (got_wy, got_grads), (want_wy, want_grads) = vector_case(rand, 32, 32, jnp.float32, block_k,
+                                                             MILD + [strong])
+    check(got_wy, want_wy, 2e-6, WY)
+    check(got_grads, want_grads, 2e-6, GRADS_SUMS)
+
+
+@pytest.mark.parametrize("strong, block_k, poisoned, exact", PATHS, ids=PATH_IDS)
 def test_vector_decay_paths(rand, monkeypatch, strong, block_k, poisoned, exact):
     """Which halving levels each key tile runs (C = 32, K = 32; an s-block spreads s / 2 tokens
     from its middle row). The last 8 key columns decay by ``strong`` a token, the rest by
@@ -245,12 +268,11 @@ def test_vector_decay_paths(rand, monkeypatch, strong, block_k, poisoned, exact)
     0.01-0.5 factors whole (s = 32), 3-4.5 in 16-row blocks (8 x 4.5 <= 40 < 16 x 3), 11-19 in
     4-row blocks, 45-60 only row by row (s = 1); with block_k 16 a mild tile (s = 32) and a
     strong one (s = 4). Halving level h = ``poisoned`` has its results moved: "exact" shows it
-    did not run in the forward or the pullback, not exact that it did (levels h >= s run).
-    Unpoisoned, at the kernels' own bounds (the forward's 72 factors 3-4.5 whole, its entries
-    above the diagonal overflowing to inf, 45-60 in 2-row blocks), every case is exact.
-    (Mild columns keep dγ well conditioned: where every column decays by > 10 a token dγ ~ e^-11
-    is a difference of O(1) terms, and fp32 rounding is all of it: 2.6e-3 relative for the XLA
-    reference itself against float64 at 11-19 a token.)"""
+    did not run in the forward or the pullback, not exact that it did (levels h >= s run);
+    unpoisoned: ``test_vector_decay_paths_exact_unpoisoned``. (Mild columns keep dγ well
+    conditioned: where every column decays by > 10 a token dγ ~ e^-11 is a difference of O(1)
+    terms, and fp32 rounding is all of it: 2.6e-3 relative for the XLA reference itself against
+    float64 at 11-19 a token.)"""
     decays = MILD + [strong]
     from pallas_kernels import wy_vector_triton as wv
     real = wv._level
@@ -264,11 +286,6 @@ def test_vector_decay_paths(rand, monkeypatch, strong, block_k, poisoned, exact)
                                                              decays, bound=40.0)
     errs = [rel_err(a, b) for a, b in zip([*got_wy, *got_grads], [*want_wy, *want_grads])]
     assert max(errs) <= 2e-6 if exact else max(errs) > 1e-2
-    monkeypatch.setattr(wv, "_level", real)
-    (got_wy, got_grads), (want_wy, want_grads) = vector_case(rand, 32, 32, jnp.float32, block_k,
-                                                             decays)
-    check(got_wy, want_wy, 2e-6, WY)
-    check(got_grads, want_grads, 2e-6, GRADS_SUMS)
 
 
 @pytest.mark.parametrize("strong, bound, forward_exact, pullback_exact", [
