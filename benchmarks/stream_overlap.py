@@ -6,7 +6,7 @@
 One program: phase 1 (``osgm_precondition(impl="pallas")``; ``--part backward``, the default:
 its forward and its gradients of k and β for a fixed cotangent; ``forward``: k̃ alone) and,
 independent of it, two chains of ``--matmuls`` bf16 matmuls [B T, width] x [width, width], the
-work a training step could run while phase 1's 64 CTAs leave half of the GPU idle. Three ways:
+work a training step could run while phase 1's 64 CTAs leave half of the GPU idle. Four ways:
 
 - ``serial``: everything on the main stream;
 - ``stream``: phase 1's kernels on XLA GPU stream 1 (``Options.stream``, ``compute_on``);
@@ -16,7 +16,11 @@ work a training step could run while phase 1's 64 CTAs leave half of the GPU idl
   group the training step's stream-1 calls had nothing between their start and done. XLA's
   GPU legalizer keeps the group only on async ops and gemms, and refuses a group whose members
   are joined through ops outside it: so one async pair a group (a custom_vjp's backward
-  inherits its forward's metadata: ``program``) and chains of bare gemms.
+  inherits its forward's metadata: ``program``) and chains of bare gemms;
+- ``tupled``: ``grouped`` with the stream call returning one tuple (``tupled``). Run 216:
+  XLA gives each used result of a multi-result stream call its own async pair (a
+  get-tuple-element on the stream), and ``grouped``'s gemms sat beside one of those, not
+  beside the kernel's pair.
 
 jax 0.11.2 cannot put a group on the stream call itself: ``compute_on``'s lowering sets the
 call's frontend attributes and wraps its results in ``annotate_device_placement`` custom calls,
@@ -27,7 +31,7 @@ outside the group. Nothing in the library changes unless the experiment shows th
 
 Prints each way's time (median of ``--reps`` calls), phase 1 alone and the chains alone, and
 per way the asynchronous pairs of the compiled program with what runs while they are in flight
-(``hlo_async``). Overlap shows as ``grouped`` (or ``stream``) below ``serial``; the bound is
+(``hlo_async``). Overlap shows as a way below ``serial``; the bound is
 the phase's time x the share of SMs it leaves free. On a CPU the stream annotation is ignored
 and the kernels run in interpret mode: a smoke test of the script only (``--shape 1 128 2 128``).
 """
@@ -84,9 +88,10 @@ def group_stream_calls():
 def tupled(ctx, args, group, *, jaxpr, compute_type, out_memory_spaces, compiler_options_json):
     """``compute_on``'s stream call in ``group`` as a call of a wrapper function returning its
     results as one tuple, taken apart by ``get_tuple_element``s outside the call (results in
-    device memory, no constants: as the phase's kernels have). Run 216: XLA gives each result of a stream call returning several
-    its own asynchronous call (a get-tuple-element on the stream, after the kernel's call-done),
-    and a group's members landed beside one of those, not beside the kernel."""
+    device memory, no constants: as the phase's kernels have). Run 216: XLA gives each used
+    result of a stream call returning several its own asynchronous call (a get-tuple-element
+    on the stream, after the kernel's call-done), and a group's members landed beside one of
+    those, not beside the kernel."""
     ir, hlo = mlir.ir, mlir.hlo
     assert compute_type.startswith("gpu_stream:") and compiler_options_json is None, compute_type
     assert not core.jaxpr_const_args(jaxpr), "constants"

@@ -1,6 +1,7 @@
-"""benchmarks/stream_overlap.py's ``grouped`` way: its patched lowering puts the scheduling group
-on the stream calls themselves (``compute_on``'s call ops), lowered for CUDA; the ``stream``
-way's calls stay without one. The patch is undone after each test."""
+"""benchmarks/stream_overlap.py's ``grouped`` and ``tupled`` ways: its patched lowering puts the
+scheduling group on the stream calls themselves (``compute_on``'s call ops; ``tupled``: one
+tuple-valued call), lowered for CUDA; the ``stream`` way's calls stay without one. The patch
+is undone after each test."""
 
 import re
 
