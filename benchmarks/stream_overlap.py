@@ -155,8 +155,9 @@ def public_phase(k, beta):
 
 def program(way, matmuls, part="backward", parts=("phase", "chains"), phase=public_phase):
     """(inputs) -> outputs: phase 1 (``part`` "forward": its k̃; "backward": also its gradients
-    of k and β) and / or the two chains. ``grouped``: one scheduling group holds the chains and
-    the ``part``'s stream call, so one async pair a group: for "forward" the group is around the
+    of k and β) and / or the two chains. ``grouped`` / ``tupled``: one scheduling group holds
+    the chains and the ``part``'s stream call, so one async pair a group (``tupled``: the call
+    returning one tuple): for "forward" the group is around the
     forward's trace (a custom_vjp's backward inherits its forward's metadata, hence no backward
     then); for "backward" around the pullback alone, the forward outside any group."""
 

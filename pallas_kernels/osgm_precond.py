@@ -90,9 +90,8 @@ class Options:
     on the H100 and were removed: NOTES, sessions 37-39.) ``stream``: the Mosaic kernels on
     that XLA GPU stream (``rows_mosaic.on_stream``: asynchronous beside the main stream, e.g.
     the backward's reverse scan beside a training step's weight gradients); None (the
-    default): on the main stream (runs 179 and 210: no faster in a training step, where XLA
-    scheduled nothing beside the calls; ``benchmarks/stream_overlap.py`` tries scheduling
-    groups)."""
+    default): on the main stream (runs 179, 210 and 216: no faster, XLA scheduled nothing
+    beside the kernels; ``rows_mosaic.on_stream``)."""
 
     prefetch: int = 2
     num_warps: int = 1

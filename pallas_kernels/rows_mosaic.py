@@ -96,8 +96,9 @@ def on_stream(fn, stream):
     stream, so that work not waiting on its results can fill the SMs its CTAs leave idle (the
     per-coordinate kernels run one latency-bound CTA a (row, head): 64 of the H200's 132 SMs
     at 8 x 8 heads). Values are the same either way; on a CPU the annotation is ignored.
-    XLA has so far scheduled nothing between such a call's start and done (RESULTS run 210:
-    it wants the call and the work beside it in one scheduling group, NOTES session 47)."""
+    XLA has so far scheduled nothing beside such a call's kernel (RESULTS runs 210, 216: it
+    gives each result of the call its own async get-tuple-element pair, and puts other work
+    beside those; ``benchmarks/stream_overlap.py`` tries one tuple-valued call)."""
     if stream is None:
         return fn
     check_stream(stream, "stream")

@@ -32,39 +32,38 @@ def kernels(k, beta):
     return osgm_pallas(k, beta, None, 0.003, 0.5, 2.0, True, 1e-6, None, None, 64, None, False)[0]
 
 
-def stream_calls(way, part):
-    """The frontend attributes of each stream call of ``way``'s program lowered for CUDA."""
+def lowered(way, part):
+    """``way``'s program (``part``) lowered for CUDA, as text."""
     x = stream_overlap.make_inputs(jax.random.key(0), 1, 128, 2, 128, 64)
     args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), x)
     with default_options(Options(stream=1)):
-        text = _lowered_for_cuda(stream_overlap.program(way, 1, part, phase=kernels), (args,))
+        return _lowered_for_cuda(stream_overlap.program(way, 1, part, phase=kernels), (args,))
+
+
+def stream_calls(text):
+    """The frontend attributes of each ``compute_on`` call in a lowering's ``text``."""
     return CALL.findall(text)
 
 
 def test_grouped_calls_carry_the_group_and_plain_stream_calls_do_not():
     """``backward``: the backward's call in the group, the forward's outside it; ``forward``:
     the forward's call in it; ``stream``: no group anywhere."""
-    forward, backward = stream_calls("grouped", "backward")
+    forward, backward = stream_calls(lowered("grouped", "backward"))
     assert GROUP in backward and STREAM in backward
     assert "_scheduling_group_id" not in forward and STREAM in forward
-    assert [GROUP in c for c in stream_calls("grouped", "forward")] == [True]
-    plain = stream_calls("stream", "backward")
+    assert [GROUP in c for c in stream_calls(lowered("grouped", "forward"))] == [True]
+    plain = stream_calls(lowered("stream", "backward"))
     assert len(plain) == 2 and not any("_scheduling_group_id" in c for c in plain), plain
-
 
 
 def test_tupled_calls_return_one_tuple_and_keep_their_attributes():
     """``tupled``: the grouped stream call is a call of a wrapper returning one tuple (its
     results taken apart outside the call, without stream attributes); the forward's call,
     outside the group, keeps its several results."""
-    x = stream_overlap.make_inputs(jax.random.key(0), 1, 128, 2, 128, 64)
-    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), x)
-    with default_options(Options(stream=1)):
-        text = _lowered_for_cuda(stream_overlap.program("tupled", 1, "backward", phase=kernels),
-                                 (args,))
+    text = lowered("tupled", "backward")
     wrapped = re.findall(r"= call @(stream_tuple\w*)\(.*?\) \{mhlo\.frontend_attributes = "
                          r"\{([^}]*)\}\} : \(.*?\) -> tuple<", text)
     assert len(wrapped) == 1 and GROUP in wrapped[0][1] and STREAM in wrapped[0][1], wrapped
     body = re.search(rf"func\.func private @{wrapped[0][0]}\(.*?\n  \}}", text, re.S).group(0)
     assert re.search(r"call @compute_on\w*\(", body) and "stablehlo.tuple" in body
-    assert "get_tuple_element" in text and len(stream_calls("tupled", "backward")) == 1
+    assert "get_tuple_element" in text and len(stream_calls(text)) == 1
