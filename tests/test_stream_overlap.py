@@ -14,6 +14,7 @@ from benchmarks import stream_overlap
 from conftest import _lowered_for_cuda
 from pallas_kernels.osgm_precond import Options, default_options, osgm_pallas
 
+# the frontend attributes of each compute_on call in a lowering's text (CALL.findall)
 CALL = re.compile(r"call @compute_on\w*\(.*?\{mhlo\.frontend_attributes = \{([^}]*)\}")
 GROUP = '_scheduling_group_id = "1"'
 STREAM = '_xla_stream_annotation = "1"'
@@ -40,19 +41,14 @@ def lowered(way, part):
         return _lowered_for_cuda(stream_overlap.program(way, 1, part, phase=kernels), (args,))
 
 
-def stream_calls(text):
-    """The frontend attributes of each ``compute_on`` call in a lowering's ``text``."""
-    return CALL.findall(text)
-
-
 def test_grouped_calls_carry_the_group_and_plain_stream_calls_do_not():
     """``backward``: the backward's call in the group, the forward's outside it; ``forward``:
     the forward's call in it; ``stream``: no group anywhere."""
-    forward, backward = stream_calls(lowered("grouped", "backward"))
+    forward, backward = CALL.findall(lowered("grouped", "backward"))
     assert GROUP in backward and STREAM in backward
     assert "_scheduling_group_id" not in forward and STREAM in forward
-    assert [GROUP in c for c in stream_calls(lowered("grouped", "forward"))] == [True]
-    plain = stream_calls(lowered("stream", "backward"))
+    assert [GROUP in c for c in CALL.findall(lowered("grouped", "forward"))] == [True]
+    plain = CALL.findall(lowered("stream", "backward"))
     assert len(plain) == 2 and not any("_scheduling_group_id" in c for c in plain), plain
 
 
@@ -66,4 +62,4 @@ def test_tupled_calls_return_one_tuple_and_keep_their_attributes():
     assert len(wrapped) == 1 and GROUP in wrapped[0][1] and STREAM in wrapped[0][1], wrapped
     body = re.search(rf"func\.func private @{wrapped[0][0]}\(.*?\n  \}}", text, re.S).group(0)
     assert re.search(r"call @compute_on\w*\(", body) and "stablehlo.tuple" in body
-    assert "get_tuple_element" in text and len(stream_calls(text)) == 1
+    assert "get_tuple_element" in text and len(CALL.findall(text)) == 1
